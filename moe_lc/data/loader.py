@@ -1,0 +1,300 @@
+"""Datasets whose sample i is a pure function of (seed, i), and the per-step loader over them.
+
+Because global sample i never depends on which rank asks, how many ranks there are, or what was read
+before, a loader's whole state is one integer, `samples_consumed`: resuming is exact, and a run can
+resume on a different data-parallel size (or global batch) and continue at the same global sample.
+
+Every dataset's `__getitem__(i)` returns
+    {"tokens": LongTensor (S+1,), "loss_mask": FloatTensor (S,) or None}
+where tokens[:-1] are the inputs, tokens[1:] the labels, and loss_mask[t] weights the loss of predicting
+tokens[t+1] (None = all ones). Datasets are endless: i may be any non-negative integer.
+
+Random streams are separated by a tag in the numpy SeedSequence key, so that a dataset inside a
+Mixture never reuses the numbers the Mixture used to pick it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from moe_lc.data.corpus import stdlib_token_stream
+from moe_lc.data.synthetic import TASKS, make_task
+from moe_lc.data.token_file import check_vocab, open_token_file
+
+_SYNTHETIC_STREAM = 0x73796E74  # "synt"
+_MIXTURE_STREAM = 0x6D697874  # "mixt"
+_SPLIT_IDS = {"train": 0, "val": 1}
+
+
+def _check_index(i: int) -> int:
+    if not isinstance(i, (int, np.integer)) or i < 0:
+        raise IndexError(f"sample index must be a non-negative integer, got {i!r}")
+    return int(i)
+
+
+class TokenWindows:
+    """Non-overlapping windows of a token stream, in a fresh random order every epoch.
+
+    Window w is tokens[w*S : w*S + S + 1] (S = seq_len; consecutive windows share one boundary token so
+    that every token is a label exactly once). Sample i is window perm_e[i % n_windows] with epoch
+    e = i // n_windows and perm_e = default_rng([seed, e]).permutation(n_windows).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"data too short: {len(tokens)} tokens for seq_len {seq_len} (needs {seq_len + 1})")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.n_windows = (len(tokens) - 1) // seq_len
+        self._perms: dict[int, np.ndarray] = {}  # epoch -> permutation; a cache, at most two epochs
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def window_index(self, i: int) -> int:
+        """Which window global sample i reads."""
+        i = _check_index(i)
+        return int(self._permutation(i // self.n_windows)[i % self.n_windows])
+
+    def __getitem__(self, i: int) -> dict:
+        start = self.window_index(i) * self.seq_len
+        window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        return {"tokens": torch.from_numpy(window), "loss_mask": None}
+
+
+class SyntheticTasks:
+    """Synthetic long-context task samples of exactly S+1 tokens (left-padded with PAD if shorter).
+
+    Sample i: rng = default_rng([seed, tag, split, i]); kind = kinds[rng.integers(len(kinds))]; then
+    make_task(kind, rng, S + 1, tokenizer, **task_params.get(kind, {})). The loss mask is 0 where the label
+    is padding or follows only padding; with answer_only_loss=True it is 1 only on the answer tokens.
+    """
+
+    def __init__(
+        self,
+        kinds: Sequence[str],
+        seq_len: int,
+        seed: int,
+        tokenizer,
+        *,
+        split: str = "train",
+        answer_only_loss: bool = False,
+        task_params: dict[str, dict] | None = None,
+    ):
+        if not kinds:
+            raise ValueError(f"SyntheticTasks needs at least one task kind; known: {', '.join(TASKS)}")
+        unknown = [k for k in kinds if k not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown synthetic task(s) {unknown}; known tasks: {', '.join(TASKS)}")
+        if split not in _SPLIT_IDS:
+            raise ValueError(f"split={split!r} must be one of {tuple(_SPLIT_IDS)}")
+        self.kinds = list(kinds)
+        self.seq_len = seq_len
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.split = split
+        self.answer_only_loss = answer_only_loss
+        self.task_params = dict(task_params or {})
+        for kind in self.kinds:  # fail now, not at step 10k, if a task cannot fit in seq_len + 1 tokens
+            make_task(kind, np.random.default_rng(0), seq_len + 1, tokenizer, **self.task_params.get(kind, {}))
+
+    def sample(self, i: int):
+        """The `synthetic.Sample` behind global sample i (answer span, parameters), unpadded."""
+        rng = np.random.default_rng([self.seed, _SYNTHETIC_STREAM, _SPLIT_IDS[self.split], _check_index(i)])
+        kind = self.kinds[int(rng.integers(len(self.kinds)))]
+        return make_task(kind, rng, self.seq_len + 1, self.tokenizer, **self.task_params.get(kind, {}))
+
+    def __getitem__(self, i: int) -> dict:
+        sample = self.sample(i)
+        n_pad = self.seq_len + 1 - len(sample.tokens)
+        tokens = np.concatenate([np.full(n_pad, self.tokenizer.pad_id, dtype=np.int64), sample.tokens])
+        label_pos = np.arange(1, self.seq_len + 1)  # loss_mask[t] is for label tokens[t + 1]
+        if self.answer_only_loss:
+            keep = (label_pos >= n_pad + sample.answer_start) & (label_pos < n_pad + sample.answer_end)
+        else:
+            keep = label_pos > n_pad  # the first real token has only padding before it: no loss either
+        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(keep.astype(np.float32))}
+
+
+class Mixture:
+    """Sample i comes from source j ~ weights, drawn with default_rng([seed, tag, i]).
+
+    The chosen source is asked for *its* sample i (the global index), which keeps every source a pure
+    function of i. Consequence: with a TokenWindows source of weight w, each of its epochs (n_windows
+    global samples) shows a random fraction ~w of its windows, none twice.
+    """
+
+    def __init__(self, sources: Sequence, weights: Sequence[float], seed: int):
+        if len(sources) == 0 or len(sources) != len(weights):
+            raise ValueError(f"Mixture needs one weight per source: {len(sources)} sources, {len(weights)} weights")
+        w = np.asarray(weights, dtype=np.float64)
+        if (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"Mixture weights must be >= 0 with a positive sum, got {list(weights)}")
+        seq_lens = {getattr(s, "seq_len", None) for s in sources} - {None}
+        if len(seq_lens) > 1:
+            raise ValueError(f"Mixture sources have different seq_len: {sorted(seq_lens)}")
+        self.sources = list(sources)
+        self.weights = w / w.sum()
+        self.seq_len = seq_lens.pop() if seq_lens else None
+        self.seed = seed
+        self._cumulative = np.cumsum(self.weights)
+
+    def source_index(self, i: int) -> int:
+        """Which source global sample i is drawn from."""
+        u = np.random.default_rng([self.seed, _MIXTURE_STREAM, _check_index(i)]).random()
+        return int(min(np.searchsorted(self._cumulative, u, side="right"), len(self.sources) - 1))
+
+    def __getitem__(self, i: int) -> dict:
+        return self.sources[self.source_index(i)][i]
+
+
+def collate(samples: Sequence[dict]) -> dict:
+    """Stack samples: tokens (B, S+1) int64; loss_mask (B, S) float32, or None if no sample has one
+    (a sample without a mask, in a batch where others have one, gets ones)."""
+    tokens = torch.stack([s["tokens"] for s in samples])
+    if all(s["loss_mask"] is None for s in samples):
+        return {"tokens": tokens, "loss_mask": None}
+    ones = torch.ones(tokens.shape[1] - 1, dtype=torch.float32)
+    masks = [ones if s["loss_mask"] is None else s["loss_mask"] for s in samples]
+    return {"tokens": tokens, "loss_mask": torch.stack(masks)}
+
+
+class StepLoader:
+    """Feeds one data-parallel rank: each optimizer step consumes global_batch consecutive global indices.
+
+    Step at `samples_consumed` = s covers [s, s + G); rank r takes [s + r*G/dp, s + (r+1)*G/dp) and cuts
+    it into G / (dp * micro_batch) micro-batches in order. The union over ranks is the dp=1 batch.
+    """
+
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1):
+        for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("dp_size", dp_size)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(
+                f"global_batch={global_batch} must be divisible by micro_batch={micro_batch} x "
+                f"dp_size={dp_size} = {micro_batch * dp_size}"
+            )
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.n_micro_batches = global_batch // (micro_batch * dp_size)
+        self.samples_consumed = 0
+
+    def step_indices(self) -> list[list[int]]:
+        """Global sample indices of this rank's micro-batches for the next step (consumes nothing)."""
+        per_rank = self.global_batch // self.dp_size
+        first = self.samples_consumed + self.dp_rank * per_rank
+        return [
+            list(range(first + m * self.micro_batch, first + (m + 1) * self.micro_batch))
+            for m in range(self.n_micro_batches)
+        ]
+
+    def next_step(self) -> list[dict]:
+        """This rank's micro-batches for one optimizer step:
+        [{"tokens": (mb, S+1) int64, "loss_mask": (mb, S) float32 or None}, ...]."""
+        batches = [collate([self.dataset[i] for i in indices]) for indices in self.step_indices()]
+        self.samples_consumed += self.global_batch
+        return batches
+
+    def state_dict(self) -> dict:
+        """All that is needed to resume (global_batch is informational: resuming with another is allowed)."""
+        return {"samples_consumed": self.samples_consumed, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        consumed = state["samples_consumed"]
+        if not isinstance(consumed, (int, np.integer)) or consumed < 0:
+            raise ValueError(f"samples_consumed={consumed!r} must be a non-negative integer")
+        self.samples_consumed = int(consumed)
+
+
+DATA_SOURCES = ("stdlib", "tokens", "synthetic", "stdlib+synthetic", "tokens+synthetic")
+
+
+def build_dataset(
+    source: str,
+    *,
+    split: str,
+    seq_len: int,
+    seed: int,
+    tokenizer,
+    path: str | Path | None = None,
+    synthetic_kinds: Sequence[str] | None = None,
+    synthetic_weight: float = 0.0,
+    val_fraction: float = 0.02,
+):
+    """Dataset for a recipe's `[data] source`.
+
+    source:
+      "stdlib"            the interpreter's standard library sources (val_fraction of files in 'val')
+      "tokens"            token file `{path}.{split}` (built by tools/prepare_data.py --out path)
+      "synthetic"         synthetic long-context tasks `synthetic_kinds` (default: all) only
+      "stdlib+synthetic"  Mixture: synthetic with probability synthetic_weight (0 < w < 1), else stdlib
+      "tokens+synthetic"  the same over a token file
+    """
+    if source not in DATA_SOURCES:
+        raise ValueError(f"data source {source!r} is not one of {', '.join(DATA_SOURCES)}")
+    base, _, extra = source.partition("+")
+    if extra and not 0.0 < synthetic_weight < 1.0:
+        raise ValueError(f"source {source!r} needs 0 < synthetic_weight < 1, got {synthetic_weight}")
+    if not extra and base != "synthetic" and synthetic_weight != 0.0:
+        raise ValueError(
+            f"synthetic_weight={synthetic_weight} has no effect with source {source!r}; "
+            f"use source '{base}+synthetic' to mix in synthetic tasks"
+        )
+    kinds = list(synthetic_kinds) if synthetic_kinds else list(TASKS)
+
+    def synthetic() -> SyntheticTasks:
+        return SyntheticTasks(kinds, seq_len, seed, tokenizer, split=split)
+
+    if base == "synthetic":
+        return synthetic()
+    if base == "stdlib":
+        windows = TokenWindows(stdlib_token_stream(split, tokenizer, val_fraction), seq_len, seed)
+    else:
+        windows = TokenWindows(_open_split_tokens(path, split, tokenizer), seq_len, seed)
+    if not extra:
+        return windows
+    return Mixture([windows, synthetic()], [1.0 - synthetic_weight, synthetic_weight], seed)
+
+
+def _open_split_tokens(path: str | Path | None, split: str, tokenizer) -> np.ndarray:
+    """Open `{path}.{split}` and check it was tokenized by `tokenizer`."""
+    if path is None:
+        raise ValueError("data source 'tokens' needs a path prefix (the --out of tools/prepare_data.py)")
+    tokens, meta = open_token_file(f"{path}.{split}")
+    if meta["tokenizer"] != tokenizer.name:
+        raise ValueError(
+            f"token file {path}.{split} was built with tokenizer {meta['tokenizer']!r}, "
+            f"but this run uses {tokenizer.name!r}"
+        )
+    check_vocab(meta, tokenizer.vocab_size)
+    return tokens
+
+
+def dataset_from_config(data_cfg, *, split: str, seq_len: int, seed: int, tokenizer):
+    """The dataset a recipe's [data] section describes (`moe_lc.config.DataConfig`): `source` plus
+    `synthetic_weight` > 0 means a mixture with the synthetic tasks."""
+    source, weight = data_cfg.source, data_cfg.synthetic_weight
+    if source == "synthetic":
+        weight = 1.0
+    elif weight > 0:
+        source = f"{source}+synthetic"
+    return build_dataset(source, split=split, seq_len=seq_len, seed=seed, tokenizer=tokenizer,
+                         path=data_cfg.path or None, synthetic_kinds=data_cfg.synthetic_tasks,
+                         synthetic_weight=weight, val_fraction=data_cfg.val_fraction)

@@ -1,0 +1,107 @@
+"""Run metrics: metrics.jsonl (every step), TensorBoard scalars, a console progress line, MFU.
+
+Only the logging rank (global rank 0) writes; the others keep a no-op logger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak TFLOP/s per GPU by name fragment and compute precision (NVIDIA datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "H100": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
+    "H200": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
+    "H800": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
+    "H20": {"bf16": 148.0, "fp8": 296.0, "fp32": 74.0},
+    "A100": {"bf16": 312.0, "fp8": 312.0, "fp32": 156.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp32": 1100.0},
+}
+
+
+def peak_flops(device: torch.device, recipe: str, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device for MFU; None when unknown (CPU without an override)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():
+        if key in name:
+            return table["fp32" if recipe == "fp32" else recipe] * 1e12
+    return None
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to <dir>/metrics.jsonl and the same scalars to <dir>/tb/."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, log_interval: int,
+                 resume: bool = False):
+        self.enabled, self.total_steps, self.log_interval = enabled, total_steps, log_interval
+        self.writer = self.file = None
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out / "tb"))
+        self.file = open(out / "metrics.jsonl", "a" if resume else "w")
+
+    def log(self, step: int, metrics: dict) -> None:
+        """`step` is 1-based (the number of optimizer steps done)."""
+        if not self.enabled:
+            return
+        if self.first_step is None:
+            self.first_step, self.start = step - 1, time.perf_counter() - metrics.get("step_time", 0.0)
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        if step % self.log_interval == 0 or step == self.total_steps or step == 1:
+            self._print(step, record)
+
+    def _print(self, step: int, r: dict) -> None:
+        done = step - (self.first_step or 0)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                 f"gnorm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s"]
+        if r.get("mfu") is not None:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        if r.get("moe/imbalance_max") is not None:
+            parts.append(f"moe max/mean {r['moe/imbalance_max']:.2f}")
+        parts += [f"{r['step_time']:.2f} s/step", f"eta {_fmt_duration(eta)}"]
+        print(" | ".join(parts), file=sys.stdout, flush=True)
+
+    def event(self, text: str) -> None:
+        """A one-off line (checkpoint saved, resumed, skipped step) on the console."""
+        if self.enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.file.close()
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v

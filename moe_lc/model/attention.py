@@ -1,0 +1,58 @@
+"""Grouped-query self-attention over the attention-backend interface.
+
+Legend: B batch, S sequence (local: the full sequence on one device, a zig-zag shard under CP),
+H query heads, K key/value heads (H % K == 0), Dh head dim, D model dim. Under TP the heads of this
+module are the local ones (set by `moe_lc.parallel.tensor`), and the core is swapped for ring
+attention under CP (`moe_lc.parallel.context`); this file stays single-device code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.ops.attention import attention, get_backend
+from moe_lc.ops.linear import Linear
+
+
+class LocalAttention(nn.Module):
+    """Causal attention on one device: (q (B,S,H,Dqk), k, v (B,S,K,Dv)) -> (B,S,H,Dv)."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend_name = backend
+        self._backend = None
+
+    def forward(self, q, k, v, scale: float) -> torch.Tensor:
+        if self._backend is None:  # resolved on first use: the device is known then
+            self._backend = get_backend(self.backend_name, q.device)
+        return attention(q, k, v, causal=True, scale=scale, backend=self._backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend_name}"
+
+
+class Attention(nn.Module):
+    """x (B, S, D) -> (B, S, D).  wqkv: (H*Dh + 2*K*Dh, D) fused q|k|v projection; wo: (D, H*Dh)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim)
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim)
+        mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) if cfg.rope_scaling == "yarn" else 1.0
+        self.softmax_scale = self.head_dim ** -0.5 * mscale * mscale
+        self.core = LocalAttention(cfg.attn_backend)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
+        B, S, _ = qkv.shape
+        dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([dq, dkv, dkv], dim=-1)
+        q = apply_rope(q.view(B, S, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        out_BSHD = self.core(q, k, v, self.softmax_scale)
+        return self.wo(out_BSHD.reshape(B, S, dq))

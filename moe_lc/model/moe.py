@@ -1,0 +1,176 @@
+"""DeepSeek-style MoE FFN: shared experts + fine-grained routed experts, group-limited routing,
+aux-loss-free balancing, optional sequence-wise aux loss. No token dropping.
+
+Legend: T tokens (B*S flattened), D model dim, E routed experts, G expert groups, K experts per token,
+F expert hidden dim. Tokens reach experts through a `TokenDispatcher`: `LocalDispatcher` here (all
+experts on this device); expert parallelism swaps in an all-to-all dispatcher from outside
+(`moe_lc.parallel.expert`) without touching this file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.ffn import SwiGLU, swiglu
+from moe_lc.ops.linear import GroupedLinear, Linear
+
+
+def route(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int) -> torch.Tensor:
+    """Group-limited top-k selection on bias-adjusted affinities -> expert ids (T, K) int64.
+
+    Experts are split into `n_groups` contiguous groups (one per node under EP). A group's score is
+    the sum of its top-2 adjusted affinities; each token keeps its `topk_groups` best groups and picks
+    its top-k experts inside them. The bias steers selection only (gate weights never see it).
+    """
+    sel_TE = scores_TE + bias_E
+    if n_groups > 1 and topk_groups < n_groups:
+        T, E = sel_TE.shape
+        grouped = sel_TE.view(T, n_groups, E // n_groups)
+        group_score_TG = grouped.topk(2, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_score_TG.topk(topk_groups, dim=-1).indices, True)
+        sel_TE = sel_TE.masked_fill(~keep_TG.repeat_interleave(E // n_groups, dim=1), float("-inf"))
+    return sel_TE.topk(topk, dim=-1).indices
+
+
+class Router(nn.Module):
+    """Affinities, selection and gate weights.  gate: (E, D), computed in fp32 (never FP8).
+
+    Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
+    `expert_load` (E,) fp32, tokens routed to each expert since the last bias update.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.topk = cfg.n_routed_experts, cfg.topk
+        self.n_groups, self.topk_groups = cfg.n_groups, cfg.topk_groups
+        self.score_func, self.scaling = cfg.score_func, cfg.routed_scaling_factor
+        self.bias_update_speed = cfg.bias_update_speed
+        self.gate = Linear(cfg.dim, cfg.n_routed_experts)
+        self.gate.fp8_eligible = False
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=False)
+        self.count_loads = True  # switched off while a recomputed forward replays this router
+
+    def forward(self, x_TD: torch.Tensor):
+        """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
+        logits_TE = self.gate(x_TD.float())
+        scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
+        idx_TK = route(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk)
+        weights_TK = scores_TE.gather(1, idx_TK)
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True) * self.scaling
+        if self.training and self.count_loads:
+            with torch.no_grad():
+                self.expert_load += torch.bincount(idx_TK.flatten(), minlength=self.n_experts).float()
+        return idx_TK, weights_TK, scores_TE
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """bias_e += speed * sign(mean load - load_e); then reset the load counter.
+
+        `load_E` is the load summed over every replica of this router and every micro-batch of the
+        step (the caller all-reduces it under data/context/tensor parallelism); default: local load.
+        """
+        load_E = self.expert_load if load_E is None else load_E
+        if self.bias_update_speed > 0 and load_E.sum() > 0:
+            self.expert_bias += self.bias_update_speed * torch.sign(load_E.mean() - load_E)
+        self.expert_load.zero_()
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
+        self.w2 = GroupedLinear(n_experts, hidden, dim)
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x: (T, D) rows sorted by local expert; counts: (E_local,) -> (T, D)."""
+        return self.w2(swiglu(self.w13(x_TD, counts_E)), counts_E)
+
+
+class TokenDispatcher:
+    """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical."""
+
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
+        """-> (x_sorted (T', D) grouped by local expert, counts (E_local,), handle for combine)."""
+        raise NotImplementedError
+
+    def combine(self, y_sorted: torch.Tensor, weights_TK: torch.Tensor, handle) -> torch.Tensor:
+        """Expert outputs back in token order, summed over each token's K experts by gate weight -> (T, D)."""
+        raise NotImplementedError
+
+
+class LocalDispatcher(TokenDispatcher):
+    """All experts on this device: a stable sort by expert id, and its inverse."""
+
+    def dispatch(self, x_TD, idx_TK, n_experts):
+        T, K = idx_TK.shape
+        flat = idx_TK.flatten()
+        order = flat.argsort(stable=True)  # position in sorted order -> flat (token, slot) index
+        counts = torch.bincount(flat, minlength=n_experts)
+        return x_TD[order // K], counts, (order, T, K)
+
+    def combine(self, y_sorted, weights_TK, handle):
+        order, T, K = handle
+        y_TKD = y_sorted[order.argsort()].view(T, K, -1)
+        # a weighted sum over K in token order (deterministic, unlike a scatter-add)
+        return (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out` whose backward also sends d(aux)/d(aux) = scale into the aux-loss graph,
+    so the balance loss trains without being threaded to the loss (and works per pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, grad_out.new_full((), ctx.scale, dtype=torch.float32), None
+
+
+def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss, mean over sequences: sum_e f_e * P_e where
+    f_e = E/(K*S) * (tokens of the sequence routed to e), P_e = mean over tokens of normalized affinity."""
+    B, S, K = idx_BSK.shape
+    p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True)).mean(1)
+    counts_BE = torch.zeros(B, n_experts, device=idx_BSK.device).scatter_add_(
+        1, idx_BSK.reshape(B, S * K), torch.ones(B, S * K, device=idx_BSK.device))
+    f_BE = counts_BE * n_experts / (K * S)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """x (B, S, D) -> shared(x) + sum_k gate_k * expert_k(x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.router = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_ffn_dim)
+        self.shared = SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim) if cfg.n_shared_experts else None
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
+        self.aux_loss_weight = cfg.aux_loss_weight
+        self.aux_loss_scale = 1.0  # share of this micro-batch in the step's loss (set by the trainer)
+        self.last_aux_loss: torch.Tensor | None = None  # detached, for metrics
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        idx_TK, weights_TK, scores_TE = self.router(x_TD)
+        x_sorted, counts, handle = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
+        y_sorted = self.experts(x_sorted, counts)
+        y_BSD = self.dispatcher.combine(y_sorted, weights_TK, handle).view(B, S, D)
+        if self.shared is not None:
+            y_BSD = y_BSD + self.shared(x_BSD)
+        if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
+            aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1), self.n_experts)
+            self.last_aux_loss = aux.detach()
+            y_BSD = _AttachAuxLoss.apply(y_BSD, aux, self.aux_loss_scale)
+        return y_BSD

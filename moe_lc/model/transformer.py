@@ -1,0 +1,128 @@
+"""Decoder-only DeepSeek-style transformer: plain single-device PyTorch.
+
+Legend: B batch, S sequence, D model dim, V vocabulary. Blocks live in a ModuleDict keyed by their
+global index, so a pipeline stage that keeps a subset of them keeps the same parameter names (and
+checkpoints stay layout-independent). A stage without `embed` takes hidden states; a stage without
+`head` returns hidden states. Parallelism is applied from outside (`moe_lc.parallel.parallelize`).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.attention import Attention
+from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.moe import MoE
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.rope import RotaryEmbedding
+from moe_lc.ops.linear import GroupedLinear, Linear
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is dense SwiGLU or MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        is_moe = cfg.n_routed_experts > 0 and layer_id >= cfg.n_dense_layers
+        self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+class CrossEntropySum(nn.Module):
+    """Sum over valid positions of -log p(label), in fp32.  logits (B, S, V); labels (B, S) int64;
+    loss_mask (B, S) or None. Summed (not averaged) so the trainer can divide by the step's token
+    count, which keeps the loss identical under any split of the batch."""
+
+    def forward(self, logits_BSV, labels_BS, loss_mask_BS=None):
+        ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="none")
+        if loss_mask_BS is not None:
+            ce = ce * loss_mask_BS.flatten().to(ce.dtype)
+        return ce.sum()
+
+
+class Transformer(nn.Module):
+    """tokens (B, S) -> loss sum (with labels) or logits (B, S, V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size)
+        self.head.fp8_eligible = False  # DeepSeek keeps the output head in bf16
+        self.loss_fn = CrossEntropySum()
+        self.rope = RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
+                                    cfg.rope_original_seq_len, cfg.rope_beta_fast, cfg.rope_beta_slow)
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
+        positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
+        shards under CP pass theirs). Returns hidden (B, S', D) without `head`, else logits
+        (B, S, V) when labels is None, else the fp32 loss summed over valid tokens."""
+        h = self.embed(inputs) if self.embed is not None else inputs
+        if positions is None:
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+        cos, sin = self.rope(positions)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.head is None:
+            return h
+        logits = self.head(self.norm(h))
+        return logits if labels is None else self.loss_fn(logits, labels, loss_mask)
+
+    def moe_layers(self) -> dict[str, MoE]:
+        return {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Each parameter's init stream depends only on (seed, its name): layout-independent init."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float, n_layers: int) -> None:
+    """Normal(0, std) for embeddings and linears (output projections wo / w2 scaled by 1/sqrt(2L),
+    GPT-2 style), ones for norms, zeros for biases. Values are drawn on CPU in fp32 from a generator
+    seeded by (seed, parameter name), so they are the same on any device, dtype and layout."""
+    out_std = std / (2 * n_layers) ** 0.5
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if isinstance(module, RMSNorm):
+                param.fill_(1.0)
+            elif p_name == "bias":
+                param.zero_()
+            else:
+                is_out = isinstance(module, (Linear, GroupedLinear)) and mod_name.rsplit(".", 1)[-1] in ("wo", "w2")
+                g = torch.Generator().manual_seed(param_seed(seed, name))
+                param.copy_(torch.randn(param.shape, generator=g) * (out_std if is_out else std))
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """A fully initialized single-device model; parameters in `dtype`, buffers keep their own dtypes."""
+    model = Transformer(cfg)
+    init_weights(model, seed, cfg.init_std, cfg.n_layers)
+    cast_params_(model, dtype)
+    return model.to(device)
+
+
+def cast_params_(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast parameters only (model.to(dtype) would also cast the fp32 router bias and RoPE tables)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model

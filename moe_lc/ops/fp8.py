@@ -1,0 +1,395 @@
+"""FP8 (E4M3) quantization and scaled matmul: DeepSeek-V3 blockwise recipe plus a tensorwise baseline.
+
+Conventions (every function here):
+- FP8 is ``torch.float8_e4m3fn``: 3 mantissa bits, max 448, no inf; we saturate (clamp to +-448) before casting.
+- ``scale`` is the *decoding* scale, ``x ~= x_fp8.float() * scale``, with ``scale = amax / 448`` over the group
+  (an all-zero group gets scale 1; a tiny amax is floored at ``_AMAX_FLOOR``). Same convention as the
+  ``scale_a`` / ``scale_b`` arguments of ``torch._scaled_mm``. Scales are float32.
+- Granularities: "tile" = 1x128 along the last dim, scale (R, ceil(C/128)); "block" = 128x128, scale
+  (ceil(R/128), ceil(C/128)); "tensor" = one 0-dim scale. Short last tiles/blocks are fine (no caller padding).
+
+Why tiles run along the *contraction* dim. Every GEMM here is ``out = A @ B^T`` summing over c. If A's
+scale sa[r, c//128] and B's sb[p, c//128] are constant inside each 128-chunk k of c, then
+``out[r, p] = sum_k sa[r, k] * sb[p, k] * sum_{c in chunk k} qa[r, c] * qb[p, c]``: the inner sum is one FP8
+tensor-core MMA and the scaled partial sums are added in FP32 on CUDA cores (DeepSeek-V3's "promotion every
+128 elements of K"). A scale varying along c inside a chunk could not be pulled out of the inner sum; along
+the free dims (r, p) it may vary freely. Hence (x: (M tokens, K), w: (N, K), dy: (M, N)):
+- fprop  y  = x @ w^T    contracts K: x 1x128 tiles along K,   w 128x128 blocks.
+- dgrad  dx = dy @ w     contracts N: dy 1x128 tiles along N,  w^T 128x128 blocks (the same blocks as w).
+- wgrad  dw = dy^T @ x   contracts M: dy^T and x^T 1x128 tiles along M (tokens) -- a different quantization
+  of x and dy than fprop/dgrad use, as in DeepSeek-V3.
+
+Two ways to run a GEMM: ``fp8_*_emulated`` (quantize, dequantize to fp32 -- q * s rounds once, 2^-24 relative
+--, fp32 matmul; runs anywhere; models scale granularity and E4M3 rounding, not Hopper's limited-precision
+(~14-bit, per DeepSeek-V3) tensor-core accumulation inside a 128-chunk) and
+``fp8_*_scaled_mm`` (``torch._scaled_mm`` where ``scaled_mm_backend`` finds one, else the emulation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+_AMAX_FLOOR = 1e-12
+RECIPES = ("blockwise", "tensorwise")
+# recipe -> gemm -> (lhs granularity, rhs granularity); every gemm is lhs @ rhs^T, see module docstring.
+_GRANULARITY = {
+    "blockwise": {"fprop": ("tile", "block"), "dgrad": ("tile", "block"), "wgrad": ("tile", "tile")},
+    "tensorwise": {g: ("tensor", "tensor") for g in ("fprop", "dgrad", "wgrad")},
+}
+
+
+def _amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Decoding scale from amax (any shape): amax/448, floored; exactly 1 where amax == 0."""
+    amax = amax.float()
+    scale = amax.clamp(min=_AMAX_FLOOR) / FP8_MAX
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def _to_fp8(x_scaled: torch.Tensor) -> torch.Tensor:
+    """Saturating cast: values beyond +-448 (including +-inf) become +-448; NaN stays NaN."""
+    return x_scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
+
+
+def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -x.shape[-1] % multiple
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize per 1 x ``tile`` group along the last dim (activations, output grads).
+
+    x: (..., K) any float dtype. Returns x_fp8 (..., K) float8_e4m3fn and scale (..., ceil(K/tile)) float32.
+    The last tile may be short (K % tile != 0); its amax is taken over the elements that exist.
+    """
+    if tile < 1:
+        raise ValueError(f"tile={tile} must be >= 1")
+    k = x.shape[-1]
+    x_tiles = _pad_last(x.float(), tile).unflatten(-1, (-1, tile))  # (..., Kt, tile)
+    scale = _amax_to_scale(x_tiles.abs().amax(dim=-1))  # (..., Kt)
+    x_fp8 = _to_fp8(x_tiles / scale.unsqueeze(-1)).flatten(-2)[..., :k]
+    return x_fp8.contiguous(), scale
+
+
+def dequantize_rowwise_tiles(x_fp8: torch.Tensor, scale: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
+    """Inverse of ``quantize_rowwise_tiles``: (..., K) fp8 and (..., ceil(K/tile)) -> (..., K) float32."""
+    k = x_fp8.shape[-1]
+    return x_fp8.float() * scale.repeat_interleave(tile, dim=-1)[..., :k]
+
+
+def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize per ``block`` x ``block`` square (weights).
+
+    w: (N, K) any float dtype. Returns w_fp8 (N, K) float8_e4m3fn and scale (ceil(N/block), ceil(K/block))
+    float32. Edge blocks may be short in either dim. ``quantize_blocks(w.t())`` gives the transposed
+    fp8 values and scales of ``quantize_blocks(w)``: fprop and dgrad share one quantized weight.
+    """
+    if w.dim() != 2 or block < 1:
+        raise ValueError(f"quantize_blocks needs a 2-D weight and block >= 1; got {tuple(w.shape)}, block={block}")
+    n, k = w.shape
+    w_pad = _pad_last(_pad_last(w.float(), block).t(), block).t()  # (Np, Kp), zeros do not change amax
+    w_blocks = w_pad.unflatten(0, (-1, block)).unflatten(-1, (-1, block))  # (Nb, block, Kb, block)
+    scale = _amax_to_scale(w_blocks.abs().amax(dim=(1, 3)))  # (Nb, Kb)
+    w_fp8 = _to_fp8(w_blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
+    return w_fp8.contiguous(), scale
+
+
+def dequantize_blocks(w_fp8: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Inverse of ``quantize_blocks``: (N, K) fp8 and (ceil(N/block), ceil(K/block)) -> (N, K) float32."""
+    n, k = w_fp8.shape
+    scale_full = scale.repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return w_fp8.float() * scale_full
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, amax: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with one scale for the whole tensor.
+
+    x: any shape, any float dtype. ``amax=None`` is *current* scaling (x's own amax); passing an amax (e.g.
+    ``DelayedScaling.scale_amax()``) is *delayed* scaling. Values with |x| > amax saturate to +-448
+    (dequantize to +-amax): never inf, and NaN only from NaN inputs. Returns x_fp8 (x's shape) and a 0-dim
+    float32 scale.
+    """
+    if amax is None:
+        amax = x.detach().abs().amax()
+    scale = _amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
+    return _to_fp8(x.float() / scale), scale
+
+
+def dequantize_tensorwise(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_tensorwise``: fp8 (any shape) and 0-dim scale -> float32."""
+    return x_fp8.float() * scale
+
+
+class DelayedScaling:
+    """Amax history for tensorwise *delayed* scaling (Transformer Engine's recipe), one per tensor role.
+
+    Step t quantizes with the max of the amaxes recorded at the previous ``history_len`` steps, then records
+    its own amax: ``state.quantize(x)`` does both. Before any update, ``scale_amax()`` is None and
+    ``quantize`` falls back to current scaling. If x outgrows the history, |x| > amax saturates to +-448
+    (dequantizes to +-amax); it never produces inf or NaN. Amaxes are kept as a device tensor (no host sync).
+    A non-finite amax (an overflowed step) is recorded as the current history max, so it cannot poison scales.
+    """
+
+    def __init__(self, history_len: int = 16):
+        if history_len < 1:
+            raise ValueError(f"history_len={history_len} must be >= 1")
+        self.history_len = history_len
+        self.amax_history: torch.Tensor | None = None  # (history_len,) float32, ring buffer
+        self.num_updates = 0
+
+    def update(self, amax: torch.Tensor | float) -> None:
+        """Record one step's amax (a scalar >= 0; inf/NaN count as the history max); keep the last few."""
+        amax_t = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
+        if self.amax_history is None:
+            self.amax_history = torch.zeros(self.history_len, dtype=torch.float32, device=amax_t.device)
+        amax_t = amax_t.to(self.amax_history.device)
+        amax_t = torch.where(torch.isfinite(amax_t), amax_t, self.amax_history.max())
+        self.amax_history[self.num_updates % self.history_len] = amax_t
+        self.num_updates += 1
+
+    def scale_amax(self) -> torch.Tensor | None:
+        """Max over the recorded history (0-dim float32), or None before the first update."""
+        if self.amax_history is None:
+            return None
+        return self.amax_history.max()  # unfilled slots are 0 and amaxes are >= 0
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize x with the history's amax (current scaling on the first call), then record x's amax."""
+        x_fp8, scale = quantize_tensorwise(x, amax=self.scale_amax())
+        self.update(x.detach().abs().amax())
+        return x_fp8, scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMMs. Each is lhs (R, C) @ rhs (P, C)^T -> (R, P), contracting C; see _gemm_operands for the mapping.
+
+
+def _check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe={recipe!r} must be one of {RECIPES}")
+
+
+def _quantize(t: torch.Tensor, granularity: str, amax) -> tuple[torch.Tensor, torch.Tensor]:
+    if granularity == "tensor":
+        return quantize_tensorwise(t, amax)
+    if amax is not None:
+        raise ValueError("an explicit amax (delayed scaling) applies to the tensorwise recipe only")
+    return quantize_rowwise_tiles(t) if granularity == "tile" else quantize_blocks(t)
+
+
+def _dequantize(t_fp8: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
+    fn = {"tensor": dequantize_tensorwise, "tile": dequantize_rowwise_tiles, "block": dequantize_blocks}
+    return fn[granularity](t_fp8, scale)
+
+
+def _gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map (x, w) / (dy, w) / (dy, x) to (lhs, rhs) with out = lhs @ rhs^T; leading dims are flattened.
+
+    fprop: lhs x (M, K), rhs w (N, K). dgrad: lhs dy (M, N), rhs w^T (K, N). wgrad: lhs dy^T (N, M),
+    rhs x^T (K, M). So the last dim of lhs and rhs is always the contraction dim (where tiles run).
+    """
+    if gemm == "fprop":
+        x, w = first, second
+        if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"fprop needs x (..., K) and w (N, K); got {tuple(x.shape)} and {tuple(w.shape)}")
+        return x.reshape(-1, x.shape[-1]), w
+    if gemm == "dgrad":
+        dy, w = first, second
+        if w.dim() != 2 or dy.shape[-1] != w.shape[0]:
+            raise ValueError(f"dgrad needs dy (..., N) and w (N, K); got {tuple(dy.shape)} and {tuple(w.shape)}")
+        return dy.reshape(-1, dy.shape[-1]), w.t()
+    dy, x = first, second
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    if dy2.shape[0] != x2.shape[0]:
+        shapes = f"{tuple(dy.shape)} and {tuple(x.shape)}"
+        raise ValueError(f"wgrad needs dy (..., N) and x (..., K) over the same tokens; got {shapes}")
+    return dy2.t(), x2.t()
+
+
+def _run_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax) -> torch.Tensor:
+    _check_recipe(recipe)
+    lhs, rhs = _gemm_operands(gemm, first, second)
+    g_lhs, g_rhs = _GRANULARITY[recipe][gemm]
+    lhs_deq = _dequantize(*_quantize(lhs, g_lhs, lhs_amax), g_lhs)
+    rhs_deq = _dequantize(*_quantize(rhs, g_rhs, rhs_amax), g_rhs)
+    return lhs_deq @ rhs_deq.t()
+
+
+def _unflatten_out(out: torch.Tensor, gemm: str, first: torch.Tensor) -> torch.Tensor:
+    return out if gemm == "wgrad" else out.reshape(*first.shape[:-1], out.shape[-1])
+
+
+def fp8_linear_emulated(x, w, recipe, *, x_amax=None, w_amax=None) -> torch.Tensor:
+    """fprop y = Q(x) @ Q(w)^T by quantize -> dequantize to fp32 -> fp32 matmul.
+
+    x: (..., K), w: (N, K), any float dtypes. Returns y: (..., N) float32. ``recipe`` "blockwise": x 1x128
+    tiles along K, w 128x128 blocks; "tensorwise": one scale each (``x_amax`` / ``w_amax`` for delayed scaling).
+    """
+    return _unflatten_out(_run_emulated("fprop", x, w, recipe, x_amax, w_amax), "fprop", x)
+
+
+def fp8_dgrad_emulated(dy, w, recipe, *, dy_amax=None, w_amax=None) -> torch.Tensor:
+    """dgrad dx = Q(dy) @ Q(w), emulated. dy: (..., N), w: (N, K) -> dx: (..., K) float32.
+
+    "blockwise": dy 1x128 tiles along N (the contraction dim here), w the same 128x128 blocks as fprop.
+    """
+    return _unflatten_out(_run_emulated("dgrad", dy, w, recipe, dy_amax, w_amax), "dgrad", dy)
+
+
+def fp8_wgrad_emulated(dy, x, recipe, *, dy_amax=None, x_amax=None) -> torch.Tensor:
+    """wgrad dw = Q(dy)^T @ Q(x), emulated. dy: (..., N), x: (..., K) -> dw: (N, K) float32.
+
+    "blockwise": the contraction runs over tokens M, so dy^T (N, M) and x^T (K, M) are both quantized in
+    1x128 tiles along M (128 tokens share a scale), not along N / K as in fprop and dgrad.
+    """
+    return _run_emulated("wgrad", dy, x, recipe, dy_amax, x_amax)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real kernels via torch._scaled_mm / torch.nn.functional.scaled_mm.
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_scaled_mm_accepts(rowwise: bool) -> bool:
+    """Probe once whether this build's CPU ``torch._scaled_mm`` takes fp8 with tensorwise / rowwise scales."""
+    a = torch.ones(16, 32).to(FP8_DTYPE)
+    b = torch.ones(16, 32).to(FP8_DTYPE)
+    s_a, s_b = (torch.ones(16, 1), torch.ones(1, 16)) if rowwise else (torch.tensor(1.0), torch.tensor(1.0))
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=s_a, scale_b=s_b, out_dtype=torch.float32)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _cuda_version() -> tuple[int, ...]:
+    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+
+
+def scaled_mm_backend(device, recipe: str) -> str:
+    """How ``fp8_*_scaled_mm`` runs ``recipe`` on ``device``: "native", "chunked_rowwise" or "emulated".
+
+    - cpu, tensorwise: "native" (torch._scaled_mm with 0-dim scales; verified on torch 2.13 CPU).
+    - cpu, blockwise: CPU _scaled_mm rejects 1x128 / 128x128 scales but takes rowwise ones, so we run one
+      rowwise _scaled_mm per 128-chunk of the contraction dim and add in fp32 ("chunked_rowwise"): the
+      promotion scheme itself, slow but real kernels.
+    - cuda (not ROCm): tensorwise "native" on compute capability >= 8.9. blockwise "native" only on SM90
+      (Hopper) with cuBLAS >= 12.9 and ``torch.nn.functional.scaled_mm`` (torch >= 2.10); pytorch
+      ``_check_deepseek_support`` rejects other archs. UNTESTED here (no GPU in CI).
+    - anything else: "emulated".
+    """
+    _check_recipe(recipe)
+    device = torch.device(device)
+    if device.type == "cpu":
+        if recipe == "tensorwise":
+            return "native" if _cpu_scaled_mm_accepts(rowwise=False) else "emulated"
+        return "chunked_rowwise" if _cpu_scaled_mm_accepts(rowwise=True) else "emulated"
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return "emulated"
+    capability = torch.cuda.get_device_capability(device)
+    if recipe == "tensorwise":
+        return "native" if capability >= (8, 9) else "emulated"
+    has_v2 = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+    return "native" if capability[0] == 9 and has_v2 and _cuda_version() >= (12, 9) else "emulated"
+
+
+def scaled_mm_support(device, recipe: str) -> bool:
+    """True if ``fp8_*_scaled_mm`` runs ``recipe`` on ``device`` through torch._scaled_mm kernels,
+    False if it falls back to the quantize-dequantize emulation (see ``scaled_mm_backend``)."""
+    return scaled_mm_backend(device, recipe) != "emulated"
+
+
+def _pad_rows_cols(t: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor; zeros change no amax and add nothing to a product, so padding is exact."""
+    return F.pad(t, (0, -t.shape[1] % col_multiple, 0, -t.shape[0] % row_multiple))
+
+
+def _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax) -> torch.Tensor:
+    """CPU blockwise: sum over 128-chunks k of _scaled_mm(lhs_k, rhs_k^T, sa[:, k], sb[:, k]) in fp32."""
+    lhs_fp8, lhs_scale = _quantize(lhs, g_lhs, lhs_amax)  # (R, C), (R, Ct)
+    rhs_fp8, rhs_scale = _quantize(rhs, g_rhs, rhs_amax)  # (P, C), (P, Ct) or (Pb, Ct)
+    n_rows, n_cols = lhs.shape[0], rhs.shape[0]
+    if g_rhs == "block":  # expand block scales to one per rhs row: (P, Ct)
+        rhs_scale = rhs_scale.repeat_interleave(BLOCK, dim=0)[:n_cols]
+    out = torch.zeros(n_rows, n_cols, dtype=torch.float32, device=lhs.device)
+    for k, start in enumerate(range(0, lhs.shape[1], BLOCK)):
+        chunk = slice(start, start + BLOCK)
+        out += torch._scaled_mm(
+            lhs_fp8[:, chunk], rhs_fp8[:, chunk].t(),
+            scale_a=lhs_scale[:, k : k + 1].contiguous(), scale_b=rhs_scale[:, k][None, :].contiguous(),
+            out_dtype=torch.float32,
+        )
+    return out
+
+
+def _cuda_blockwise_scale(scale: torch.Tensor, granularity: str, is_rhs: bool) -> torch.Tensor:
+    """Scale layouts for F.scaled_mm (pytorch ScaledBlas.cpp, _scaled_block1x128_block128x128 and friends).
+
+    1x128 (lhs (R, Ct) or rhs (P, Ct)): same shape, column-major (stride (1, R)).
+    128x128 rhs (Pb, Ct): shape (L4, Pb) with stride (1, L4), L4 = Ct rounded up to 4, zero-padded.
+    """
+    if granularity == "tile":
+        return scale.t().contiguous().t()
+    assert is_rhs, "blockwise recipes put 128x128 blocks on the rhs only"
+    return _pad_last(scale, 4).contiguous().t()
+
+
+def _cuda_native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
+    """UNTESTED (no GPU in CI). SM90 cuBLASLt wants mat_a row-major, mat_b column-major, dims % 16 == 0;
+    we pad to 16 (tensorwise) or 128 (blockwise contraction/rhs dims, as pytorch's own tests use)."""
+    n_rows, n_cols = lhs.shape[0], rhs.shape[0]
+    multiple = 16 if g_lhs == "tensor" else BLOCK
+    lhs_fp8, lhs_scale = _quantize(_pad_rows_cols(lhs, 16, multiple), g_lhs, lhs_amax)
+    rhs_fp8, rhs_scale = _quantize(_pad_rows_cols(rhs, multiple, multiple), g_rhs, rhs_amax)
+    if g_lhs == "tensor":
+        out = torch._scaled_mm(lhs_fp8, rhs_fp8.t(), scale_a=lhs_scale, scale_b=rhs_scale, out_dtype=out_dtype)
+    else:
+        recipe_enum = {"tile": F.ScalingType.BlockWise1x128, "block": F.ScalingType.BlockWise128x128}
+        out = F.scaled_mm(
+            lhs_fp8, rhs_fp8.t(),
+            _cuda_blockwise_scale(lhs_scale, g_lhs, is_rhs=False), recipe_enum[g_lhs],
+            _cuda_blockwise_scale(rhs_scale, g_rhs, is_rhs=True), recipe_enum[g_rhs],
+            output_dtype=out_dtype,
+        )
+    return out[:n_rows, :n_cols]
+
+
+def _run_scaled_mm(gemm, first, second, recipe, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
+    _check_recipe(recipe)
+    backend = scaled_mm_backend(first.device, recipe)
+    if backend == "emulated":
+        return _run_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax).to(out_dtype)
+    lhs, rhs = _gemm_operands(gemm, first, second)
+    g_lhs, g_rhs = _GRANULARITY[recipe][gemm]
+    if backend == "chunked_rowwise":
+        return _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax).to(out_dtype)
+    if first.device.type == "cpu":  # native tensorwise on CPU: no layout or alignment rules
+        lhs_fp8, lhs_scale = _quantize(lhs, g_lhs, lhs_amax)
+        rhs_fp8, rhs_scale = _quantize(rhs, g_rhs, rhs_amax)
+        return torch._scaled_mm(lhs_fp8, rhs_fp8.t(), scale_a=lhs_scale, scale_b=rhs_scale, out_dtype=out_dtype)
+    return _cuda_native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype)
+
+
+def fp8_linear_scaled_mm(x, w, recipe, *, x_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
+    """fprop y = x @ w^T on real FP8 kernels where available (``scaled_mm_backend``), else emulated.
+
+    Same shapes and recipes as ``fp8_linear_emulated``; y: (..., N) in ``out_dtype``. CUDA paths are untested.
+    """
+    return _unflatten_out(_run_scaled_mm("fprop", x, w, recipe, x_amax, w_amax, out_dtype), "fprop", x)
+
+
+def fp8_dgrad_scaled_mm(dy, w, recipe, *, dy_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
+    """dgrad dx = dy @ w like ``fp8_dgrad_emulated``, on real kernels where available. CUDA untested."""
+    return _unflatten_out(_run_scaled_mm("dgrad", dy, w, recipe, dy_amax, w_amax, out_dtype), "dgrad", dy)
+
+
+def fp8_wgrad_scaled_mm(dy, x, recipe, *, dy_amax=None, x_amax=None, out_dtype=torch.float32) -> torch.Tensor:
+    """wgrad dw = dy^T @ x like ``fp8_wgrad_emulated``, on real kernels where available. CUDA untested."""
+    return _run_scaled_mm("wgrad", dy, x, recipe, dy_amax, x_amax, out_dtype)

@@ -1,0 +1,182 @@
+"""The one Linear: every weight matmul of the model goes through `Linear` or `GroupedLinear`.
+
+Parallel and precision features plug in here instead of wrapping modules again and again:
+- `tp`     : a tensor-parallel role object (set by `moe_lc.parallel.tensor`), whose `enter(x)` runs
+             before the GEMM (e.g. all-gather of the sequence shards for a column-parallel layer) and
+             `exit(y)` after it (e.g. reduce-scatter for a row-parallel layer); both are autograd
+             functions with their collectives in the open. None = not tensor parallel.
+- `gemms`  : the three GEMMs of a linear layer (forward, input-grad, weight-grad); `PlainGemms`
+             runs them in the compute dtype, an FP8 recipe (`moe_lc.ops.fp8`) quantizes their inputs.
+- `wgrad_store`: when it is deferring, the weight-gradient GEMM is queued instead of run, for a
+             later "W" action of a zero-bubble / DualPipe schedule (`WeightGradStore`).
+
+Compute dtype = the input's dtype; the weight is cast to it (bf16 weights with fp32 input compute in
+fp32, which the router uses). Weight gradients come back in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moe_lc.ops.grouped_gemm import grouped_mm, grouped_mm_wgrad
+
+
+class PlainGemms:
+    """The GEMMs of y = x W^T in the compute dtype. x: (T, in), W: (out, in), dy: (T, out)."""
+
+    name = "plain"
+
+    def fprop(self, x, w):
+        return x @ w.t()
+
+    def dgrad(self, dy, w):
+        return dy @ w
+
+    def wgrad(self, dy, x):
+        return dy.t() @ x
+
+    # grouped (experts): W: (E, out, in), rows of x grouped by `counts`
+    def grouped_fprop(self, x, w, counts):
+        return grouped_mm(x, w.transpose(-1, -2), counts)
+
+    def grouped_dgrad(self, dy, w, counts):
+        return grouped_mm(dy, w, counts)
+
+    def grouped_wgrad(self, dy, x, counts):
+        return grouped_mm_wgrad(dy, x, counts)
+
+
+PLAIN = PlainGemms()
+
+
+class WeightGradStore:
+    """Deferred weight-gradient GEMMs: the backward of a split schedule runs B now, W later.
+
+    Inside `with store.deferring():` every Linear that uses this store queues its weight-gradient
+    closure instead of running it; `flush()` runs the queue and accumulates into `param.grad`,
+    firing the parameter's post-accumulate-grad hooks exactly as autograd would (the ZeRO-1 gradient
+    buffer listens to those hooks).
+    """
+
+    def __init__(self):
+        self._deferring = False
+        self._queue: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] = []
+
+    @contextmanager
+    def deferring(self):
+        prev, self._deferring = self._deferring, True
+        try:
+            yield self
+        finally:
+            self._deferring = prev
+
+    @property
+    def is_deferring(self) -> bool:
+        return self._deferring
+
+    def push(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+        self._queue.append((param, compute))
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def flush(self) -> None:
+        queue, self._queue = self._queue, []
+        for param, compute in queue:
+            accumulate_grad(param, compute())
+
+
+def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """param.grad += grad, then the param's post-accumulate-grad hooks (what autograd itself does)."""
+    param.grad = grad if param.grad is None else param.grad + grad
+    # torch keeps these hooks in a private dict; there is no public way to fire them by hand.
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W^T (+ b) with an explicit backward so that W's gradient can be deferred or quantized.
+
+    x: (..., in) compute dtype; weight: (out, in) or grouped (E, out, in) with `counts` (E,) giving
+    rows of x per expert; bias: (out,) or None. Returns (..., out) in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts, gemms, store):
+        w = weight.to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = gemms.fprop(x2, w) if counts is None else gemms.grouped_fprop(x2, w, counts)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x2, weight, counts)
+        ctx.gemms, ctx.store, ctx.has_bias, ctx.x_shape = gemms, store, bias is not None, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, counts = ctx.saved_tensors
+        gemms = ctx.gemms
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
+        w = weight.to(x2.dtype)
+        dx = gemms.dgrad(dy2, w) if counts is None else gemms.grouped_dgrad(dy2, w, counts)
+
+        def weight_grad():
+            g = gemms.wgrad(dy2, x2) if counts is None else gemms.grouped_wgrad(dy2, x2, counts)
+            return g.to(weight.dtype)
+
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.store is not None and ctx.store.is_deferring:
+                ctx.store.push(weight, weight_grad)
+            else:
+                dw = weight_grad()
+        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx.view(ctx.x_shape), dw, db, None, None, None
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b).  weight: (out_features, in_features); sharding (if any) is set from outside."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self.tp = None
+        self.gemms = PLAIN
+        self.fp8_eligible = True  # the precision step quantizes only eligible layers
+        self.wgrad_store: WeightGradStore | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            x = self.tp.enter(x)
+        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store)
+        return self.tp.exit(y) if self.tp is not None else y
+
+    def extra_repr(self) -> str:
+        tp = f", tp={self.tp}" if self.tp is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, gemms={self.gemms.name}{tp}"
+
+
+class GroupedLinear(nn.Module):
+    """Per-expert y_e = x_e W_e^T over expert-sorted rows.  weight: (n_experts, out, in)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, *, device=None, dtype=None):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
+        self.gemms = PLAIN
+        self.fp8_eligible = True
+        self.wgrad_store: WeightGradStore | None = None
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x: (T, in) rows sorted by expert, counts: (n_experts,) int64 -> (T, out)."""
+        return _LinearFn.apply(x_TD, self.weight, None, counts_E, self.gemms, self.wgrad_store)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.n_experts}, in={self.in_features}, out={self.out_features}, gemms={self.gemms.name}"
+

@@ -1,0 +1,168 @@
+"""Counted collectives: the only module that calls torch.distributed communication.
+
+Every op takes a `Group` (a process group along a named mesh dimension) and adds the bytes this
+rank sends to the group's `CommCounter`, keyed by (group name, op), with the bytes whose receiver
+sits on another node counted again as inter-node. Counts follow the algorithm each op stands for,
+so tests and the planner can compare them with closed-form formulas:
+
+  all_reduce      ring: 2 (N-1)/N x buffer bytes     (reduce-scatter then all-gather)
+  reduce_scatter  ring: (N-1)/N x input (full) bytes
+  all_gather      ring: (N-1)/N x output (full) bytes
+  all_to_all      exactly the bytes addressed to other ranks
+  send            the tensor's bytes (recv sends nothing)
+
+Ring ops send everything to the next rank of the group, so their bytes are inter-node when that
+rank is on another node; all-to-all and send count each destination separately. A group of size 1
+is a no-op and counts nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renames the tensor collectives (*_single); torch 2.11 on the GPU machines may lack them.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommCounter:
+    """Bytes sent by this rank, per (group name, op); `inter_node` holds the cross-node part."""
+
+    def __init__(self):
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.inter_node: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, group: str, op: str, nbytes: int, inter_node: int = 0) -> None:
+        self.bytes[(group, op)] += int(nbytes)
+        self.inter_node[(group, op)] += int(inter_node)
+        self.calls[(group, op)] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear(), self.inter_node.clear(), self.calls.clear()
+
+    def total(self, group: str | None = None, op: str | None = None, inter_node: bool = False) -> int:
+        table = self.inter_node if inter_node else self.bytes
+        return sum(v for (g, o), v in table.items() if (group is None or g == group) and (op is None or o == op))
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat {"comm/<group>/<op>_bytes": n, ...} for metrics logs."""
+        out = {f"comm/{g}/{o}_bytes": v for (g, o), v in sorted(self.bytes.items())}
+        out.update({f"comm/{g}/{o}_inter_node_bytes": v for (g, o), v in sorted(self.inter_node.items()) if v})
+        return out
+
+
+@dataclass
+class Group:
+    """A process group along one named mesh dimension (or a flattened combination of them).
+
+    ranks: global ranks in group order; rank: this process's index in `ranks`; pg: the torch
+    ProcessGroup (None when size == 1 or without torch.distributed); node_size: ranks per node.
+    """
+
+    name: str
+    ranks: list[int]
+    rank: int = 0
+    pg: object = None
+    node_size: int = 1 << 30
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def node_of(self, group_rank: int) -> int:
+        return self.ranks[group_rank] // self.node_size
+
+    def n_nodes(self) -> int:
+        return len({self.node_of(i) for i in range(self.size)})
+
+    def ring_is_inter_node(self) -> bool:
+        return self.node_of((self.rank + 1) % self.size) != self.node_of(self.rank)
+
+    def _count_ring(self, op: str, nbytes: int) -> None:
+        self.counter.add(self.name, op, nbytes, nbytes if self.ring_is_inter_node() else 0)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, size={self.size}, rank={self.rank})"
+
+
+def single_group(name: str, counter: CommCounter | None = None) -> Group:
+    """A size-1 group (single device, or a degree of 1)."""
+    return Group(name, [dist.get_rank() if dist.is_initialized() else 0], 0, None, counter=counter or CommCounter())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of t over the group."""
+    if group.size == 1:
+        return None
+    group._count_ring("all_reduce", 2 * (group.size - 1) * _nbytes(t) // group.size)
+    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """out (n,) <- this rank's 1/N slice of the sum of every rank's inp (N*n,) (dim 0 concatenation)."""
+    if group.size == 1:
+        out.copy_(inp)
+        return None
+    group._count_ring("reduce_scatter", (group.size - 1) * _nbytes(inp) // group.size)
+    return _reduce_scatter_single(out, inp, op=op, group=group.pg, async_op=async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """out (N*n, ...) <- every rank's inp (n, ...) concatenated along dim 0 in group order."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return None
+    group._count_ring("all_gather", (group.size - 1) * _nbytes(out) // group.size)
+    return _all_gather_single(out, inp, group=group.pg, async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group: Group, async_op: bool = False):
+    """Rows of inp split by in_splits go to ranks 0..N-1; out receives out_splits rows from each."""
+    if group.size == 1:
+        out.copy_(inp)
+        return None
+    row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else inp.element_size()
+    sent = inter = 0
+    for peer, n in enumerate(in_splits):
+        if peer != group.rank:
+            sent += n * row
+            inter += n * row if group.node_of(peer) != group.node_of(group.rank) else 0
+    group.counter.add(group.name, "all_to_all", sent, inter)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=async_op)
+
+
+def p2p_op(kind: str, t: torch.Tensor, peer: int, group: Group) -> dist.P2POp:
+    """A send ("send") or receive ("recv") of t with `peer` (an index into group.ranks), counted."""
+    if kind == "send":
+        inter = _nbytes(t) if group.node_of(peer) != group.node_of(group.rank) else 0
+        group.counter.add(group.name, "send", _nbytes(t), inter)
+        return dist.P2POp(dist.isend, t, group.ranks[peer], group.pg)
+    if kind == "recv":
+        return dist.P2POp(dist.irecv, t, group.ranks[peer], group.pg)
+    raise ValueError(f"p2p kind {kind!r} must be 'send' or 'recv'")
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
+    """Post a group of p2p ops together; returns their works (wait on each)."""
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group):
+    """In-place broadcast from group rank `src`; ring (pipelined) model: every rank but the one
+    just before `src` in the ring forwards the buffer once."""
+    if group.size == 1:
+        return None
+    group._count_ring("broadcast", _nbytes(t) if group.rank != (src - 1) % group.size else 0)
+    return dist.broadcast(t, group.ranks[src], group=group.pg)

@@ -1,0 +1,137 @@
+"""ParallelDims: the degrees, their validation, and the named process groups of the mesh.
+
+Global rank layout, tp innermost (consecutive ranks share a node first):
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+Expert parallelism is folded into the dp x cp x tp ranks of a pipeline stage (DeepSeek-V3 runs
+EP64 over its data-parallel ranks): with j = (dp_i * cp + cp_i) * tp + tp_i, the ep group of a rank
+is the block of `ep` consecutive j, and the expert-data-parallel (edp) group the ranks with the
+same j % ep. A node is `ranks_per_node` consecutive global ranks.
+
+Groups (each a `comm.Group` sharing one CommCounter): pp, dp, cp, tp, dp_cp (dense gradients),
+dp_cp_tp (tp-replicated parameters' gradients), ep, edp, world.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moe_lc.config import ConfigError, ParallelConfig, resolve_degrees
+from moe_lc.parallel.comm import CommCounter, Group
+
+GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "dp_cp_tp", "ep", "edp", "world")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of one run (validated) and, after `init_groups`, its process groups."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    world: int
+    ranks_per_node: int
+    rank: int = 0
+    groups: dict[str, Group] = field(default_factory=dict)
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0) -> "ParallelDims":
+        """Degrees from [parallel] for this world size; ConfigError lists every violated layout rule.
+        (Model-dependent rules, such as tp dividing the heads, are `config.validate`'s job.)"""
+        d, errors = resolve_degrees(p, world_size)
+        if min(p.pp, p.cp, p.tp, p.ep) <= 0:
+            errors.append("parallel degrees must be >= 1 (dp >= 0)")
+        elif (d["dp"] * p.cp * p.tp) % p.ep:
+            errors.append(f"parallel.ep={p.ep} must divide dp*cp*tp={d['dp'] * p.cp * p.tp}")
+        rpn = d["ranks_per_node"]
+        if rpn <= 0 or (world_size % rpn and rpn < world_size):
+            errors.append(f"parallel.ranks_per_node={rpn} must divide the world size {world_size}")
+        if errors:
+            raise ConfigError(errors)
+        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(rpn, world_size), rank)
+
+    # -- coordinates ----------------------------------------------------------------------------
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp * self.tp // self.ep
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        r = self.rank if rank is None else rank
+        tp_i, r = r % self.tp, r // self.tp
+        cp_i, r = r % self.cp, r // self.cp
+        dp_i, pp_i = r % self.dp, r // self.dp
+        j = (dp_i * self.cp + cp_i) * self.tp + tp_i
+        return dict(pp=pp_i, dp=dp_i, cp=cp_i, tp=tp_i, ep=j % self.ep, edp=j // self.ep)
+
+    def rank_of(self, pp: int, dp: int, cp: int, tp: int) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def group_ranks(self, name: str) -> list[list[int]]:
+        """Every group of this name, each as its global ranks in group order."""
+        per_stage = self.dp * self.cp * self.tp
+        if name == "world":
+            return [list(range(self.world))]
+        out = []
+        for pp_i in range(self.pp):
+            base = pp_i * per_stage
+            if name == "pp":
+                return [[s * per_stage + j for s in range(self.pp)] for j in range(per_stage)]
+            if name == "tp":
+                out += [[base + k * self.tp + t for t in range(self.tp)] for k in range(per_stage // self.tp)]
+            elif name == "cp":
+                out += [[self.rank_of(pp_i, d, c, t) for c in range(self.cp)] for d in range(self.dp) for t in range(self.tp)]
+            elif name == "dp":
+                out += [[self.rank_of(pp_i, d, c, t) for d in range(self.dp)] for c in range(self.cp) for t in range(self.tp)]
+            elif name == "dp_cp":
+                out += [[self.rank_of(pp_i, d, c, t) for d in range(self.dp) for c in range(self.cp)] for t in range(self.tp)]
+            elif name == "dp_cp_tp":
+                out.append(list(range(base, base + per_stage)))
+            elif name == "ep":
+                out += [[base + b * self.ep + e for e in range(self.ep)] for b in range(self.edp)]
+            elif name == "edp":
+                out += [[base + b * self.ep + e for b in range(self.edp)] for e in range(self.ep)]
+            else:
+                raise ValueError(f"unknown group {name!r}; known: {', '.join(GROUP_NAMES)}")
+        return out
+
+    # -- process groups -----------------------------------------------------------------------------
+    def init_groups(self) -> dict[str, Group]:
+        """Create every named group (collective: all ranks call it in the same order)."""
+        for name in GROUP_NAMES:
+            mine, pg = None, None
+            for ranks in self.group_ranks(name):
+                new = None
+                if self.world > 1 and len(ranks) > 1:
+                    new = dist.group.WORLD if len(ranks) == self.world else dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine, pg = ranks, new
+            self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter)
+        return self.groups
+
+    def __getitem__(self, name: str) -> Group:
+        return self.groups[name]
+
+    def describe(self) -> str:
+        return (f"world={self.world} pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp} ep={self.ep} "
+                f"edp={self.edp} ranks_per_node={self.ranks_per_node}")
+
+
+def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int]:
+    """Join the torchrun job described by the environment, if any. Returns (rank, world_size)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,269 @@
+"""ZeRO-1 AdamW: FP32 master weights and Adam moments sharded over data-parallel ranks.
+
+Each `ShardedParams` holds the parameters whose gradients are summed over one group (dense
+parameters over dp x cp [x tp for tp-replicated ones], expert parameters over edp). Its layout:
+
+    param_buffer (P,) compute dtype  -- the model's parameters are views into it
+    grad_buffer  (P,) fp32           -- `main_grad` of each parameter, accumulated over micro-steps
+    buckets      consecutive slices of both buffers, each padded to a multiple of N = group size;
+                 rank r owns elements [r*size/N, (r+1)*size/N) of every bucket
+    master, exp_avg, exp_avg_sq, grad_shard  (sum of bucket sizes / N,) -- this rank's shards
+
+Parameters are laid out in reverse registration order so buckets fill in backward order. When a
+bucket's last gradient of the step arrives (post-accumulate-grad hook), its reduce-scatter is
+launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
+After the update, each bucket's parameter shard is all-gathered back into param_buffer.
+On one device (N = 1) the same code is a mixed-precision AdamW with no communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moe_lc.parallel import comm
+from moe_lc.parallel.comm import Group
+
+
+class _Bucket:
+    def __init__(self, start: int, size: int, params: list[tuple[nn.Parameter, int]], shard_start: int, n: int):
+        self.start, self.size, self.params = start, size, params  # params: (param, offset in buffer)
+        self.shard_start, self.shard_size = shard_start, size // n
+        self.arrived = 0
+        self.launched = False
+        self.work = None
+
+
+class ShardedParams:
+    """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group: Group,
+                 bucket_elems: int, no_decay: set[str], moments_dtype: torch.dtype):
+        self.name, self.group = name, group
+        self.names = {id(p): n for n, p in named_params}
+        params = [p for _, p in reversed(named_params)]
+        device, dtype = params[0].device, params[0].dtype
+        N = group.size
+        # bucket boundaries: parameters never straddle buckets; each bucket padded to a multiple of N
+        self.buckets: list[_Bucket] = []
+        layout, cur, cur_size, start, shard_start = [], [], 0, 0, 0
+        for p in params + [None]:
+            if p is None or (cur and cur_size + p.numel() > bucket_elems):
+                size = -(-cur_size // N) * N
+                self.buckets.append(_Bucket(start, size, cur, shard_start, N))
+                start, shard_start, cur, cur_size = start + size, shard_start + size // N, [], 0
+            if p is not None:
+                cur.append((p, start + cur_size))
+                cur_size += p.numel()
+        self.numel = start
+        self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
+        self.grad_buffer = torch.zeros(self.numel, device=device, dtype=torch.float32)
+        for b in self.buckets:
+            for p, off in b.params:
+                view = self.param_buffer[off:off + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                p.main_grad = self.grad_buffer[off:off + p.numel()].view_as(p)
+                p._zero_bucket = b
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        shard = self.numel // N
+        self.master = torch.empty(shard, device=device, dtype=torch.float32)
+        for b in self.buckets:
+            self._shard_slice(b, self.master).copy_(self._own(self.param_buffer, b))
+        self.exp_avg = torch.zeros(shard, device=device, dtype=moments_dtype)
+        self.exp_avg_sq = torch.zeros(shard, device=device, dtype=moments_dtype)
+        self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
+        self.no_decay_ranges = self._owned_ranges(lambda p: self.names[id(p)] in no_decay)
+        self.expected_grads = 1
+        self.sync = False
+
+    # -- layout helpers ---------------------------------------------------------------------------
+    def _own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
+        """This rank's slice of bucket b inside a full (P,) buffer."""
+        lo = b.start + self.group.rank * b.shard_size
+        return buffer[lo:lo + b.shard_size]
+
+    @staticmethod
+    def _shard_slice(b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """Bucket b's part of a (P/N,) shard tensor."""
+        return shard[b.shard_start:b.shard_start + b.shard_size]
+
+    def _owned_ranges(self, predicate) -> list[tuple[int, int]]:
+        """(lo, hi) ranges of the local shard that belong to parameters matching predicate."""
+        out = []
+        for b in self.buckets:
+            own_lo = b.start + self.group.rank * b.shard_size
+            own_hi = own_lo + b.shard_size
+            for p, off in b.params:
+                lo, hi = max(off, own_lo), min(off + p.numel(), own_hi)
+                if lo < hi and predicate(p):
+                    out.append((b.shard_start + lo - own_lo, b.shard_start + hi - own_lo))
+        return out
+
+    # -- gradient synchronization -------------------------------------------------------------------
+    def begin_step(self, grads_per_param: int) -> None:
+        """Expect `grads_per_param` gradient arrivals per parameter this step (its micro-batches)."""
+        self.expected_grads, self.sync = grads_per_param, True
+        for b in self.buckets:
+            b.arrived, b.launched, b.work = 0, False, None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # a deferred weight gradient: its W pass delivers it (and calls us) later
+            return
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        b = p._zero_bucket
+        b.arrived += 1
+        if self.sync and b.arrived == len(b.params) * self.expected_grads:
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        out = self._shard_slice(b, self.grad_shard)
+        b.work = comm.reduce_scatter(out, self.grad_buffer[b.start:b.start + b.size], self.group, async_op=True)
+        b.launched = True
+
+    def finish_grad_sync(self) -> None:
+        """Launch buckets whose gradients never all arrived (unused parameters), wait for all."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.launched, b.work = False, None
+        self.sync = False
+
+    # -- update -----------------------------------------------------------------------------------
+    def grad_sq_sum(self) -> torch.Tensor:
+        return self.grad_shard.double().pow(2).sum()
+
+    @torch.no_grad()
+    def adamw_(self, lr: float, step: int, clip_coef: float, beta1: float, beta2: float, eps: float, wd: float):
+        g = self.grad_shard.mul_(clip_coef) if clip_coef != 1.0 else self.grad_shard
+        m, v = self.exp_avg, self.exp_avg_sq
+        if m.dtype == torch.float32:
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            m32, v32 = m, v
+        else:  # bf16 moments: update in fp32, store rounded
+            m32 = m.float().lerp_(g, 1 - beta1)
+            v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            m.copy_(m32), v.copy_(v32)
+        if wd:
+            keep = self.master.clone() if self.no_decay_ranges else None
+            self.master.mul_(1 - lr * wd)
+            for lo, hi in self.no_decay_ranges:
+                self.master[lo:hi] = keep[lo:hi]
+        denom = (v32.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+        self.master.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** step))
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Write updated master shards (cast) into the param buffer and all-gather every bucket."""
+        works = []
+        for b in self.buckets:
+            own = self._own(self.param_buffer, b)
+            own.copy_(self._shard_slice(b, self.master))
+            works.append(comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group, async_op=True))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+        self.grad_shard.zero_()
+
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes on this rank: master + both moments (the 12 psi / N of ZeRO-1 in fp32)."""
+        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+
+    # -- checkpointing (full local-parameter-shaped states) -----------------------------------------
+    @torch.no_grad()
+    def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{param name: {master, exp_avg, exp_avg_sq}} shaped like the local parameter, gathered over the
+        group bucket by bucket (transient memory: one bucket of each state at a time)."""
+        out = {}
+        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            for b in self.buckets:
+                full = torch.empty(b.size, device=shard.device, dtype=shard.dtype)
+                comm.all_gather(full, self._shard_slice(b, shard), self.group)
+                for p, off in b.params:
+                    rel = off - b.start
+                    out.setdefault(self.names[id(p)], {})[key] = full[rel:rel + p.numel()].view_as(p).clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            for b in self.buckets:
+                full = torch.zeros(b.size, device=shard.device, dtype=shard.dtype)
+                for p, off in b.params:
+                    rel = off - b.start
+                    full[rel:rel + p.numel()] = states[self.names[id(p)]][key].reshape(-1)
+                self._shard_slice(b, shard).copy_(full[self.group.rank * b.shard_size:][:b.shard_size])
+        for b in self.buckets:  # parameters follow their masters
+            own = self._own(self.param_buffer, b)
+            own.copy_(self._shard_slice(b, self.master))
+            comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group)
+
+
+class ZeroAdamW:
+    """AdamW over several ZeRO-1 groups; global grad-norm clipping across all shards and mesh dims.
+
+    groups: [(name, [(param name, param)], Group)]; `norm_group` spans every rank that owns a
+    distinct shard of the model (the world), over which the squared norm is summed.
+    """
+
+    def __init__(self, groups, norm_group: Group, *, beta1=0.9, beta2=0.95, eps=1e-8,
+                 weight_decay=0.0, grad_clip=0.0, bucket_mb=32.0, moments_dtype=torch.float32,
+                 no_decay: set[str] = frozenset()):
+        bucket_elems = max(int(bucket_mb * 2**20 / 4), 1)
+        self.shards = [ShardedParams(n, ps, g, bucket_elems, set(no_decay), moments_dtype) for n, ps, g in groups if ps]
+        self.norm_group = norm_group
+        self.beta1, self.beta2, self.eps, self.wd, self.grad_clip = beta1, beta2, eps, weight_decay, grad_clip
+        self.step_count = 0
+
+    def begin_step(self, grads_per_param: int) -> None:
+        for s in self.shards:
+            s.begin_step(grads_per_param)
+
+    @torch.no_grad()
+    def step(self, lr: float, skip_if_nonfinite: bool = True) -> tuple[float, bool]:
+        """Finish gradient sync, clip, update, re-gather parameters. Returns (grad_norm, applied).
+        A non-finite norm skips the update (gradients are dropped) when skip_if_nonfinite."""
+        for s in self.shards:
+            s.finish_grad_sync()
+        sq = sum((s.grad_sq_sum() for s in self.shards), torch.zeros((), dtype=torch.float64,
+                                                                         device=self.shards[0].master.device))
+        comm.all_reduce(sq, self.norm_group)
+        norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+        if not math.isfinite(norm) and skip_if_nonfinite:
+            self.zero_grad()
+            return norm, False
+        clip = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
+        self.step_count += 1
+        for s in self.shards:
+            s.adamw_(lr, self.step_count, clip, self.beta1, self.beta2, self.eps, self.wd)
+            s.gather_params()
+        self.zero_grad()
+        return norm, True
+
+    def zero_grad(self) -> None:
+        for s in self.shards:
+            s.zero_grad()
+
+    def state_bytes(self) -> int:
+        return sum(s.state_bytes() for s in self.shards)
+
+    def state_dict(self) -> dict:
+        states = {}
+        for s in self.shards:
+            states.update(s.full_states())
+        return {"step": self.step_count, "params": states}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step_count = int(sd["step"])
+        for s in self.shards:
+            s.load_full_states(sd["params"])

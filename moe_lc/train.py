@@ -1,0 +1,270 @@
+"""Trainer: `python -m moe_lc.train RECIPE.toml [--set KEY=VALUE ...]`, torchrun-compatible.
+
+One optimizer step = `global_batch` sequences: each data-parallel rank runs its share as
+micro-batches (gradient accumulation), each micro-batch loss is the summed token loss divided by
+the step's token count, so losses and gradients are the same under any valid layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_lc import checkpoint as ckpt
+from moe_lc.config import Config, ConfigError, load_config, to_toml
+from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
+from moe_lc.lr_schedule import lr_at
+from moe_lc.metrics import MetricsLogger, peak_flops
+from moe_lc.model.counting import param_counts, train_flops_per_token
+from moe_lc.model.transformer import build_model
+from moe_lc.parallel import comm
+from moe_lc.parallel.mesh import ParallelDims, init_distributed
+from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, parallelize, zero_param_groups
+from moe_lc.parallel.zero import ZeroAdamW
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    final_state: dict | None = None  # unsharded parameters (rank 0, when asked for)
+    comm_per_step: list[dict] = field(default_factory=list)
+    optimizer_state_bytes: int = 0
+
+
+def _refuse_unbuilt_features(cfg: Config) -> None:
+    """Recipes may name features that are validated but not built yet: fail loudly, never ignore them."""
+    todo = []
+    if cfg.precision.recipe == "fp8":
+        todo.append("precision.recipe='fp8' (FP8 GEMMs in the one Linear)")
+    if cfg.recompute.policy != "none":
+        todo.append(f"recompute.policy={cfg.recompute.policy!r}")
+    if todo:
+        raise ConfigError([f"{item} is not implemented yet" for item in todo])
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Owns the model, optimizer, data and logging of one rank."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        t, p = cfg.train, cfg.precision
+        _refuse_unbuilt_features(cfg)
+        self.device = resolve_device(t.device)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
+        self.dims = ParallelDims.from_config(cfg.parallel, world, rank)
+        self.dims.init_groups()
+        self.is_logger = rank == 0
+        self.dp_rank = self.dims.coords()["dp"]
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                               f"{self.tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"])
+        dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed, tokenizer=self.tokenizer)
+        self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
+
+        model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
+        self.model = parallelize(model, self.dims).to(self.device)
+        self.model.train()
+        self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
+        for moe in self.model.moe_layers().values():
+            moe.aux_loss_scale = 1.0 / (self.microbatches * self.dims.dp)
+        self.optimizer = ZeroAdamW(
+            zero_param_groups(self.model, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
+            eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
+            moments_dtype=torch.bfloat16 if p.adam_moments == "bf16" else torch.float32,
+            no_decay=no_weight_decay_names(self.model))
+        self.step = 0
+        self.nonfinite_skipped = 0
+        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
+        self.peak = peak_flops(self.device, p.recipe, t.peak_tflops)
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+    def _step_token_count(self, micro: list[dict]) -> float:
+        if all(mb["loss_mask"] is None for mb in micro):
+            return float(self.cfg.train.global_batch * self.cfg.train.seq_len)
+        local = sum(float(mb["loss_mask"].sum()) if mb["loss_mask"] is not None else mb["tokens"][:, 1:].numel()
+                    for mb in micro)
+        count = torch.tensor(local, dtype=torch.float64)
+        comm.all_reduce(count, self.dims["dp"])
+        return max(count.item(), 1.0)
+
+    def train_step(self) -> tuple[float, float, bool]:
+        micro = self.loader.next_step()
+        n_tokens = self._step_token_count(micro)
+        self.optimizer.begin_step(len(micro))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro:
+            tokens = mb["tokens"].to(self.device)
+            mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
+            loss = self.model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mask)
+            (loss / n_tokens).backward()
+            loss_sum += loss.detach().double()
+        comm.all_reduce(loss_sum, self.dims["dp_cp"])
+        grad_norm, applied = self.optimizer.step(lr_at(self.step, self.cfg.train))
+        self._update_router_biases()
+        return loss_sum.item() / n_tokens, grad_norm, applied
+
+    @torch.no_grad()
+    def _update_router_biases(self) -> dict:
+        """Sum expert loads over every router replica (one all-reduce), then nudge each bias."""
+        moes = self.model.moe_layers()
+        if not moes:
+            return {}
+        loads = torch.stack([m.router.expert_load for m in moes.values()])
+        comm.all_reduce(loads, self.dims["dp_cp_tp"])
+        stats = {}
+        for (name, moe), load in zip(moes.items(), loads):
+            stats[f"moe/imbalance/layer{name}"] = (load.max() / load.mean().clamp_min(1e-9)).item()
+            moe.router.update_bias(load)
+            bias = moe.router.expert_bias
+            stats[f"moe/bias_range/layer{name}"] = (bias.max() - bias.min()).item()
+            if moe.last_aux_loss is not None:
+                stats[f"moe/aux_loss/layer{name}"] = moe.last_aux_loss.item()
+        stats["moe/imbalance_max"] = max(v for k, v in stats.items() if k.startswith("moe/imbalance/"))
+        self._moe_stats = stats
+        return stats
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "train": {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped,
+                          "data": self.loader.state_dict()}}
+
+    def checkpoint_root(self) -> Path:
+        c = self.cfg.checkpoint
+        return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
+
+    def save(self) -> Path:
+        barrier = (lambda: torch.distributed.barrier()) if self.dims.world > 1 else (lambda: None)
+        return ckpt.save_checkpoint(self.checkpoint_root(), self.step, self._state(), is_writer=self.is_logger,
+                                    barrier=barrier, keep=self.cfg.checkpoint.keep)
+
+    def try_resume(self) -> Path | None:
+        path = ckpt.latest_checkpoint(self.checkpoint_root())
+        if path is None:
+            return None
+        state = self._state()
+        ckpt.load_checkpoint(path, state)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = int(state["train"]["step"])
+        self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
+        self.loader.load_state_dict(state["train"]["data"])
+        return path
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def fit(self, keep_final_state: bool = False) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        out = Path(t.output_dir)
+        resumed = self.try_resume() if cfg.checkpoint.resume else None
+        logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=resumed is not None)
+        if self.is_logger:
+            (out / "config.toml").write_text(to_toml(cfg))
+            self._banner(resumed)
+        result = TrainResult(optimizer_state_bytes=self.optimizer.state_bytes())
+        tokens_per_step = t.global_batch * t.seq_len
+        while self.step < t.steps:
+            self.dims.counter.reset()
+            start = time.perf_counter()
+            lr = lr_at(self.step, t)
+            loss, grad_norm, applied = self.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if not applied:
+                self.nonfinite_skipped += 1
+                logger.event(f"step {self.step + 1}: non-finite loss/grad norm ({loss}, {grad_norm}); update "
+                             f"skipped ({self.nonfinite_skipped}/{t.max_nonfinite_steps})")
+                if self.nonfinite_skipped > t.max_nonfinite_steps:
+                    raise FloatingPointError(
+                        f"stopping: {self.nonfinite_skipped} steps with a non-finite loss or grad norm "
+                        f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last checkpoint is intact")
+            self.step += 1
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / elapsed,
+                       "step_time": elapsed, "skipped_steps": self.nonfinite_skipped}
+            if self.peak:
+                metrics["mfu"] = self.flops_per_token * tokens_per_step / elapsed / (self.peak * self.dims.world)
+            metrics.update(getattr(self, "_moe_stats", {}))
+            comm_bytes = self.dims.counter.as_dict()
+            metrics.update(comm_bytes)
+            logger.log(self.step, metrics)
+            result.losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            result.comm_per_step.append(comm_bytes)
+            interval = cfg.checkpoint.interval
+            if interval and (self.step % interval == 0 or self.step == t.steps):
+                path = self.save()
+                logger.event(f"checkpoint saved: {path}")
+        if keep_final_state:
+            result.final_state = full_state_dict(self.model, self.dims)
+        logger.close()
+        return result
+
+    def _banner(self, resumed: Path | None) -> None:
+        c = param_counts(self.cfg.model)
+        t = self.cfg.train
+        print(f"moe_lc | {c['total'] / 1e6:.2f}M params ({c['activated'] / 1e6:.2f}M activated) | "
+              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe}", flush=True)
+        print(f"moe_lc | {t.steps} steps x {t.global_batch} seqs x {t.seq_len} tokens, "
+              f"{self.microbatches} micro-batches of {t.micro_batch} per rank | output {t.output_dir}"
+              + (f" | resumed from {resumed}" if resumed else ""), flush=True)
+
+
+def run(cfg: Config, keep_final_state: bool = False) -> TrainResult:
+    """Train with a validated config in this process (one rank of the job)."""
+    return Trainer(cfg).fit(keep_final_state)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m moe_lc.train", description=__doc__.splitlines()[0])
+    ap.add_argument("recipe", help="recipe TOML file (see recipes/)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe key, e.g. --set train.lr=1e-3 (repeatable)")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    ap.add_argument("--docs", action="store_true", help="with --print-config: a comment per field")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_config(args.recipe, args.set, world_size=world)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_toml(cfg, docs=args.docs))
+        return 0
+    try:
+        result = run(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if result.losses and not math.isfinite(result.losses[-1]):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Recipes: loading, extends, overrides, and every-error-at-once validation messages."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_lc.config import Config, ConfigError, load_config, to_toml, validate
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def write(tmp_path, text, name="r.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def errors_of(path, overrides=(), world_size=None):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides), world_size=world_size)
+    return info.value.errors
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(recipe):
+    assert isinstance(load_config(recipe), Config)
+
+
+def test_printed_config_round_trips(tmp_path):
+    cfg = load_config(RECIPES / "debug_cpu.toml", ["train.lr=1e-3", "model.score_func=softmax"])
+    path = write(tmp_path, to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_extends_merges_base_then_override(tmp_path):
+    write(tmp_path, "[train]\nlr = 0.5\nsteps = 7\n[model]\ndim = 64\nn_heads = 2\nn_kv_heads = 1\n", "base.toml")
+    child = write(tmp_path, 'extends = "base.toml"\n[train]\nsteps = 9\n')
+    cfg = load_config(child)
+    assert (cfg.train.lr, cfg.train.steps, cfg.model.dim) == (0.5, 9, 64)
+
+
+def test_extends_cycle_is_reported(tmp_path):
+    write(tmp_path, 'extends = "b.toml"\n', "a.toml")
+    write(tmp_path, 'extends = "a.toml"\n', "b.toml")
+    assert "extends cycle" in errors_of(tmp_path / "a.toml")[0]
+
+
+def test_set_overrides_are_typed():
+    cfg = load_config(RECIPES / "debug_cpu.toml", ["train.lr=1e-4", "precision.recipe=bf16", "checkpoint.resume=true",
+                                                   "data.synthetic_tasks=passkey,multikey_needle", "train.seq_len=256"])
+    assert cfg.train.lr == 1e-4 and cfg.precision.recipe == "bf16" and cfg.checkpoint.resume is True
+    assert cfg.data.synthetic_tasks == ["passkey", "multikey_needle"] and cfg.train.seq_len == 256
+
+
+def test_int_field_accepts_no_float_and_float_field_accepts_int():
+    cfg = load_config(RECIPES / "debug_cpu.toml", ["train.lr=1"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    errs = errors_of(RECIPES / "debug_cpu.toml", ["train.steps=1.5"])
+    assert errs == ["train.steps=1.5 must be an integer, got float"]
+
+
+def test_unknown_keys_and_sections_suggest_the_right_name():
+    errs = errors_of(RECIPES / "debug_cpu.toml", ["train.learning_rate=1", "modle.dim=3", "model.n_expert=4"])
+    assert "unknown section [modle] (did you mean 'model'?)" in errs
+    assert "unknown key train.learning_rate" in errs  # nothing close enough to suggest
+    assert "unknown key model.n_expert (did you mean 'n_experts'?)" not in errs
+    assert any(e.startswith("unknown key model.n_expert (did you mean") for e in errs)
+
+
+def test_all_violations_reported_at_once_with_field_value_rule():
+    errs = errors_of(RECIPES / "debug_cpu.toml", [
+        "parallel.tp=3", "model.topk=0", "train.lr=-1", "precision.recipe=fp16", "train.micro_batch=5"])
+    joined = "\n".join(errs)
+    assert "parallel.tp=3 must divide model.n_heads=4" in joined
+    assert "model.topk=0 must lie in [1, n_routed_experts=8]" in joined
+    assert "train.lr=-1.0 must be > 0" in joined
+    assert "precision.recipe='fp16' must be one of 'fp32', 'bf16', 'fp8'" in joined
+    assert "train.micro_batch=5 must divide train.global_batch=16" in joined
+    assert len(errs) >= 5
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.dp=3"], 4, "parallel.pp*dp*cp*tp=3 must equal the world size 4"),
+    (["parallel.tp=3"], 4, "parallel.pp*cp*tp=3 must divide the world size"),
+    (["parallel.ep=3"], 4, "parallel.ep=3 must divide dp*cp*tp=4"),
+    (["parallel.ep=16"], 16, "parallel.ep=16 must divide model.n_routed_experts=8"),
+    (["parallel.cp=2", "train.seq_len=130"], 2, "train.seq_len=130 must be divisible by 4"),
+    (["train.global_batch=12"], 8, "train.global_batch=12 must be divisible by micro_batch*dp=64"),
+    (["parallel.pp=8"], 8, "model.n_layers=4 is fewer than the 8 pipeline stages"),
+    (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_groups=1", "model.topk_groups=1"], 4,
+     "model.n_groups=1 must be a multiple of the 2 nodes"),
+    (["parallel.ranks_per_node=3"], 4, "parallel.ranks_per_node=3 must divide the world size 4"),
+    (["parallel.microbatches=3"], 1, "parallel.microbatches=3 must equal global_batch/(micro_batch*dp)=2"),
+    (["model.n_kv_heads=3"], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
+    (["model.n_groups=3"], 1, "model.n_groups=3 must divide model.n_routed_experts=8"),
+    (["model.vocab_size=200"], 1, "model.vocab_size=200 must be >= 259 for the byte tokenizer"),
+])
+def test_layout_rules(overrides, world, message):
+    errs = errors_of(RECIPES / "debug_cpu.toml", overrides, world_size=world)
+    assert any(message in e for e in errs), errs
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    path = write(tmp_path, "[train\nsteps = 3\n")
+    (err,) = errors_of(path)
+    assert str(path) in err and "malformed TOML" in err
+
+
+def test_missing_recipe_file(tmp_path):
+    (err,) = errors_of(tmp_path / "nope.toml")
+    assert "recipe file not found" in err
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = write(tmp_path, '[train]\nsteps = "ten"\n[checkpoint]\nresume = 1\n')
+    errs = errors_of(path)
+    assert "train.steps='ten' must be an integer, got str" in errs
+    assert "checkpoint.resume=1 must be true/false, got int" in errs
+
+
+def test_bad_set_syntax():
+    (err,) = errors_of(RECIPES / "debug_cpu.toml", ["lr=3"])
+    assert "expected SECTION.KEY=VALUE" in err
+
+
+def test_default_config_is_valid():
+    validate(Config())

@@ -1,0 +1,163 @@
+"""Model pieces: RoPE/YaRN against the published formula, the one Linear, counters vs meta models."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lc.config import ModelConfig, load_config
+from moe_lc.model.counting import param_counts, train_flops_per_token
+from moe_lc.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq, yarn_mscale
+from moe_lc.model.transformer import Transformer, build_model
+from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+# -- RoPE / YaRN --------------------------------------------------------------------------------------
+
+def yarn_reference(d, b, s, L, beta_fast, beta_slow):
+    """REFERENCE.md: r_i = L/lambda_i; gamma 1 above beta_fast, 0 below beta_slow, linear between."""
+    out = []
+    for i in range(d // 2):
+        theta = b ** (-2 * i / d)
+        r = L / (2 * math.pi / theta)
+        gamma = 1.0 if r > beta_fast else 0.0 if r < beta_slow else (r - beta_slow) / (beta_fast - beta_slow)
+        out.append((1 - gamma) * theta / s + gamma * theta)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("d, b, s, L", [(64, 10000.0, 32.0, 4096), (128, 10000.0, 40.0, 4096), (64, 500000.0, 8.0, 8192)])
+def test_yarn_frequencies_follow_the_formula(d, b, s, L):
+    got = rope_inv_freq(d, b, "yarn", s, L, 32.0, 1.0)
+    ref = yarn_reference(d, b, s, L, 32.0, 1.0)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    plain = rope_inv_freq(d, b)
+    assert got[0] == plain[0]  # highest frequency untouched
+    torch.testing.assert_close(got[-1], plain[-1] / s)  # lowest frequency interpolated by 1/s
+
+
+def test_yarn_mscale():
+    assert yarn_mscale(1.0) == 1.0
+    assert yarn_mscale(40.0) == pytest.approx(0.1 * math.log(40.0) + 1)
+
+
+def test_rope_is_a_rotation_and_relative():
+    rope = RotaryEmbedding(16, 10000.0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(i, j):
+        ci, si = rope(torch.tensor([i]))
+        cj, sj = rope(torch.tensor([j]))
+        return (apply_rope(q, ci, si) * apply_rope(k, cj, sj)).sum()
+
+    c, s = rope(torch.tensor([5]))
+    assert torch.allclose(apply_rope(q, c, s).norm(), q.norm())
+    assert torch.allclose(score(7, 3), score(104, 100), atol=1e-5)  # depends on i - j only
+
+
+# -- the one Linear -----------------------------------------------------------------------------------
+
+def test_linear_backward_matches_autograd_and_deferral_gives_same_grad():
+    torch.manual_seed(0)
+    lin = Linear(6, 5, bias=True)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(3, 4, 6, requires_grad=True)
+    dy = torch.randn(3, 4, 5)
+    lin(x).backward(dy)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = lin.weight.detach().clone().requires_grad_()
+    (torch.nn.functional.linear(x_ref, w_ref, lin.bias.detach())).backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(lin.weight.grad, w_ref.grad)
+    torch.testing.assert_close(lin.bias.grad, dy.sum((0, 1)))
+
+    # deferred: B gives dx only, W later gives the same dW and fires the post-accumulate hooks
+    fired = []
+    lin.weight.grad = None
+    # autograd fires the hook at B time too, with no gradient (B returned None for the weight)
+    lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad) if p.grad is not None else None)
+    lin.wgrad_store = WeightGradStore()
+    x.grad = None
+    with lin.wgrad_store.deferring():
+        lin(x).backward(dy)
+    assert lin.weight.grad is None and len(lin.wgrad_store) == 1
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    lin.wgrad_store.flush()
+    torch.testing.assert_close(lin.weight.grad, w_ref.grad)
+    assert len(fired) == 1 and len(lin.wgrad_store) == 0
+
+
+def test_linear_casts_weight_to_input_dtype():
+    lin = Linear(8, 4).to(torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(2, 8)
+    y = lin(x)  # fp32 input: fp32 compute (the router does this)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert lin.weight.grad.dtype == torch.bfloat16
+
+
+def test_grouped_linear_matches_per_expert_loop():
+    torch.manual_seed(0)
+    g = GroupedLinear(4, 6, 5)
+    torch.nn.init.normal_(g.weight)
+    counts = torch.tensor([3, 0, 4, 2])
+    x = torch.randn(9, 6, requires_grad=True)
+    dy = torch.randn(9, 5)
+    g(x, counts).backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    wr = g.weight.detach().clone().requires_grad_()
+    parts = xr.split(counts.tolist())
+    torch.cat([p @ wr[e].t() for e, p in enumerate(parts)]).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(g.weight.grad, wr.grad)
+    assert g.weight.grad[1].abs().sum() == 0  # expert without tokens gets a zero gradient
+
+
+# -- counters -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.name)
+def test_param_counter_matches_meta_model(recipe):
+    cfg = load_config(recipe).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    counts = param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counts["routed_experts"] == routed
+    assert counts["activated"] == counts["total"] - routed + routed * cfg.topk // max(cfg.n_routed_experts, 1)
+
+
+def test_flops_counter_matches_traced_matmuls():
+    """Count forward matmul FLOPs of the debug model with torch's FLOP counter; x3 for training."""
+    from torch.utils import flop_counter
+
+    if torch.ops.aten._grouped_mm.default not in flop_counter.flop_registry:
+        @flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)
+        def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs):  # (T, K) x (E, K, N): each row meets one expert
+            return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    cfg = load_config(RECIPES / "debug_cpu.toml", ["model.attn_backend=reference"]).model
+    model = build_model(cfg, seed=0)
+    S = 64
+    with flop_counter.FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 259, (2, S)))
+    counts = counter.get_flop_counts()["Global"]
+    assert torch.ops.aten._grouped_mm in counts  # the experts really ran as grouped GEMMs
+    traced = counter.get_total_flops() / (2 * S)
+    # The reference backend computes the full S x S scores (no causal skipping): add the masked half.
+    expected = train_flops_per_token(cfg, S) / 3
+    masked_half = cfg.n_layers * cfg.n_heads * (S / 2) * 2 * (2 * cfg.head_size)
+    assert traced == pytest.approx(expected + masked_half, rel=1e-9)
+
+
+def test_build_model_is_seeded_and_dtype_aware():
+    cfg = ModelConfig()
+    a, b = build_model(cfg, seed=1), build_model(cfg, seed=1)
+    c = build_model(cfg, seed=2, dtype=torch.bfloat16)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.embed.weight, c.embed.weight.float())
+    assert all(p.dtype == torch.bfloat16 for p in c.parameters())
+    assert c.layers["1"].ffn.router.expert_bias.dtype == torch.float32  # buffers keep their dtype
