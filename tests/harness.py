@@ -1,0 +1,151 @@
+"""Equivalence harness: run a recipe on 1 process and on W gloo processes, compare step by step.
+
+    ref = run_layout(recipe, overrides, world=1)
+    got = run_layout(recipe, overrides + ["parallel.dp=2"], world=2)
+    report = assert_equivalent(ref, got, rtol=1e-5)
+
+`run_layout` starts W processes (torch.multiprocessing, spawn) that each call `moe_lc.train.run`
+with the rendezvous environment torchrun would set, and collects from every rank: per-step losses
+and grad norms, counted communication per step, optimizer-state bytes, and (rank 0) the unsharded
+final parameters. Single-process references are cached per (recipe, overrides) for the session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+# small, fast defaults for every multi-rank test (one thread per process: W processes share 2 cores)
+FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120"]
+
+# Tolerances: fp32 layouts reorder sums (reduce-scatter, split attention, ...) -> 1e-5 relative.
+# bf16 rounds every activation; different reduction orders move the loss by up to ~1e-2 relative.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp8": 2e-2}
+
+
+@dataclass
+class LayoutResult:
+    losses: list[float]
+    grad_norms: list[float]
+    final_state: dict[str, torch.Tensor]  # from rank 0
+    comm_per_rank: list[list[dict]]  # [rank][step] -> {"comm/<group>/<op>_bytes": n}
+    optimizer_state_bytes: list[int]  # per rank
+    world: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, recipe: str, overrides: list[str], out_dir: str,
+            ranks_per_node: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node),
+                      LOCAL_WORLD_SIZE=str(ranks_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_lc.config import load_config
+    from moe_lc.train import run
+
+    cfg = load_config(recipe, overrides, world_size=world)
+    result = run(cfg, keep_final_state=True)
+    torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "comm": result.comm_per_step,
+                "state_bytes": result.optimizer_state_bytes,
+                "final_state": result.final_state if rank == 0 else None}, Path(out_dir) / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_s: float = 600,
+               ranks_per_node: int | None = None) -> LayoutResult:
+    """Train `recipe` with `overrides` on `world` gloo processes (1 = in this process, fresh state)."""
+    recipe = str(recipe)
+    with tempfile.TemporaryDirectory(prefix="moe_lc_eq_") as tmp:
+        overrides = FAST + list(overrides) + [f"train.output_dir={tmp}/run"]
+        port = _free_port()
+        ctx = mp.start_processes(_worker, args=(world, port, recipe, overrides, tmp, ranks_per_node or world),
+                                 nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"layout {overrides} on {world} ranks did not finish in {timeout_s:.0f} s")
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return LayoutResult(ranks[0]["losses"], ranks[0]["grad_norms"], ranks[0]["final_state"],
+                        [r["comm"] for r in ranks], [r["state_bytes"] for r in ranks], world)
+
+
+_REFERENCE_CACHE: dict[tuple, LayoutResult] = {}
+
+
+def reference(recipe: str | Path, overrides: list[str]) -> LayoutResult:
+    """The single-process result for (recipe, overrides), computed once per test session."""
+    key = (str(recipe), tuple(overrides))
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = run_layout(recipe, overrides, world=1)
+    return _REFERENCE_CACHE[key]
+
+
+@dataclass
+class Report:
+    max_loss_rel: float
+    max_param_rel: float  # max over tensors of ||a - b|| / ||b||
+    worst_param: str
+
+
+def compare(ref: LayoutResult, got: LayoutResult) -> Report:
+    assert len(ref.losses) == len(got.losses), (len(ref.losses), len(got.losses))
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
+    assert ref.final_state.keys() == got.final_state.keys(), set(ref.final_state) ^ set(got.final_state)
+    worst, worst_name = 0.0, ""
+    for name, want in ref.final_state.items():
+        have = got.final_state[name]
+        assert have.shape == want.shape, (name, have.shape, want.shape)
+        rel = ((have.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+        if rel > worst:
+            worst, worst_name = rel, name
+    return Report(loss_rel, worst, worst_name)
+
+
+def assert_equivalent(ref: LayoutResult, got: LayoutResult, rtol: float = 1e-5) -> Report:
+    """Per-step losses and every final parameter tensor agree within rtol (relative, norm-wise)."""
+    report = compare(ref, got)
+    assert report.max_loss_rel <= rtol, f"losses differ by {report.max_loss_rel:.2e} > {rtol}: {ref.losses} vs {got.losses}"
+    assert report.max_param_rel <= rtol, f"parameter {report.worst_param} differs by {report.max_param_rel:.2e} > {rtol}"
+    return report
+
+
+def _fn_worker(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, ranks_per_node: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node),
+                      LOCAL_WORLD_SIZE=str(ranks_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_workers(fn, world: int, *args, ranks_per_node: int | None = None, timeout_s: float = 300) -> list:
+    """Run fn(rank, world, *args) on `world` gloo processes (process group initialized); returns each
+    rank's return value. fn must be importable (module level) for the spawn start method."""
+    with tempfile.TemporaryDirectory(prefix="moe_lc_fn_") as tmp:
+        ctx = mp.start_processes(_fn_worker, args=(world, _free_port(), fn, args, tmp, ranks_per_node or world),
+                                 nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout_s:.0f} s")
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]

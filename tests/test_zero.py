@@ -1,0 +1,161 @@
+"""ZeRO-1 data parallelism: equivalence to one device, counted traffic and state bytes by formula."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_lc.config import load_config
+from moe_lc.model.counting import param_counts
+from tests.harness import RECIPES, TOLERANCE, assert_equivalent, reference, run_layout, run_workers
+
+RECIPE = RECIPES / "debug_cpu.toml"
+BASE = ["train.steps=5", "train.seq_len=64", "train.global_batch=8", "train.warmup_steps=2"]
+
+
+def zero_buckets_padded(numels_in_order, bucket_elems, n):
+    """Independent restatement of ZeRO-1's layout: greedy buckets, each padded to a multiple of n."""
+    sizes, cur = [], 0
+    for k in numels_in_order:
+        if cur and cur + k > bucket_elems:
+            sizes.append(cur)
+            cur = 0
+        cur += k
+    sizes.append(cur)
+    return sum(-(-s // n) * n for s in sizes)
+
+
+@pytest.mark.parametrize("dp, micro", [(2, 2), (4, 1)])
+def test_zero1_matches_one_device(dp, micro):
+    """fp32, 5 steps, 2 micro-batches per rank (gradient accumulation) vs 1 process (4 or 8)."""
+    overrides = BASE + [f"train.micro_batch={micro}"]
+    ref = reference(RECIPE, overrides)
+    got = run_layout(RECIPE, overrides + [f"parallel.dp={dp}"], world=dp)
+    report = assert_equivalent(ref, got, rtol=1e-5)
+    # The global clipping norm agrees too. Looser than the losses: a near-tie in top-k routing can flip
+    # one token's expert under a reordered fp32 sum, which moves that step's gradient by ~1e-5 while
+    # the loss moves by ~1e-8 (one process with micro_batch 1 vs 2 shows the same effect).
+    assert max(abs(a - b) / b for a, b in zip(got.grad_norms, ref.grad_norms)) < 1e-4
+    print(f"dp={dp}: max loss rel diff {report.max_loss_rel:.1e}, max param rel diff {report.max_param_rel:.1e}")
+
+    # Counted bytes per step = formula: reduce-scatter of fp32 gradients + all-gather of parameters,
+    # each (N-1)/N x psi x bytes, per ZeRO group (dense over dp, experts over edp = dp here).
+    counts = param_counts(load_config(RECIPE).model)
+    psi = {"dp_cp": counts["total"] - counts["routed_experts"], "edp": counts["routed_experts"]}
+    for group, n_params in psi.items():
+        assert n_params % dp == 0  # one bucket per group, no padding for these sizes
+        expected = (dp - 1) * n_params * 4 // dp
+        for rank in range(dp):
+            for step in got.comm_per_rank[rank]:
+                assert step[f"comm/{group}/reduce_scatter_bytes"] == expected
+                assert step[f"comm/{group}/all_gather_bytes"] == expected
+    # Optimizer state per rank: fp32 master + two fp32 moments = 12 psi / N
+    assert got.optimizer_state_bytes == [12 * counts["total"] // dp] * dp
+    assert ref.optimizer_state_bytes == [12 * counts["total"]]
+
+
+def test_uneven_sharding_pads_each_bucket():
+    """dp=3 with small buckets: every bucket padded to a multiple of 3; bytes follow the padded psi."""
+    bucket_mb = 0.05
+    overrides = BASE + ["train.global_batch=6", "train.micro_batch=1", "train.steps=2",
+                        f"parallel.zero_bucket_mb={bucket_mb}", "parallel.dp=3"]
+    got = run_layout(RECIPE, overrides, world=3)
+    from moe_lc.model.transformer import Transformer
+
+    model = Transformer(load_config(RECIPE).model)
+    named = list(model.named_parameters())
+    bucket_elems = int(bucket_mb * 2**20 / 4)
+    dense = [p.numel() for n, p in reversed(named) if ".experts." not in n]
+    expert = [p.numel() for n, p in reversed(named) if ".experts." in n]
+    padded = {"dp_cp": zero_buckets_padded(dense, bucket_elems, 3), "edp": zero_buckets_padded(expert, bucket_elems, 3)}
+    assert padded["dp_cp"] > sum(dense)  # this layout really pads
+    for group, psi in padded.items():
+        for rank in range(3):
+            step = got.comm_per_rank[rank][0]
+            assert step[f"comm/{group}/reduce_scatter_bytes"] == 2 * psi * 4 // 3
+            assert step[f"comm/{group}/all_gather_bytes"] == 2 * psi * 4 // 3
+    assert got.optimizer_state_bytes == [12 * (padded["dp_cp"] + padded["edp"]) // 3] * 3
+
+
+def _overlap_worker(rank, world):
+    """Record when gradient buckets are launched relative to the end of backward."""
+    from moe_lc.config import ModelConfig, ParallelConfig
+    from moe_lc.model.transformer import build_model
+    from moe_lc.parallel import comm
+    from moe_lc.parallel.mesh import ParallelDims
+    from moe_lc.parallel.parallelize import parallelize, zero_param_groups
+    from moe_lc.parallel.zero import ZeroAdamW
+
+    d = ParallelDims.from_config(ParallelConfig(), world, rank)
+    d.init_groups()
+    model = parallelize(build_model(ModelConfig(attn_backend="reference"), seed=0), d)
+    opt = ZeroAdamW(zero_param_groups(model, d), d["world"], bucket_mb=0.05)
+    events = []
+    real = comm.reduce_scatter
+    comm.reduce_scatter = lambda *a, **k: (events.append("launch"), real(*a, **k))[1]
+    tokens = torch.randint(0, 259, (2, 33))
+    opt.begin_step(2)
+    for micro in range(2):  # gradient accumulation: nothing is sent on the first micro-step
+        h = model.embed(tokens[:, :-1])
+        h.register_hook(lambda g: events.append("embed-grad"))  # the very end of backward
+        loss = model.loss_fn(model.head(model.norm(_blocks(model, h))), tokens[:, 1:])
+        loss.backward()
+        events.append(f"end-micro{micro}")
+    opt.step(lr=1e-3)
+    return events
+
+
+def _blocks(model, h):
+    cos, sin = model.rope(torch.arange(h.shape[1]))
+    for block in model.layers.values():
+        h = block(h, cos, sin)
+    return h
+
+
+def test_reduce_scatter_overlaps_backward_and_skips_accumulation_steps():
+    events = run_workers(_overlap_worker, 2)[0]
+    first_end = events.index("end-micro0")
+    assert "launch" not in events[:first_end]  # no communication on a non-final micro-step
+    last = events[first_end:]
+    assert last.count("launch") >= 3
+    # buckets of late layers are launched while earlier layers are still in backward
+    assert last.index("launch") < last.index("embed-grad")
+
+
+def test_bf16_zero1_within_documented_tolerance():
+    overrides = BASE + ["train.micro_batch=2", "precision.recipe=bf16"]
+    ref = reference(RECIPE, overrides)
+    got = run_layout(RECIPE, overrides + ["parallel.dp=2"], world=2)
+    report = assert_equivalent(ref, got, rtol=TOLERANCE["bf16"])
+    print(f"bf16 dp=2: loss rel {report.max_loss_rel:.1e}, param rel {report.max_param_rel:.1e}")
+
+
+def test_bf16_adam_moments_halve_moment_memory_and_still_train():
+    overrides = BASE + ["train.micro_batch=4"]
+    fp32 = reference(RECIPE, overrides)
+    bf16 = run_layout(RECIPE, overrides + ["precision.adam_moments=bf16"], world=1)
+    psi = param_counts(load_config(RECIPE).model)["total"]
+    assert bf16.optimizer_state_bytes == [(4 + 2 + 2) * psi]
+    assert bf16.losses[-1] < bf16.losses[0]
+    assert max(abs(a - b) / b for a, b in zip(bf16.losses, fp32.losses)) < 1e-2
+
+
+def test_multi_rank_checkpoint_resume_is_exact(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    overrides = BASE + ["train.steps=6", "train.micro_batch=2", "parallel.dp=2", "checkpoint.interval=3",
+                        f"checkpoint.dir={ckpt}"]
+    full = run_layout(RECIPE, overrides, world=2)
+    shutil.rmtree(ckpt / "step_00000006")
+    resumed = run_layout(RECIPE, overrides + ["checkpoint.resume=true"], world=2)
+    assert resumed.losses == full.losses[3:]
+    assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
+
+
+def test_torchrun_dp4_on_cpu(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moe_lc.train",
+           str(RECIPE), "--set", "parallel.dp=4", "--set", "train.steps=3", "--set", f"train.output_dir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dp=4" in out.stdout and "step 3/3" in out.stdout
