@@ -26,7 +26,8 @@ from moe_lc.model.counting import param_counts, train_flops_per_token
 from moe_lc.model.transformer import build_model
 from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
-from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, parallelize, zero_param_groups
+from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, parallelize, prepare_batch,
+                                         zero_param_groups)
 from moe_lc.parallel.zero import ZeroAdamW
 
 
@@ -80,7 +81,7 @@ class Trainer:
         self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
         model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
-        self.model = parallelize(model, self.dims).to(self.device)
+        self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch).to(self.device)
         self.model.train()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
         for moe in self.model.moe_layers().values():
@@ -111,9 +112,10 @@ class Trainer:
         self.optimizer.begin_step(len(micro))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro:
-            tokens = mb["tokens"].to(self.device)
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            loss = self.model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mask)
+            batch = prepare_batch(mb["tokens"].to(self.device), mask, self.dims)
+            loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
+                              loss_mask=batch["loss_mask"])
             (loss / n_tokens).backward()
             loss_sum += loss.detach().double()
         comm.all_reduce(loss_sum, self.dims["dp_cp"])

@@ -2,13 +2,17 @@
 
     PP split -> TP/SP -> EP -> CP -> recompute -> (ZeRO-1 lives in the optimizer)
 
-Each step swaps parallel-aware pieces into the model (the one Linear's TP role, ring attention,
-an all-to-all token dispatcher) and records, per parameter, how it is placed:
+The model arrives fully initialized on every rank (same seed, so the same values everywhere); each
+step swaps parallel-aware pieces into it (the one Linear's TP role, vocab-parallel embedding and
+loss, an all-to-all token dispatcher, ring attention) and shards parameters with
+`moe_lc.parallel.placement`. Every parameter ends up with two attributes:
 
-    param._grad_group : name of the group its gradient is summed over (and ZeRO-1 shards it over):
-                        "dp_cp" (dense, sharded or unique per tp rank), "dp_cp_tp" (replicated over
-                        tp, e.g. norms under sequence parallelism), "edp" (routed experts)
-    param._placement  : [(group name, tensor dim, sections)] to rebuild the full tensor from shards
+    param._grad_group : the group its gradient is summed over, which ZeRO-1 also shards it over:
+                        "dp_cp"    dense, unique per tp rank (sharded or tp = 1)
+                        "dp_cp_tp" replicated over tp, each tp rank saw different tokens
+                                   (norms and the router under sequence parallelism)
+                        "edp"      routed experts (replicated over the expert-data-parallel group)
+    param._placement  : [Shard, ...] to rebuild the full tensor (empty = not sharded)
 
 The model code never imports this package.
 """
@@ -19,21 +23,53 @@ import torch
 from torch import nn
 
 from moe_lc.model.moe import RoutedExperts
+from moe_lc.model.norm import RMSNorm
 from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.placement import gather_full
 
 
-def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Shard `model` (fully initialized on every rank, same seed) for this rank's coordinates."""
-    unsupported = {k: getattr(dims, k) for k in ("pp", "cp", "tp", "ep") if getattr(dims, k) > 1}
-    if unsupported:
-        raise NotImplementedError(f"parallel degrees not implemented yet: {unsupported}")
+def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "flat") -> nn.Module:
+    """Shard `model` for this rank's coordinates (see the module docstring for the order)."""
+    if dims.pp > 1:
+        raise NotImplementedError("pipeline parallelism (parallel.pp > 1) is not implemented yet")
+    if dims.tp > 1:
+        from moe_lc.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, dims)
+    if dims.ep > 1 and any(isinstance(m, RoutedExperts) for m in model.modules()):
+        from moe_lc.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, dims, expert_dispatch)
+    if dims.cp > 1:
+        from moe_lc.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, dims)
     for module in model.modules():
         is_expert = isinstance(module, RoutedExperts)
         for p in module.parameters(recurse=is_expert):
             if not hasattr(p, "_grad_group"):
                 p._grad_group = "edp" if is_expert else "dp_cp"
+            if not hasattr(p, "_placement"):
                 p._placement = []
     return model
+
+
+def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims) -> dict:
+    """Model inputs for this rank from a micro-batch of full sequences.
+
+    tokens: (B, S+1) int64 (inputs + shifted labels), loss_mask: (B, S) or None. Returns
+    {"inputs" (B, S_local), "labels" (B, S_local), "loss_mask", "positions" (S_local,)}: the whole
+    sequence on one device, this rank's zig-zag chunks under context parallelism.
+    """
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1], device=tokens.device)
+    if dims.cp > 1:
+        from moe_lc.parallel.context import zigzag_shard
+
+        inputs, labels, positions = (zigzag_shard(t, dims["cp"], dim=d)
+                                     for t, d in ((inputs, 1), (labels, 1), (positions, 0)))
+        loss_mask = zigzag_shard(loss_mask, dims["cp"], dim=1) if loss_mask is not None else None
+    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions}
 
 
 def zero_param_groups(model: nn.Module, dims: ParallelDims):
@@ -46,19 +82,23 @@ def zero_param_groups(model: nn.Module, dims: ParallelDims):
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:
-    """Norm weights, biases and embeddings are not decayed."""
-    from moe_lc.model.norm import RMSNorm
-
+    """Norm weights, biases and embedding tables are not decayed."""
     names = set()
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(module, (RMSNorm, nn.Embedding)) or p_name == "bias":
+            if isinstance(module, RMSNorm) or p_name == "bias" or "embed" in mod_name.rsplit(".", 1)[-1]:
                 names.add(full)
     return names
 
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor]:
-    """Unsharded parameters and persistent buffers by name (on every rank; fp32, CPU)."""
-    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    """Unsharded parameters and persistent buffers by name, fp32 on CPU (collective: every rank of
+    the stage calls it; every rank gets the full tensors)."""
+    out = {}
+    params = dict(model.named_parameters())
+    for name, value in model.state_dict().items():
+        placement = getattr(params.get(name), "_placement", [])
+        out[name] = gather_full(value.detach(), placement, dims.groups).float().cpu().clone()
+    return out
