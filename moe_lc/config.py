@@ -134,6 +134,7 @@ class ParallelConfig:
     ranks_per_node: int = f(0, "ranks per node; 0 = torchrun's LOCAL_WORLD_SIZE (set lower to simulate nodes)")
     pp_schedule: str = f("1f1b", "gpipe | 1f1b | interleaved_1f1b | zbh1 | dualpipe | dualpipev")
     pp_chunks: int = f(2, "model chunks per rank for interleaved_1f1b")
+    pp_stage_layers: list[int] = f([], "blocks per pipeline stage (empty = balanced by estimated cost)")
     microbatches: int = f(0, "micro-batches per step per pipeline; 0 = global_batch / (micro_batch * dp)")
     expert_dispatch: str = f("flat", "flat | hierarchical (cross each node once, then fan out inside it)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
@@ -344,6 +345,13 @@ def resolve_degrees(p: ParallelConfig, world_size: int | None) -> tuple[dict[str
     return degrees, e
 
 
+def pipeline_stages(p: ParallelConfig) -> int:
+    """Model stages of a pipeline layout (interleaved: pp_chunks per rank; DualPipeV: 2 per rank)."""
+    if p.pp == 1:
+        return 1
+    return p.pp * {"interleaved_1f1b": p.pp_chunks, "dualpipev": 2}.get(p.pp_schedule, 1)
+
+
 def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Rules that tie sections together (the one place for them). `world_size` None = the recipe's own."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -384,10 +392,14 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
     elif p.microbatches and p.microbatches != t.global_batch // per_step:
         e.append(f"parallel.microbatches={p.microbatches} must equal global_batch/(micro_batch*dp)="
                  f"{t.global_batch // per_step} (or 0 to derive it)")
-    stages = p.pp * {"interleaved_1f1b": p.pp_chunks, "dualpipev": 2}.get(p.pp_schedule, 1)
+    stages = pipeline_stages(p)
     if p.pp > 1 and m.n_layers < stages:
         e.append(f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages of "
                  f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule!r}")
+    if p.pp_stage_layers and (len(p.pp_stage_layers) != stages or sum(p.pp_stage_layers) != m.n_layers
+                              or min(p.pp_stage_layers) < 1):
+        e.append(f"parallel.pp_stage_layers={p.pp_stage_layers} must list {stages} positive block counts "
+                 f"summing to model.n_layers={m.n_layers}")
     if m.vocab_size < 259 and cfg.data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0:

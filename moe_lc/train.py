@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moe_lc import checkpoint as ckpt
-from moe_lc.config import Config, ConfigError, load_config, to_toml
+from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, peak_flops
@@ -26,6 +26,9 @@ from moe_lc.model.counting import param_counts, train_flops_per_token
 from moe_lc.model.transformer import build_model
 from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
+from moe_lc.parallel.pipeline import build_schedule
+from moe_lc.parallel.pipeline.runtime import PipelineRuntime
+from moe_lc.parallel.pipeline.stage import stage_layers
 from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, parallelize, prepare_batch,
                                          zero_param_groups)
 from moe_lc.parallel.zero import ZeroAdamW
@@ -38,6 +41,22 @@ class TrainResult:
     final_state: dict | None = None  # unsharded parameters (rank 0, when asked for)
     comm_per_step: list[dict] = field(default_factory=list)
     optimizer_state_bytes: int = 0
+
+
+def pipeline_plan(cfg: Config, microbatches: int):
+    """(schedule, layers per stage) for pp > 1, else (None, None); ConfigError on impossible plans,
+    before any process group exists."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return None, None
+    try:
+        schedule = build_schedule(p.pp_schedule, p.pp, microbatches,
+                                  p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
+        layers = stage_layers(cfg.model, schedule.n_stages, cfg.train.seq_len, p.pp_stage_layers or None)
+    except ValueError as exc:
+        raise ConfigError([f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {microbatches} "
+                           f"micro-batches: {exc}"]) from None
+    return schedule, layers
 
 
 def _refuse_unbuilt_features(cfg: Config) -> None:
@@ -67,6 +86,7 @@ class Trainer:
         self.device = resolve_device(t.device)
         if t.threads:
             torch.set_num_threads(t.threads)
+        self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.dims = ParallelDims.from_config(cfg.parallel, world, rank)
         self.dims.init_groups()
@@ -81,9 +101,16 @@ class Trainer:
         self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
         model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
-        self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch).to(self.device)
+        self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch, self.schedule,
+                                 self.stage_layers).to(self.device)
         self.model.train()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
+        self.runtime = None
+        if self.schedule is not None:
+            seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
+            self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.model.pipeline_chunks,
+                                           self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
+                                           p.compute_dtype, self.device)
         for moe in self.model.moe_layers().values():
             moe.aux_loss_scale = 1.0 / (self.microbatches * self.dims.dp)
         self.optimizer = ZeroAdamW(
@@ -106,19 +133,33 @@ class Trainer:
         comm.all_reduce(count, self.dims["dp"])
         return max(count.item(), 1.0)
 
+    @staticmethod
+    def microbatches_per_pipeline(cfg: Config) -> int:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
+        return cfg.train.global_batch // (cfg.train.micro_batch * dp)
+
     def train_step(self) -> tuple[float, float, bool]:
         micro = self.loader.next_step()
         n_tokens = self._step_token_count(micro)
-        self.optimizer.begin_step(len(micro))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        batches = []
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            batch = prepare_batch(mb["tokens"].to(self.device), mask, self.dims)
-            loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                              loss_mask=batch["loss_mask"])
-            (loss / n_tokens).backward()
-            loss_sum += loss.detach().double()
-        comm.all_reduce(loss_sum, self.dims["dp_cp"])
+            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims))
+        if self.runtime is not None:
+            self.optimizer.begin_step(self.runtime.microbatches_per_chunk())
+            loss_sum = self.runtime.step(batches, 1.0 / n_tokens)
+        else:
+            self.optimizer.begin_step(len(batches))
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for batch in batches:
+                loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
+                                  loss_mask=batch["loss_mask"])
+                (loss / n_tokens).backward()
+                loss_sum += loss.detach().double()
+        # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
+        comm.all_reduce(loss_sum, self.dims["world"])
+        loss_sum /= self.dims.tp
         grad_norm, applied = self.optimizer.step(lr_at(self.step, self.cfg.train))
         self._update_router_biases()
         return loss_sum.item() / n_tokens, grad_norm, applied

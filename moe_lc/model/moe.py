@@ -161,16 +161,33 @@ class MoE(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None  # detached, for metrics
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        ctx = {}
+        return self.combine_phase(ctx, *self.expert_phase(ctx, *self.dispatch_phase(ctx, x_BSD)))
+
+    # The forward in three phases (route + dispatch, experts, combine + shared), so that a pipeline
+    # can interleave two micro-batches' phases and hide one's token exchange behind the other's
+    # compute (DualPipe's F&B). Tensors flow through the arguments (a phased run detaches them at
+    # every boundary); `ctx` carries only non-differentiable routing state.
+    def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor):
+        """x (B, S, D) -> (x, x_sorted (T', D) grouped by local expert, gate weights (T, K)[, aux loss])."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         idx_TK, weights_TK, scores_TE = self.router(x_TD)
-        x_sorted, counts, handle = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
-        y_sorted = self.experts(x_sorted, counts)
-        y_BSD = self.dispatcher.combine(y_sorted, weights_TK, handle).view(B, S, D)
+        x_sorted, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
+        if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
+            aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1),
+                                                           self.n_experts)
+            return x_BSD, x_sorted, weights_TK, aux
+        return x_BSD, x_sorted, weights_TK
+
+    def expert_phase(self, ctx: dict, x_BSD, x_sorted, weights_TK, *aux):
+        return (x_BSD, self.experts(x_sorted, ctx["counts"]), weights_TK, *aux)
+
+    def combine_phase(self, ctx: dict, x_BSD, y_sorted, weights_TK, aux=None) -> torch.Tensor:
+        y_BSD = self.dispatcher.combine(y_sorted, weights_TK, ctx["handle"]).view_as(x_BSD)
         if self.shared is not None:
             y_BSD = y_BSD + self.shared(x_BSD)
-        if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
-            aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1), self.n_experts)
+        if aux is not None:
             self.last_aux_loss = aux.detach()
             y_BSD = _AttachAuxLoss.apply(y_BSD, aux, self.aux_loss_scale)
         return y_BSD

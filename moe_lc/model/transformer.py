@@ -36,8 +36,30 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
-        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+        return run_phases(self.phases(cos, sin), x_BSD)
+
+    def phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
+        """The block as a chain of phases, each taking and returning a tuple of tensors:
+        [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
+        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B)."""
+
+        def attention(h):
+            return (h + self.attn(self.attn_norm(h), cos, sin),)
+
+        if not isinstance(self.ffn, MoE):
+            return [attention, lambda h: (h + self.ffn(self.ffn_norm(h)),)]
+        moe, ctx = self.ffn, {}
+
+        def dispatch(h):
+            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h)))
+
+        def experts(h, *state):
+            return (h, *moe.expert_phase(ctx, *state))
+
+        def combine(h, *state):
+            return (h + moe.combine_phase(ctx, *state),)
+
+        return [attention, dispatch, experts, combine]
 
 
 class CrossEntropySum(nn.Module):
@@ -73,19 +95,35 @@ class Transformer(nn.Module):
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
         shards under CP pass theirs). Returns hidden (B, S', D) without `head`, else logits
         (B, S, V) when labels is None, else the fp32 loss summed over valid tokens."""
-        h = self.embed(inputs) if self.embed is not None else inputs
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
+        return run_phases(self.phases(positions, labels, loss_mask), inputs)
+
+    def phases(self, positions: torch.Tensor, labels=None, loss_mask=None) -> list:
+        """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
+        phases (Block.phases), then output head and loss."""
         cos, sin = self.rope(positions)
+        chain = [lambda tokens: (self.embed(tokens),)] if self.embed is not None else []
         for block in self.layers.values():
-            h = block(h, cos, sin)
-        if self.head is None:
-            return h
+            chain += block.phases(cos, sin)
+        if self.head is not None:
+            chain.append(lambda h: (self._output(h, labels, loss_mask),))
+        return chain
+
+    def _output(self, h, labels, loss_mask):
         logits = self.head(self.norm(h))
         return logits if labels is None else self.loss_fn(logits, labels, loss_mask)
 
     def moe_layers(self) -> dict[str, MoE]:
         return {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}
+
+
+def run_phases(phases: list, x):
+    """Run a chain of phases (each maps a tuple of tensors to the next) from the single input x."""
+    state = (x,)
+    for phase in phases:
+        state = phase(*state)
+    return state[0]
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -84,14 +84,29 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def flush(self) -> None:
+    def take(self) -> list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]:
+        """Remove and return the queued closures (a pipeline keeps them per micro-batch)."""
         queue, self._queue = self._queue, []
+        return queue
+
+    @staticmethod
+    @torch.no_grad()
+    def run(queue) -> None:
+        """Compute queued weight gradients and accumulate them (the "W" action); like autograd's own
+        backward this builds no graph."""
         for param, compute in queue:
             accumulate_grad(param, compute())
 
+    def flush(self) -> None:
+        self.run(self.take())
+
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """param.grad += grad, then the param's post-accumulate-grad hooks (what autograd itself does)."""
+    """Param's tensor hooks on grad, param.grad += grad, then its post-accumulate-grad hooks (what
+    autograd itself does; e.g. tensor parallelism sums replicated rows' gradients in a tensor hook)."""
+    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+        out = hook(grad)
+        grad = grad if out is None else out
     param.grad = grad if param.grad is None else param.grad + grad
     # torch keeps these hooks in a private dict; there is no public way to fire them by hand.
     for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():

@@ -143,6 +143,20 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=async_op)
 
 
+def all_gather_object(obj, group: Group) -> list:
+    """Every rank's picklable `obj`, in group order (for small metadata and final-state gathering;
+    counted as its pickled size)."""
+    if group.size == 1:
+        return [obj]
+    import pickle
+
+    nbytes = len(pickle.dumps(obj))
+    group._count_ring("all_gather_object", (group.size - 1) * nbytes)
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
 def p2p_op(kind: str, t: torch.Tensor, peer: int, group: Group) -> dist.P2POp:
     """A send ("send") or receive ("recv") of t with `peer` (an index into group.ranks), counted."""
     if kind == "send":

@@ -11,6 +11,10 @@ same j % ep. A node is `ranks_per_node` consecutive global ranks.
 
 Groups (each a `comm.Group` sharing one CommCounter): pp, dp, cp, tp, dp_cp (dense gradients),
 dp_cp_tp (tp-replicated parameters' gradients), ep, edp, world.
+
+With `pp_mirror` (DualPipe: pipeline ranks r and pp-1-r hold the same two stages), the gradient
+groups dp_cp, dp_cp_tp and edp span both mirror ranks' groups (lower pp index first), so the two
+copies of a stage sum their gradients and share one ZeRO-1 shard layout.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from moe_lc.config import ConfigError, ParallelConfig, resolve_degrees
 from moe_lc.parallel.comm import CommCounter, Group
 
 GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "dp_cp_tp", "ep", "edp", "world")
+MIRRORED = ("dp_cp", "dp_cp_tp", "edp")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class ParallelDims:
     world: int
     ranks_per_node: int
     rank: int = 0
+    pp_mirror: bool = False
     groups: dict[str, Group] = field(default_factory=dict)
     counter: CommCounter = field(default_factory=CommCounter)
 
@@ -57,7 +63,8 @@ class ParallelDims:
             errors.append(f"parallel.ranks_per_node={rpn} must divide the world size {world_size}")
         if errors:
             raise ConfigError(errors)
-        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(rpn, world_size), rank)
+        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(rpn, world_size), rank,
+                   pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1)
 
     # -- coordinates ----------------------------------------------------------------------------
     @property
@@ -77,6 +84,17 @@ class ParallelDims:
 
     def group_ranks(self, name: str) -> list[list[int]]:
         """Every group of this name, each as its global ranks in group order."""
+        groups = self._stage_group_ranks(name)
+        if not (self.pp_mirror and name in MIRRORED):
+            return groups
+        per_pp = len(groups) // self.pp  # groups are listed pp index by pp index
+        merged = []
+        for pp_i in range(self.pp // 2):
+            lo, hi = groups[pp_i * per_pp:(pp_i + 1) * per_pp], groups[(self.pp - 1 - pp_i) * per_pp:][:per_pp]
+            merged += [a + b for a, b in zip(lo, hi)]
+        return merged
+
+    def _stage_group_ranks(self, name: str) -> list[list[int]]:
         per_stage = self.dp * self.cp * self.tp
         if name == "world":
             return [list(range(self.world))]
@@ -107,22 +125,29 @@ class ParallelDims:
     def init_groups(self) -> dict[str, Group]:
         """Create every named group (collective: all ranks call it in the same order)."""
         for name in GROUP_NAMES:
-            mine, pg = None, None
-            for ranks in self.group_ranks(name):
-                new = None
-                if self.world > 1 and len(ranks) > 1:
-                    new = dist.group.WORLD if len(ranks) == self.world else dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine, pg = ranks, new
-            self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter)
+            self.add_group(name, self.group_ranks(name))
         return self.groups
+
+    def add_group(self, name: str, partition: list[list[int]]) -> Group:
+        """Create one process group per rank list of `partition` and keep this rank's as `name`
+        (collective: every rank calls it with the same partition). Parallel techniques use it for
+        subgroups beyond the mesh axes, e.g. the tp ranks sharing a replicated kv head."""
+        mine, pg = None, None
+        for ranks in partition:
+            new = None
+            if self.world > 1 and len(ranks) > 1:
+                new = dist.group.WORLD if len(ranks) == self.world else dist.new_group(ranks)
+            if self.rank in ranks:
+                mine, pg = ranks, new
+        self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter)
+        return self.groups[name]
 
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]
 
     def describe(self) -> str:
         return (f"world={self.world} pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp} ep={self.ep} "
-                f"edp={self.edp} ranks_per_node={self.ranks_per_node}")
+                f"edp={self.edp} ranks_per_node={self.ranks_per_node}" + (" (dualpipe mirror pairs)" if self.pp_mirror else ""))
 
 
 def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int]:

@@ -24,14 +24,26 @@ from torch import nn
 
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.model.norm import RMSNorm
+from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import gather_full
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "flat") -> nn.Module:
-    """Shard `model` for this rank's coordinates (see the module docstring for the order)."""
-    if dims.pp > 1:
-        raise NotImplementedError("pipeline parallelism (parallel.pp > 1) is not implemented yet")
+def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "flat",
+                schedule=None, stage_layers: list[list[int]] | None = None) -> nn.Module:
+    """Shard `model` for this rank's coordinates (see the module docstring for the order).
+
+    Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the
+    returned module holds only this rank's stages, and `model.pipeline_chunks` lists the chunk
+    modules the pipeline runtime executes (they share the returned module's submodules).
+    """
+    for i, p in enumerate(model.parameters()):
+        p._canonical_index = i  # single-device order: the same flat ZeRO layout on DualPipe mirrors
+    if schedule is not None:
+        from moe_lc.parallel.pipeline.stage import split_for_rank
+
+        model, chunks = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
+        model.pipeline_chunks = chunks
     if dims.tp > 1:
         from moe_lc.parallel.tensor import apply_tensor_parallel
 
@@ -75,7 +87,8 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
 def zero_param_groups(model: nn.Module, dims: ParallelDims):
     """[(group name, [(param name, param)], Group)] for ZeroAdamW, one per gradient group."""
     by_group: dict[str, list] = {}
-    for name, p in model.named_parameters():
+    named = sorted(model.named_parameters(), key=lambda item: getattr(item[1], "_canonical_index", 0))
+    for name, p in named:
         if p.requires_grad:
             by_group.setdefault(getattr(p, "_grad_group", "dp_cp"), []).append((name, p))
     return [(g, params, dims[g]) for g, params in sorted(by_group.items())]
@@ -101,4 +114,7 @@ def full_state_dict(model: nn.Module, dims: ParallelDims) -> dict[str, torch.Ten
     for name, value in model.state_dict().items():
         placement = getattr(params.get(name), "_placement", [])
         out[name] = gather_full(value.detach(), placement, dims.groups).float().cpu().clone()
+    if dims.pp > 1:  # every stage's tensors (DualPipe's two copies of a stage are identical)
+        for stage_state in comm.all_gather_object(out, dims["pp"]):
+            out.update(stage_state)
     return out

@@ -1,0 +1,165 @@
+"""Executes one rank's pipeline schedule (see schedule_ir.py for the action semantics).
+
+State is keyed by (stage, micro-batch):
+    outputs[(s, mb)]      the stage's forward (a PhasedRun: its output is the hidden states, or the
+                          summed loss on the last stage), kept with its autograd graphs until B
+    acts[(s, mb)]         received (or locally handed-over) input activations waiting for F
+    grads[(s, mb)]        received (or locally handed-over) output gradients waiting for B
+    input_grads[(s, mb)]  input gradients made by B, waiting for SEND_B
+    wqueue[(s, mb)]       deferred weight-gradient GEMMs of a split B, run by W
+
+Every forward runs phase by phase (overlap.PhasedRun), so any backward can run phase by phase too.
+
+Each CommGroup becomes one batch_isend_irecv whose requests all complete before the next action.
+An F&B step runs its forward and its backward as interleaved phases (overlap.interleave); the order
+is the same on CPU and GPU, only on GPU the communication of one half can hide behind the compute
+of the other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+from moe_lc.parallel import comm
+from moe_lc.parallel.comm import Group
+from moe_lc.parallel.pipeline.overlap import PhasedRun, interleave
+from moe_lc.parallel.pipeline.schedule_ir import (
+    B, F, FB, RECV_B, RECV_F, SEND_B, SEND_F, W, CommGroup, Schedule,
+)
+
+
+class PipelineRuntime:
+    """Runs `schedule.actions[rank]` over this rank's chunk modules, one optimizer step at a time.
+
+    chunks: the rank's chunk modules (Transformer shells, see stage.py), indexed by local chunk.
+    hidden_shape: (micro_batch, local sequence, dim) of activations sent between stages.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: list[nn.Module], pp_group: Group,
+                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.schedule, self.rank, self.chunks = schedule, rank, chunks
+        self.pp_group, self.hidden_shape, self.dtype, self.device = pp_group, hidden_shape, dtype, device
+        self.last_stage = schedule.n_stages - 1
+        self.store = WeightGradStore()
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, (Linear, GroupedLinear)):
+                    module.wgrad_store = self.store
+        self.trace: list[tuple] = []  # what was executed, in order (compared with the schedule in tests)
+
+    def microbatches_per_chunk(self) -> int:
+        """Micro-batches that pass through each local chunk per step (= gradient arrivals per param)."""
+        return sum(1 for route in self.schedule.routes if (self.rank, 0) in route)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self, batches: list[dict], loss_scale: float) -> torch.Tensor:
+        """Run every action for one optimizer step. batches[mb]: prepare_batch() output (all ranks
+        hold the data: stage 0 reads inputs, the last stage labels). Each micro-batch's summed loss is
+        multiplied by loss_scale before backward. Returns this rank's summed loss (fp64, detached)."""
+        self.batches, self.loss_scale = batches, loss_scale
+        self.outputs, self.acts, self.grads, self.input_grads, self.wqueue = {}, {}, {}, {}, {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.trace = []
+        for action in self.schedule.actions[self.rank]:
+            if isinstance(action, CommGroup):
+                self._communicate(action)
+            elif isinstance(action, F):
+                self._forward(action.chunk, action.mb)
+            elif isinstance(action, B):
+                self._backward(action.chunk, action.mb, action.split)
+            elif isinstance(action, W):
+                self._weight_grad(action.chunk, action.mb)
+            elif isinstance(action, FB):
+                self._forward_backward(action)
+            else:
+                raise TypeError(f"unknown pipeline action {action!r}")
+        leftovers = [k for d in (self.outputs, self.acts, self.grads, self.input_grads, self.wqueue) for k in d]
+        assert not leftovers, f"rank {self.rank}: state left after the step: {leftovers}"
+        return self.loss_sum
+
+    def _stage(self, chunk: int, mb: int) -> int:
+        return self.schedule.stage_of(self.rank, chunk, mb)
+
+    def _is_local(self, stage: int, mb: int) -> bool:
+        return 0 <= stage <= self.last_stage and self.schedule.routes[mb][stage][0] == self.rank
+
+    # -- compute ------------------------------------------------------------------------------------
+    def _start_forward(self, chunk: int, mb: int) -> tuple[int, PhasedRun]:
+        s = self._stage(chunk, mb)
+        batch = self.batches[mb]
+        x = batch["inputs"] if s == 0 else self.acts.pop((s, mb)).detach().requires_grad_()
+        last = s == self.last_stage
+        phases = self.chunks[chunk].phases(batch["positions"], batch["labels"] if last else None,
+                                           batch["loss_mask"] if last else None)
+        return s, PhasedRun(phases, x)
+
+    def _finish_forward(self, s: int, mb: int, run: PhasedRun) -> None:
+        self.outputs[(s, mb)] = run
+        if s == self.last_stage:
+            self.loss_sum += run.output.detach().double()
+        elif self._is_local(s + 1, mb):  # DualPipeV's turn: hand over to the next stage on this rank
+            self.acts[(s + 1, mb)] = run.output.detach()
+
+    def _forward(self, chunk: int, mb: int) -> None:
+        s, run = self._start_forward(chunk, mb)
+        self.trace.append(("F", s, mb))
+        run.forward_all()
+        self._finish_forward(s, mb, run)
+
+    def _backward_args(self, chunk: int, mb: int):
+        s = self._stage(chunk, mb)
+        grad = None if s == self.last_stage else self.grads.pop((s, mb))
+        return s, self.outputs.pop((s, mb)), grad
+
+    def _finish_backward(self, s: int, mb: int, run: PhasedRun, split: bool) -> None:
+        if split:
+            self.wqueue[(s, mb)] = self.store.take()
+        if s > 0 and self._is_local(s - 1, mb):
+            self.grads[(s - 1, mb)] = run.input_grad
+        elif s > 0:
+            self.input_grads[(s, mb)] = run.input_grad  # for SEND_B
+
+    def _backward(self, chunk: int, mb: int, split: bool) -> None:
+        s, run, grad = self._backward_args(chunk, mb)
+        self.trace.append(("B", s, mb, split))
+        run.backward_all(grad, self.loss_scale, self.store if split else None)
+        self._finish_backward(s, mb, run, split)
+
+    def _weight_grad(self, chunk: int, mb: int) -> None:
+        s = self._stage(chunk, mb)
+        self.trace.append(("W", s, mb))
+        WeightGradStore.run(self.wqueue.pop((s, mb)))
+
+    def _forward_backward(self, action: FB) -> None:
+        """DualPipe's F&B: the forward phases of one micro-batch alternate with the backward phases
+        of the other (attention / dispatch / experts / combine), see overlap.py."""
+        fs, f_run = self._start_forward(action.f_chunk, action.f_mb)
+        bs, b_run, grad = self._backward_args(action.b_chunk, action.b_mb)
+        order = interleave(f_run, b_run, grad, self.loss_scale, self.store if action.split else None)
+        self.trace.append(("FB", fs, action.f_mb, bs, action.b_mb, action.split, tuple(order)))
+        self._finish_forward(fs, action.f_mb, f_run)
+        self._finish_backward(bs, action.b_mb, b_run, action.split)
+
+    # -- communication ------------------------------------------------------------------------------
+    def _communicate(self, group: CommGroup) -> None:
+        ops, landing = [], []
+        for p2p in group.ops:
+            s = self._stage(p2p.chunk, p2p.mb)
+            if p2p.op == SEND_F:
+                ops.append(comm.p2p_op("send", self.outputs[(s, p2p.mb)].output.detach().contiguous(), p2p.peer,
+                                       self.pp_group))
+            elif p2p.op == SEND_B:
+                ops.append(comm.p2p_op("send", self.input_grads.pop((s, p2p.mb)).contiguous(), p2p.peer, self.pp_group))
+            elif p2p.op in (RECV_F, RECV_B):
+                buf = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.device)
+                ops.append(comm.p2p_op("recv", buf, p2p.peer, self.pp_group))
+                landing.append((self.acts if p2p.op == RECV_F else self.grads, (s, p2p.mb), buf))
+            else:
+                raise ValueError(f"unknown p2p op {p2p.op!r}")
+        self.trace.append(("COMM", tuple((p.op, p.peer, self._stage(p.chunk, p.mb), p.mb) for p in group.ops)))
+        for work in comm.batch_isend_irecv(ops):
+            work.wait()
+        for table, key, buf in landing:
+            table[key] = buf

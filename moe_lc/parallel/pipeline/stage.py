@@ -1,0 +1,106 @@
+"""Stage split: which layers form each pipeline stage, and the modules a rank keeps.
+
+The model's blocks are cut into `n_stages` contiguous stages (stage 0 also holds the embedding,
+the last stage the final norm, the output head and the loss). By default the cut balances a cost
+estimate (training FLOPs per token of each block, plus the head's on the last stage); a recipe can
+fix it with `parallel.pp_stage_layers`.
+
+A rank keeps one module per chunk it runs (`chunk_modules`) and one "union" module holding all of
+its chunks' blocks (`union_module`), through which the optimizer, checkpoints and metrics see the
+parameters under their single-device names (`layers.5.attn.wqkv.weight`), whatever the layout.
+Chunk modules share their submodules with the union module: nothing is copied.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.transformer import Transformer
+from moe_lc.parallel.pipeline.schedule_ir import Schedule
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Training FLOPs per token of each block (dense or MoE), for balancing stages."""
+    D, Dh = cfg.dim, cfg.head_size
+    attn = 2 * (D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D) + 2 * cfg.n_heads * seq_len * Dh
+    dense = 2 * 3 * D * cfg.ffn_dim
+    moe = 2 * 3 * D * cfg.moe_ffn_dim * (cfg.topk + cfg.n_shared_experts) + 2 * D * cfg.n_routed_experts
+    return [3.0 * (attn + (moe if cfg.n_routed_experts and i >= cfg.n_dense_layers else dense))
+            for i in range(cfg.n_layers)]
+
+
+def balanced_split(costs: list[float], n_stages: int, last_extra: float = 0.0) -> list[int]:
+    """Layers per stage: contiguous, >= 1 each, minimizing the most expensive stage (exact DP)."""
+    n = len(costs)
+    if n < n_stages:
+        raise ValueError(f"{n} layers cannot fill {n_stages} pipeline stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: minimal max-cost splitting the first i layers into s stages; cut[s][i]: last cut
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            extra = last_extra if s == n_stages else 0.0
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    sizes, i = [], n
+    for s in range(n_stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def stage_layers(cfg: ModelConfig, n_stages: int, seq_len: int, override: list[int] | None = None) -> list[list[int]]:
+    """Layer ids of each stage (override: layers per stage, summing to n_layers)."""
+    if override:
+        if len(override) != n_stages or sum(override) != cfg.n_layers or min(override) < 1:
+            raise ValueError(f"parallel.pp_stage_layers={override} must list {n_stages} positive layer "
+                             f"counts summing to model.n_layers={cfg.n_layers}")
+        sizes = list(override)
+    else:
+        head = 2 * 3 * cfg.dim * cfg.vocab_size
+        sizes = balanced_split(layer_costs(cfg, seq_len), n_stages, last_extra=head)
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A Transformer object sharing `full`'s submodules, keeping only the given blocks."""
+    shell = copy.copy(full)
+    shell._modules = dict(full._modules)
+    shell._parameters, shell._buffers = dict(full._parameters), dict(full._buffers)
+    shell.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layer_ids})
+    if not first:
+        shell.embed = None
+    if not last:
+        shell.head, shell.norm, shell.loss_fn = None, None, None
+    return shell
+
+
+def split_for_rank(full: Transformer, schedule: Schedule, rank: int, layers: list[list[int]]):
+    """(union module, [chunk module per local chunk]) for `rank` under `schedule`."""
+    stages_of_chunk = {}
+    for route in schedule.routes:
+        for stage, (r, chunk) in enumerate(route):
+            if r == rank:
+                stages_of_chunk[chunk] = stage
+    last = schedule.n_stages - 1
+    chunks = [_shell(full, layers[s], s == 0, s == last) for _, s in sorted(stages_of_chunk.items())]
+    mine = sorted(stages_of_chunk.values())
+    union = _shell(full, [i for s in mine for i in layers[s]], 0 in mine, last in mine)
+    union.pipeline_stages = mine
+    return union, chunks
+
