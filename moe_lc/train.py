@@ -23,7 +23,9 @@ from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token
+from moe_lc.model.recompute import apply_recompute
 from moe_lc.model.transformer import build_model
+from moe_lc.ops.fp8_linear import apply_fp8
 from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.pipeline import build_schedule
@@ -59,17 +61,6 @@ def pipeline_plan(cfg: Config, microbatches: int):
     return schedule, layers
 
 
-def _refuse_unbuilt_features(cfg: Config) -> None:
-    """Recipes may name features that are validated but not built yet: fail loudly, never ignore them."""
-    todo = []
-    if cfg.precision.recipe == "fp8":
-        todo.append("precision.recipe='fp8' (FP8 GEMMs in the one Linear)")
-    if cfg.recompute.policy != "none":
-        todo.append(f"recompute.policy={cfg.recompute.policy!r}")
-    if todo:
-        raise ConfigError([f"{item} is not implemented yet" for item in todo])
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -82,7 +73,6 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t, p = cfg.train, cfg.precision
-        _refuse_unbuilt_features(cfg)
         self.device = resolve_device(t.device)
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -103,6 +93,9 @@ class Trainer:
         model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
         self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch, self.schedule,
                                  self.stage_layers).to(self.device)
+        if p.recipe == "fp8":
+            apply_fp8(self.model, p.fp8_scaling, p.fp8_backend)
+        apply_recompute(self.model, cfg.recompute.policy, cfg.recompute.selective)
         self.model.train()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
         self.runtime = None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.recompute import checkpointed
 from moe_lc.model.rope import apply_rope, yarn_mscale
 from moe_lc.ops.attention import attention, get_backend
 from moe_lc.ops.linear import Linear
@@ -45,14 +46,23 @@ class Attention(nn.Module):
         mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) if cfg.rope_scaling == "yarn" else 1.0
         self.softmax_scale = self.head_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
+        self.recompute_core = False  # selective: keep q|k|v only, replay RoPE and the core in backward
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
+        if self.recompute_core and torch.is_grad_enabled():
+            out_BSHD = checkpointed(self._rope_and_core, qkv, cos, sin)
+        else:
+            out_BSHD = self._rope_and_core(qkv, cos, sin)
+        B, S = qkv.shape[:2]
+        return self.wo(out_BSHD.reshape(B, S, -1))
+
+    def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv (B, S, (H + 2K) * Dh) -> attention output (B, S, H, Dh)."""
         B, S, _ = qkv.shape
         dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([dq, dkv, dkv], dim=-1)
         q = apply_rope(q.view(B, S, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
         v = v.view(B, S, self.n_kv_heads, self.head_dim)
-        out_BSHD = self.core(q, k, v, self.softmax_scale)
-        return self.wo(out_BSHD.reshape(B, S, dq))
+        return self.core(q, k, v, self.softmax_scale)

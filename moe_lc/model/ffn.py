@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lc.model.recompute import checkpointed, recompute_from
 from moe_lc.ops.linear import Linear
 
 
@@ -23,6 +24,16 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.w13 = Linear(dim, 2 * hidden)
         self.w2 = Linear(hidden, dim)
+        self.recompute = False  # selective: keep gate|up only, replay the SwiGLU output in backward
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w13(x_BSD)))
+        return swiglu_then(self.w2, self.w13(x_BSD), self.recompute)
+
+
+def swiglu_then(down, gate_up: torch.Tensor, recompute: bool, *args) -> torch.Tensor:
+    """down(swiglu(gate_up), *args); with `recompute`, only gate_up is kept for backward: the
+    activation is checkpointed and the copy `down` would save is rebuilt from gate_up."""
+    if not (recompute and torch.is_grad_enabled()):
+        return down(swiglu(gate_up), *args)
+    h = checkpointed(swiglu, gate_up)
+    return recompute_from(gate_up, h, swiglu, down, *args)

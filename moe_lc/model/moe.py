@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.ffn import SwiGLU, swiglu
+from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.ops.linear import GroupedLinear, Linear
 
 
@@ -86,10 +86,11 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
+        self.recompute = False  # selective: replay the SwiGLU output from gate|up in backward
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,) -> (T, D)."""
-        return self.w2(swiglu(self.w13(x_TD, counts_E)), counts_E)
+        return swiglu_then(self.w2, self.w13(x_TD, counts_E), self.recompute, counts_E)
 
 
 class TokenDispatcher:

@@ -19,6 +19,7 @@ from moe_lc.model.attention import Attention
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.recompute import checkpointed
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.linear import GroupedLinear, Linear
 
@@ -34,14 +35,24 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         is_moe = cfg.n_routed_experts > 0 and layer_id >= cfg.n_dense_layers
         self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.recompute_block = False  # full recomputation: keep the block input, replay in backward
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return run_phases(self.phases(cos, sin), x_BSD)
+        if self.recompute_block and torch.is_grad_enabled():
+            return checkpointed(lambda x: run_phases(self._phases(cos, sin), x), x_BSD, owner=self)
+        return run_phases(self._phases(cos, sin), x_BSD)
 
     def phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
-        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B)."""
+        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
+        recomputation each phase keeps only its inputs."""
+        phases = self._phases(cos, sin)
+        if not self.recompute_block:
+            return phases
+        return [lambda *state, fn=fn: checkpointed(fn, *state, owner=self) for fn in phases]
+
+    def _phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
 
         def attention(h):
             return (h + self.attn(self.attn_norm(h), cos, sin),)

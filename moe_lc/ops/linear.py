@@ -121,7 +121,7 @@ class _LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, counts, gemms, store):
+    def forward(ctx, x, weight, bias, counts, gemms, store, param):
         w = weight.to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         y = gemms.fprop(x2, w) if counts is None else gemms.grouped_fprop(x2, w, counts)
@@ -129,6 +129,9 @@ class _LinearFn(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x2, weight, counts)
         ctx.gemms, ctx.store, ctx.has_bias, ctx.x_shape = gemms, store, bias is not None, x.shape
+        # The Parameter itself, for a deferred W: what ctx.saved_tensors returns under saved-tensor
+        # hooks (activation checkpointing) is an alias, and a gradient set on it would be lost.
+        ctx.param = param
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -146,11 +149,11 @@ class _LinearFn(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             if ctx.store is not None and ctx.store.is_deferring:
-                ctx.store.push(weight, weight_grad)
+                ctx.store.push(ctx.param, weight_grad)
             else:
                 dw = weight_grad()
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx.view(ctx.x_shape), dw, db, None, None, None
+        return dx.view(ctx.x_shape), dw, db, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -169,7 +172,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:
             x = self.tp.enter(x)
-        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store)
+        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store, self.weight)
         return self.tp.exit(y) if self.tp is not None else y
 
     def extra_repr(self) -> str:
@@ -190,7 +193,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x: (T, in) rows sorted by expert, counts: (n_experts,) int64 -> (T, out)."""
-        return _LinearFn.apply(x_TD, self.weight, None, counts_E, self.gemms, self.wgrad_store)
+        return _LinearFn.apply(x_TD, self.weight, None, counts_E, self.gemms, self.wgrad_store, self.weight)
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, in={self.in_features}, out={self.out_features}, gemms={self.gemms.name}"

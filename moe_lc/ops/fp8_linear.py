@@ -1,0 +1,101 @@
+"""FP8 GEMMs for the one Linear: `Fp8Gemms` replaces `PlainGemms` on FP8-eligible layers.
+
+Recipes (`precision.fp8_scaling`):
+    blockwise   DeepSeek-V3: activations and output-grads per 1x128 tile, weights per 128x128 block
+    tensorwise  one scale per tensor from its current amax (the common baseline)
+    delayed     one scale per tensor from the amax history of the previous steps (per layer, per operand)
+All E4M3 with fp32 accumulation; outputs return in the compute dtype, weight gradients in fp32 for
+the master-weight path. Backends (`precision.fp8_backend`): `scaled_mm` runs `torch._scaled_mm`
+where `moe_lc.ops.fp8.scaled_mm_support` finds a kernel, `emulate` quantizes and dequantizes exactly
+and multiplies in fp32 (the same numbers, on any device); `auto` takes the kernel when there is one.
+The embedding, output head, router, norms and attention core never come here (fp8_eligible=False or
+not a Linear), as in DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.ops import fp8
+from moe_lc.ops.linear import GroupedLinear, Linear
+
+SCALINGS = ("blockwise", "tensorwise", "delayed")
+BACKENDS = ("auto", "emulate", "scaled_mm")
+
+
+class Fp8Gemms:
+    """fprop / dgrad / wgrad (and their grouped forms) with FP8 inputs. x: (T, K), w: (N, K), dy: (T, N)."""
+
+    def __init__(self, scaling: str = "blockwise", backend: str = "auto"):
+        if scaling not in SCALINGS or backend not in BACKENDS:
+            raise ValueError(f"fp8 scaling {scaling!r} / backend {backend!r}: expected one of {SCALINGS} / {BACKENDS}")
+        self.scaling, self.backend = scaling, backend
+        self.recipe = "blockwise" if scaling == "blockwise" else "tensorwise"
+        self.name = f"fp8-{scaling}"
+        # delayed scaling keeps an amax history per operand role
+        self.history = {role: fp8.DelayedScaling() for role in ("x", "w", "dy")} if scaling == "delayed" else None
+
+    def _kernel(self, t: torch.Tensor) -> bool:
+        return self.backend != "emulate" and fp8.scaled_mm_support(t.device, self.recipe)
+
+    def _amax(self, role: str, t: torch.Tensor):
+        """Delayed scaling: the history's amax (None on the first step), then record t's amax."""
+        if self.history is None:
+            return None
+        hist = self.history[role]
+        amax = hist.scale_amax()
+        hist.update(t.detach().abs().amax().float())
+        return amax
+
+    def _run(self, gemm: str, a: torch.Tensor, b: torch.Tensor, roles: tuple[str, str], out_dtype) -> torch.Tensor:
+        kwargs = {}
+        if self.history is not None:
+            names = {"fprop": ("x_amax", "w_amax"), "dgrad": ("dy_amax", "w_amax"), "wgrad": ("dy_amax", "x_amax")}[gemm]
+            kwargs = {names[0]: self._amax(roles[0], a), names[1]: self._amax(roles[1], b)}
+        kernel = self._kernel(a)
+        fn = {"fprop": (fp8.fp8_linear_scaled_mm, fp8.fp8_linear_emulated),
+              "dgrad": (fp8.fp8_dgrad_scaled_mm, fp8.fp8_dgrad_emulated),
+              "wgrad": (fp8.fp8_wgrad_scaled_mm, fp8.fp8_wgrad_emulated)}[gemm][0 if kernel else 1]
+        out = fn(a, b, self.recipe, out_dtype=out_dtype, **kwargs) if kernel else fn(a, b, self.recipe, **kwargs)
+        return out.to(out_dtype)
+
+    def fprop(self, x, w):
+        return self._run("fprop", x, w, ("x", "w"), x.dtype)
+
+    def dgrad(self, dy, w):
+        return self._run("dgrad", dy, w, ("dy", "w"), dy.dtype)
+
+    def wgrad(self, dy, x):
+        return self._run("wgrad", dy, x, ("dy", "x"), torch.float32)
+
+    # Experts: one FP8 GEMM per expert over its rows (weights are quantized per expert; activation
+    # tiles never straddle two experts' tokens, as with a grouped FP8 kernel).
+    def grouped_fprop(self, x, w, counts):
+        return self._per_expert(lambda xe, e: self.fprop(xe, w[e]), x, counts, w.shape[1])
+
+    def grouped_dgrad(self, dy, w, counts):
+        return self._per_expert(lambda de, e: self.dgrad(de, w[e]), dy, counts, w.shape[2])
+
+    def grouped_wgrad(self, dy, x, counts):
+        sizes = counts.tolist()
+        return torch.stack([self.wgrad(d, xe) if len(d) else dy.new_zeros(dy.shape[1], x.shape[1], dtype=torch.float32)
+                            for d, xe in zip(dy.split(sizes), x.split(sizes))])
+
+    @staticmethod
+    def _per_expert(gemm, rows, counts, out_features):
+        parts = [gemm(r, e) if len(r) else rows.new_zeros(0, out_features)
+                 for e, r in enumerate(rows.split(counts.tolist()))]
+        return torch.cat(parts)
+
+
+def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto") -> int:
+    """Switch every FP8-eligible Linear / GroupedLinear of `model` to FP8 GEMMs; returns how many.
+    Stateless recipes share one Fp8Gemms; delayed scaling gets one per layer (its amax histories)."""
+    shared = Fp8Gemms(scaling, backend) if scaling != "delayed" else None
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, GroupedLinear)) and module.fp8_eligible:
+            module.gemms = shared or Fp8Gemms(scaling, backend)
+            n += 1
+    return n
