@@ -56,6 +56,14 @@ class ModelConfig:
     rope_beta_fast: float = f(32.0, "YaRN: dims with more than beta_fast rotations in L keep theta_i")
     rope_beta_slow: float = f(1.0, "YaRN: dims with fewer than beta_slow rotations in L use theta_i/s")
     rope_mscale: float = f(0.1, "YaRN attention temperature: mscale = rope_mscale*ln(s) + 1")
+    attention: str = f("gqa", "gqa (grouped-query) | mla (multi-head latent attention, DeepSeek-V2/V3)")
+    q_lora_rank: int = f(0, "MLA: query latent rank (0 = project queries straight from x)")
+    kv_lora_rank: int = f(0, "MLA: key/value latent rank")
+    qk_nope_head_dim: int = f(0, "MLA: per-head query/key dims without RoPE")
+    qk_rope_head_dim: int = f(0, "MLA: decoupled RoPE dims (one rotated key shared by all heads)")
+    v_head_dim: int = f(0, "MLA: per-head value dim")
+    mtp_depth: int = f(0, "multi-token prediction modules (0 = off); module d predicts token t+1+d")
+    mtp_loss_weight: float = f(0.3, "weight lambda of the MTP loss: lambda / depth * sum of module losses")
     n_dense_layers: int = f(1, "the first n_dense_layers blocks use a dense SwiGLU FFN, the rest MoE")
     n_routed_experts: int = f(8, "fine-grained routed experts per MoE layer")
     n_shared_experts: int = f(1, "always-active shared experts per MoE layer")
@@ -73,6 +81,20 @@ class ModelConfig:
         return self.head_dim or self.dim // self.n_heads
 
     @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head (MLA: nope + rope dims)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dims per head (MLA rotates only its decoupled part)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
     def n_moe_layers(self) -> int:
         return max(self.n_layers - self.n_dense_layers, 0) if self.n_routed_experts else 0
 
@@ -83,14 +105,25 @@ class ModelConfig:
         _positive(e, "model", "norm_eps", self.norm_eps)
         _positive(e, "model", "init_std", self.init_std)
         _positive(e, "model", "rope_theta", self.rope_theta)
-        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
-            e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-        if self.head_dim < 0:
-            e.append(f"model.head_dim={self.head_dim} must be >= 0 (0 = dim // n_heads)")
-        elif self.head_dim == 0 and self.n_heads > 0 and self.dim % self.n_heads:
-            e.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim} when head_dim = 0")
-        if self.head_size % 2:
-            e.append(f"model head size {self.head_size} must be even for RoPE")
+        _choice(e, "model", "attention", self.attention, ("gqa", "mla"))
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _positive(e, "model", name, getattr(self, name))
+            if self.q_lora_rank < 0:
+                e.append(f"model.q_lora_rank={self.q_lora_rank} must be >= 0")
+            if self.qk_rope_head_dim % 2:
+                e.append(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        else:
+            if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+                e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+            if self.head_dim < 0:
+                e.append(f"model.head_dim={self.head_dim} must be >= 0 (0 = dim // n_heads)")
+            elif self.head_dim == 0 and self.n_heads > 0 and self.dim % self.n_heads:
+                e.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim} when head_dim = 0")
+            elif self.head_size % 2:
+                e.append(f"model head size {self.head_size} must be even for RoPE")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            e.append("model.mtp_depth and model.mtp_loss_weight must be >= 0")
         _choice(e, "model", "attn_backend", self.attn_backend, ("auto", "flash_attn", "torch", "reference"))
         _choice(e, "model", "rope_scaling", self.rope_scaling, ("none", "yarn"))
         _choice(e, "model", "score_func", self.score_func, ("sigmoid", "softmax"))
@@ -379,7 +412,7 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
     if p.tp > 1:
         if m.n_heads % p.tp:
             e.append(f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads}")
-        if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+        if m.attention == "gqa" and m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
             e.append(f"parallel.tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other")
         for name in ("vocab_size", "ffn_dim") + (("moe_ffn_dim",) if moe else ()):
             if getattr(m, name) % p.tp:
@@ -402,6 +435,9 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
                               or min(p.pp_stage_layers) < 1):
         e.append(f"parallel.pp_stage_layers={p.pp_stage_layers} must list {stages} positive block counts "
                  f"summing to model.n_layers={m.n_layers}")
+    if m.mtp_depth and p.pp > 1 and p.pp_schedule not in ("dualpipe", "dualpipev"):
+        e.append(f"model.mtp_depth={m.mtp_depth} with parallel.pp={p.pp} needs pp_schedule 'dualpipe' or "
+                 f"'dualpipev' (the MTP modules share the embedding, which must sit on the last stage's rank)")
     if m.vocab_size < 259 and cfg.data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0:

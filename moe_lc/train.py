@@ -132,27 +132,50 @@ class Trainer:
         dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
         return cfg.train.global_batch // (cfg.train.micro_batch * dp)
 
+    def _modules_with_mtp(self) -> list:
+        return [m for m in [self.model, *getattr(self.model, "pipeline_chunks", [])] if getattr(m, "mtp", None) is not None]
+
+    def _mtp_metrics(self, n_tokens: float) -> dict:
+        """Per-depth MTP loss per token, summed over this step (reduced like the main loss)."""
+        if not self.cfg.model.mtp_depth:
+            return {"mtp_weighted_sum": 0.0}
+        sums = torch.zeros(self.cfg.model.mtp_depth, dtype=torch.float64, device=self.device)
+        for m in self._modules_with_mtp():
+            if m.mtp_loss_sums is not None:
+                sums += m.mtp_loss_sums
+            m.mtp_loss_sums = None
+        comm.all_reduce(sums, self.dims["world"])
+        sums /= self.dims.tp
+        out = {f"mtp_loss/depth{d + 1}": (v / n_tokens).item() for d, v in enumerate(sums)}
+        out["mtp_weighted_sum"] = (self.cfg.model.mtp_loss_weight / len(sums) * sums.sum()).item()
+        return out
+
     def train_step(self) -> tuple[float, float, bool]:
         micro = self.loader.next_step()
         n_tokens = self._step_token_count(micro)
         batches = []
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims))
+            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, self.cfg.model.mtp_depth))
         if self.runtime is not None:
-            self.optimizer.begin_step(self.runtime.microbatches_per_chunk())
+            self.optimizer.begin_step(self.runtime.grad_arrivals())
             loss_sum = self.runtime.step(batches, 1.0 / n_tokens)
         else:
             self.optimizer.begin_step(len(batches))
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for batch in batches:
                 loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                                  loss_mask=batch["loss_mask"])
+                                  loss_mask=batch["loss_mask"], mtp=batch["mtp"])
                 (loss / n_tokens).backward()
                 loss_sum += loss.detach().double()
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
+        self._step_extra = self._mtp_metrics(n_tokens)
+        mtp_sum = self._step_extra.pop("mtp_weighted_sum")
+        if mtp_sum:  # log the next-token loss (comparable with MTP off) and the objective apart
+            self._step_extra["loss_objective"] = loss_sum.item() / n_tokens
+            loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, self.cfg.train))
         self._update_router_biases()
         return loss_sum.item() / n_tokens, grad_norm, applied
@@ -238,6 +261,7 @@ class Trainer:
             if self.peak:
                 metrics["mfu"] = self.flops_per_token * tokens_per_step / elapsed / (self.peak * self.dims.world)
             metrics.update(getattr(self, "_moe_stats", {}))
+            metrics.update(getattr(self, "_step_extra", {}))
             comm_bytes = self.dims.counter.as_dict()
             metrics.update(comm_bytes)
             logger.log(self.step, metrics)

@@ -24,8 +24,12 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-# small, fast defaults for every multi-rank test (one thread per process: W processes share 2 cores)
-FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120"]
+# small, fast defaults for every multi-rank test (one thread per process: W processes share 2 cores).
+# Seed 1: with seed 0 the debug MoE model has a top-k routing near-tie (layer 1, step 3 at the test
+# shapes) that flips under any reordering of fp32 sums -- even on one device when only the attention
+# kernel changes -- and moves two experts by ~1e-5..1e-3. That is discrete routing, not a layout
+# error; seed 1 has no tie at these shapes, so every layout is held to 1e-5.
+FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120", "train.seed=1"]
 
 # Tolerances: fp32 layouts reorder sums (reduce-scatter, split attention, ...) -> 1e-5 relative.
 # bf16 rounds every activation; different reduction orders move the loss by up to ~1e-2 relative.

@@ -124,10 +124,13 @@ def test_param_counter_matches_meta_model(recipe):
     with torch.device("meta"):
         model = Transformer(cfg)
     counts = param_counts(cfg)
-    assert counts["total"] == sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert counts["mtp"] == mtp
+    assert counts["total"] == sum(p.numel() for p in model.parameters()) - mtp
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     assert counts["routed_experts"] == routed
-    assert counts["activated"] == counts["total"] - routed + routed * cfg.topk // max(cfg.n_routed_experts, 1)
+    embedding = model.embed.weight.numel()
+    assert counts["activated"] == counts["total"] - embedding - routed + routed * cfg.topk // max(cfg.n_routed_experts, 1)
 
 
 def test_flops_counter_matches_traced_matmuls():
@@ -161,3 +164,19 @@ def test_build_model_is_seeded_and_dtype_aware():
     assert not torch.equal(a.embed.weight, c.embed.weight.float())
     assert all(p.dtype == torch.bfloat16 for p in c.parameters())
     assert c.layers["1"].ffn.router.expert_bias.dtype == torch.float32  # buffers keep their dtype
+
+
+def test_deferred_weight_used_twice_accumulates_once():
+    """A weight used twice in one backward (the output head shared with MTP): autograd accumulates
+    once, and so must the W pass, or a ZeRO bucket would count two arrivals and launch early."""
+    lin = Linear(4, 3)
+    torch.nn.init.normal_(lin.weight)
+    fired = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()) if p.grad is not None else None)
+    lin.wgrad_store = WeightGradStore()
+    x1, x2 = torch.randn(5, 4), torch.randn(2, 4)
+    with lin.wgrad_store.deferring():
+        (lin(x1).sum() + 2 * lin(x2).sum()).backward()
+    lin.wgrad_store.flush()
+    assert len(fired) == 1
+    torch.testing.assert_close(fired[0], torch.ones(5, 3).t() @ x1 + 2 * torch.ones(2, 3).t() @ x2)

@@ -8,11 +8,32 @@ from __future__ import annotations
 from moe_lc.config import ModelConfig
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one attention module (GQA: fused qkv + output; MLA: latents, norms, up and
+    output projections)."""
+    D, H = cfg.dim, cfg.n_heads
+    if cfg.attention == "gqa":
+        return D * (H + 2 * cfg.n_kv_heads) * cfg.head_size + H * cfg.head_size * D
+    qk, q_rank, kv_rank = cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+    down = D * (q_rank + kv_rank + cfg.qk_rope_head_dim)
+    q_up = q_rank * H * qk + q_rank if q_rank else D * H * qk  # (+ q_norm weight)
+    kv_up = kv_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + kv_rank  # (+ kv_norm weight)
+    return down + q_up + kv_up + H * cfg.v_head_dim * D
+
+
+def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one causal attention core: a query sees S/2 keys on average,
+    QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head."""
+    return cfg.n_heads * (seq_len / 2) * 2 * (cfg.qk_head_dim + cfg.value_head_dim)
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part, plus `total` and `activated` (routed experts counted K/E; everything
-    else, embedding included, counted fully as DeepSeek's "activated" figure does)."""
-    D, Dh, L = cfg.dim, cfg.head_size, cfg.n_layers
-    attn = D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D
+    """Parameters by part, plus `total` and `activated`: per token, routed experts count K/E of
+    theirs and the embedding table nothing (a lookup reads one row); this is DeepSeek's convention,
+    which reproduces their published pairs: V2 236B / 21B, V2-Lite 15.7B / 2.4B, V3 671B / 37B
+    (tests/test_model.py). The MTP modules (`mtp`) are counted apart, as DeepSeek reports 671B + MTP."""
+    D, L = cfg.dim, cfg.n_layers
+    attn = attention_params(cfg)
     n_moe = cfg.n_moe_layers
     n_dense = L - n_moe
     counts = {
@@ -27,8 +48,20 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     }
     counts["total"] = sum(counts.values())
     routed_active = n_moe * 3 * D * cfg.moe_ffn_dim * cfg.topk
-    counts["activated"] = counts["total"] - counts["routed_experts"] + routed_active
+    counts["activated"] = counts["total"] - counts["embedding"] - counts["routed_experts"] + routed_active
+    counts["mtp"] = cfg.mtp_depth * mtp_module_params(cfg)
     return counts
+
+
+def mtp_module_params(cfg: ModelConfig) -> int:
+    """One MTP module: two input norms, the 2D -> D projection, one block (MoE when the model has
+    experts), and its output norm; the embedding and output head are shared with the main model."""
+    D = cfg.dim
+    if cfg.n_routed_experts and cfg.n_dense_layers < cfg.n_layers:
+        ffn = 3 * D * cfg.moe_ffn_dim * (cfg.n_routed_experts + cfg.n_shared_experts) + cfg.n_routed_experts * D
+    else:
+        ffn = 3 * D * cfg.ffn_dim
+    return 2 * D + 2 * D * D + attention_params(cfg) + 2 * D + ffn + D
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -39,6 +72,5 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     QK^T costs 2*(S/2)*Dh and PV 2*(S/2)*Dh per head per token.
     """
     c = param_counts(cfg)
-    matmul_params = c["activated"] - c["embedding"] - c["norms"]
-    attn_core = cfg.n_layers * cfg.n_heads * (seq_len / 2) * 2 * (2 * cfg.head_size)
-    return 3 * (2 * matmul_params + attn_core)
+    matmul_params = c["activated"] - c["norms"]
+    return 3 * (2 * matmul_params + cfg.n_layers * attention_core_flops(cfg, seq_len))

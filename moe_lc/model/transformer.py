@@ -17,7 +17,9 @@ from torch import nn
 from moe_lc.config import ModelConfig
 from moe_lc.model.attention import Attention
 from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.mla import MLAttention
 from moe_lc.model.moe import MoE
+from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.recompute import checkpointed
 from moe_lc.model.rope import RotaryEmbedding
@@ -31,7 +33,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         is_moe = cfg.n_routed_experts > 0 and layer_id >= cfg.n_dense_layers
         self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
@@ -97,33 +99,47 @@ class Transformer(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size)
         self.head.fp8_eligible = False  # DeepSeek keeps the output head in bf16
         self.loss_fn = CrossEntropySum()
-        self.rope = RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
+        self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
+        self.mtp_loss_weight = cfg.mtp_loss_weight
+        self.mtp_loss_sums: torch.Tensor | None = None  # (D,) detached sums since the trainer's last reset
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
                                     cfg.rope_original_seq_len, cfg.rope_beta_fast, cfg.rope_beta_slow)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                mtp: dict | None = None) -> torch.Tensor:
         """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
-        shards under CP pass theirs). Returns hidden (B, S', D) without `head`, else logits
-        (B, S, V) when labels is None, else the fp32 loss summed over valid tokens."""
+        shards under CP pass theirs). mtp: `mtp.mtp_targets` for multi-token prediction. Returns
+        hidden (B, S', D) without `head`, else logits (B, S, V) when labels is None, else the fp32
+        loss summed over valid tokens (plus the weighted MTP losses when mtp is given)."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        return run_phases(self.phases(positions, labels, loss_mask), inputs)
+        return run_phases(self.phases(positions, labels, loss_mask, mtp), inputs)
 
-    def phases(self, positions: torch.Tensor, labels=None, loss_mask=None) -> list:
+    def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None) -> list:
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
-        phases (Block.phases), then output head and loss."""
+        phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
         chain = [lambda tokens: (self.embed(tokens),)] if self.embed is not None else []
         for block in self.layers.values():
             chain += block.phases(cos, sin)
         if self.head is not None:
-            chain.append(lambda h: (self._output(h, labels, loss_mask),))
+            chain.append(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin),))
         return chain
 
-    def _output(self, h, labels, loss_mask):
+    def _output(self, h, labels, loss_mask, mtp, cos, sin):
         logits = self.head(self.norm(h))
-        return logits if labels is None else self.loss_fn(logits, labels, loss_mask)
+        if labels is None:
+            return logits
+        loss = self.loss_fn(logits, labels, loss_mask)
+        if self.mtp is not None and mtp is not None:
+            embed = self.embed if self.embed is not None else self.__dict__["mtp_embed"]
+            losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin)
+            sums = torch.stack([x.detach().double() for x in losses])
+            self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
+            loss = loss + self.mtp_loss_weight / len(losses) * sum(losses)
+        return loss
 
     def moe_layers(self) -> dict[str, MoE]:
         return {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}

@@ -92,10 +92,16 @@ class WeightGradStore:
     @staticmethod
     @torch.no_grad()
     def run(queue) -> None:
-        """Compute queued weight gradients and accumulate them (the "W" action); like autograd's own
-        backward this builds no graph."""
+        """Compute queued weight gradients and accumulate them (the "W" action). Like autograd's own
+        backward: no graph, and one accumulation per parameter (a weight used twice in the pass, such
+        as the output head shared with MTP, gets the sum of its closures, so its hooks fire once)."""
+        grads: dict[int, list] = {}
         for param, compute in queue:
-            accumulate_grad(param, compute())
+            entry = grads.setdefault(id(param), [param, None])
+            g = compute()
+            entry[1] = g if entry[1] is None else entry[1] + g
+        for param, grad in grads.values():
+            accumulate_grad(param, grad)
 
     def flush(self) -> None:
         self.run(self.take())

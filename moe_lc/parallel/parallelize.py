@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from moe_lc.model.moe import RoutedExperts
+from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.norm import RMSNorm
 from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims
@@ -56,6 +57,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "fl
         from moe_lc.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, dims)
+    for chunk in getattr(model, "pipeline_chunks", []):
+        if chunk.mtp is not None and chunk.embed is None:  # MTP shares the (parallelized) embedding
+            chunk.__dict__["mtp_embed"] = model.embed
     for module in model.modules():
         is_expert = isinstance(module, RoutedExperts)
         for p in module.parameters(recurse=is_expert):
@@ -66,22 +70,27 @@ def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "fl
     return model
 
 
-def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims) -> dict:
+def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims,
+                  mtp_depth: int = 0) -> dict:
     """Model inputs for this rank from a micro-batch of full sequences.
 
     tokens: (B, S+1) int64 (inputs + shifted labels), loss_mask: (B, S) or None. Returns
-    {"inputs" (B, S_local), "labels" (B, S_local), "loss_mask", "positions" (S_local,)}: the whole
-    sequence on one device, this rank's zig-zag chunks under context parallelism.
+    {"inputs" (B, S_local), "labels" (B, S_local), "loss_mask", "positions" (S_local,), "mtp"}: the
+    whole sequence on one device, this rank's zig-zag chunks under context parallelism. "mtp" holds
+    the multi-token-prediction targets (built before sharding) or None.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.shape[1], device=tokens.device)
+    mtp = mtp_targets(tokens, loss_mask, mtp_depth) if mtp_depth else None
     if dims.cp > 1:
         from moe_lc.parallel.context import zigzag_shard
 
         inputs, labels, positions = (zigzag_shard(t, dims["cp"], dim=d)
                                      for t, d in ((inputs, 1), (labels, 1), (positions, 0)))
         loss_mask = zigzag_shard(loss_mask, dims["cp"], dim=1) if loss_mask is not None else None
-    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions}
+        if mtp is not None:
+            mtp = {k: zigzag_shard(v, dims["cp"], dim=2) for k, v in mtp.items()}
+    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions, "mtp": mtp}
 
 
 def zero_param_groups(model: nn.Module, dims: ParallelDims):

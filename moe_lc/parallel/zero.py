@@ -31,7 +31,7 @@ class _Bucket:
     def __init__(self, start: int, size: int, params: list[tuple[nn.Parameter, int]], shard_start: int, n: int):
         self.start, self.size, self.params = start, size, params  # params: (param, offset in buffer)
         self.shard_start, self.shard_size = shard_start, size // n
-        self.arrived = 0
+        self.arrived = self.expected = 0
         self.launched = False
         self.work = None
 
@@ -76,7 +76,7 @@ class ShardedParams:
         self.exp_avg_sq = torch.zeros(shard, device=device, dtype=moments_dtype)
         self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
         self.no_decay_ranges = self._owned_ranges(lambda p: self.names[id(p)] in no_decay)
-        self.expected_grads = 1
+        self.norm_weight = self._norm_weight_shard()
         self.sync = False
 
     # -- layout helpers ---------------------------------------------------------------------------
@@ -102,12 +102,30 @@ class ShardedParams:
                     out.append((b.shard_start + lo - own_lo, b.shard_start + hi - own_lo))
         return out
 
+    def _norm_weight_shard(self) -> torch.Tensor | None:
+        """(P/N,) weights of the squared grad norm, from `param._grad_norm_weight` (broadcastable to the
+        param; e.g. 1/copies for rows that several ranks outside this group hold, such as replicated kv
+        heads under tensor parallelism); None when every element counts once."""
+        params = [(p, off) for b in self.buckets for p, off in b.params]
+        if not any(hasattr(p, "_grad_norm_weight") for p, _ in params):
+            return None
+        full = torch.ones(self.numel, device=self.grad_buffer.device, dtype=torch.float64)
+        for p, off in params:
+            if hasattr(p, "_grad_norm_weight"):
+                full[off:off + p.numel()] = p._grad_norm_weight.expand_as(p).reshape(-1)
+        return torch.cat([self._own(full, b) for b in self.buckets])
+
     # -- gradient synchronization -------------------------------------------------------------------
-    def begin_step(self, grads_per_param: int) -> None:
-        """Expect `grads_per_param` gradient arrivals per parameter this step (its micro-batches)."""
-        self.expected_grads, self.sync = grads_per_param, True
+    def begin_step(self, grads_per_param: int | dict[int, int]) -> None:
+        """Expect this many gradient arrivals per parameter this step (its micro-batches); a dict
+        gives them per id(param) (pipelines, where a parameter may serve several chunks)."""
+        self.sync = True
         for b in self.buckets:
             b.arrived, b.launched, b.work = 0, False, None
+            if isinstance(grads_per_param, dict):
+                b.expected = sum(grads_per_param.get(id(p), 0) for p, _ in b.params)
+            else:
+                b.expected = len(b.params) * grads_per_param
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a deferred weight gradient: its W pass delivers it (and calls us) later
@@ -116,7 +134,7 @@ class ShardedParams:
         p.grad = None
         b = p._zero_bucket
         b.arrived += 1
-        if self.sync and b.arrived == len(b.params) * self.expected_grads:
+        if self.sync and b.arrived == b.expected:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
@@ -137,7 +155,8 @@ class ShardedParams:
 
     # -- update -----------------------------------------------------------------------------------
     def grad_sq_sum(self) -> torch.Tensor:
-        return self.grad_shard.double().pow(2).sum()
+        sq = self.grad_shard.double().pow(2)
+        return (sq if self.norm_weight is None else sq * self.norm_weight).sum()
 
     @torch.no_grad()
     def adamw_(self, lr: float, step: int, clip_coef: float, beta1: float, beta2: float, eps: float, wd: float):
@@ -225,7 +244,7 @@ class ZeroAdamW:
         self.beta1, self.beta2, self.eps, self.wd, self.grad_clip = beta1, beta2, eps, weight_decay, grad_clip
         self.step_count = 0
 
-    def begin_step(self, grads_per_param: int) -> None:
+    def begin_step(self, grads_per_param: int | dict[int, int]) -> None:
         for s in self.shards:
             s.begin_step(grads_per_param)
 

@@ -49,9 +49,18 @@ class PipelineRuntime:
                     module.wgrad_store = self.store
         self.trace: list[tuple] = []  # what was executed, in order (compared with the schedule in tests)
 
-    def microbatches_per_chunk(self) -> int:
-        """Micro-batches that pass through each local chunk per step (= gradient arrivals per param)."""
-        return sum(1 for route in self.schedule.routes if (self.rank, 0) in route)
+    def grad_arrivals(self) -> dict[int, int]:
+        """{id(param): backward passes that deliver a gradient to it per step}: one per micro-batch
+        through each chunk using it (the MTP modules of the last stage also use the embedding)."""
+        arrivals: dict[int, int] = {}
+        for c, chunk in enumerate(self.chunks):
+            n = sum(1 for route in self.schedule.routes if (self.rank, c) in route)
+            params = {id(p) for p in chunk.parameters()}
+            if chunk.__dict__.get("mtp_embed") is not None:
+                params |= {id(p) for p in chunk.__dict__["mtp_embed"].parameters()}
+            for pid in params:
+                arrivals[pid] = arrivals.get(pid, 0) + n
+        return arrivals
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, batches: list[dict], loss_scale: float) -> torch.Tensor:
@@ -92,7 +101,7 @@ class PipelineRuntime:
         x = batch["inputs"] if s == 0 else self.acts.pop((s, mb)).detach().requires_grad_()
         last = s == self.last_stage
         phases = self.chunks[chunk].phases(batch["positions"], batch["labels"] if last else None,
-                                           batch["loss_mask"] if last else None)
+                                           batch["loss_mask"] if last else None, batch.get("mtp") if last else None)
         return s, PhasedRun(phases, x)
 
     def _finish_forward(self, s: int, mb: int, run: PhasedRun) -> None:

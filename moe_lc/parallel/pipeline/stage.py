@@ -86,7 +86,7 @@ def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> 
     if not first:
         shell.embed = None
     if not last:
-        shell.head, shell.norm, shell.loss_fn = None, None, None
+        shell.head, shell.norm, shell.loss_fn, shell.mtp = None, None, None, None
     return shell
 
 

@@ -1,0 +1,73 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3), trained in its decompressed form.
+
+Legend: B batch, S sequence, D model dim, H heads, Cq / Ckv the query / key-value latent ranks,
+Dn the per-head "nope" dim (no RoPE), Dr the decoupled RoPE dim (one rotated key shared by all
+heads), Dv the value head dim. Query/key head dim = Dn + Dr differs from Dv: every attention
+backend and the ring handle that.
+
+    a      = x @ wa^T                          (B, S_x, Cq + Ckv + Dr)   per token: runs on SP shards
+    a      = gather(a)                         (B, S, ...)               identity on one device
+    q      = wq_b(q_norm(c_q))                 (B, S, H, Dn + Dr), RoPE on the last Dr dims
+    k_nope, v = split(wkv_b(kv_norm(c_kv)))    (B, S, H, Dn), (B, S, H, Dv)
+    k      = [k_nope, rope(k_r) for every head](B, S, H, Dn + Dr)
+    out    = wo(attention(q, k, v))            (B, S_x, D)
+
+With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-Lite). The softmax
+scale is (Dn + Dr)^-0.5 times YaRN's mscale squared, as DeepSeek-V3 applies it. Under tensor
+parallelism `wq_b`, `wkv_b` are column-parallel (heads split), `wo` row-parallel, the latent
+projections replicated, and `gather` becomes the sequence all-gather of the latents (smaller than x).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.attention import LocalAttention
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.ops.linear import Linear
+
+
+class MLAttention(nn.Module):
+    """x (B, S, D) -> (B, S, D); cos, sin: (S, Dr // 2) for the decoupled RoPE part."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        latent = (self.q_lora_rank or 0) + self.kv_lora_rank + self.rope_dim
+        self.wa = Linear(cfg.dim, latent)
+        self.wq = None if self.q_lora_rank else Linear(cfg.dim, cfg.n_heads * qk_dim)
+        self.q_norm = RMSNorm(self.q_lora_rank, cfg.norm_eps) if self.q_lora_rank else None
+        self.wq_b = Linear(self.q_lora_rank, cfg.n_heads * qk_dim) if self.q_lora_rank else None
+        self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = Linear(self.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim))
+        self.wo = Linear(cfg.n_heads * self.v_dim, cfg.dim)
+        self.gather = nn.Identity()  # the sequence all-gather of the latents under TP + SP
+        mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) if cfg.rope_scaling == "yarn" else 1.0
+        self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
+        self.core = LocalAttention(cfg.attn_backend)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.gather(self.wa(x_BSD))
+        B, S, _ = a.shape
+        H = self.n_heads  # local heads under TP
+        if self.q_lora_rank:
+            c_q, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
+            q = self.wq_b(self.q_norm(c_q))
+        else:
+            c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            q = self.wq(x_BSD)
+        q = q.view(B, S, H, self.nope_dim + self.rope_dim)
+        q_nope, q_r = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, H, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin).expand(B, S, H, self.rope_dim)
+        k = torch.cat([k_nope, k_r], dim=-1)
+        out_BSHV = self.core(q, k, v, self.softmax_scale)
+        return self.wo(out_BSHV.reshape(B, S, H * self.v_dim))

@@ -1,0 +1,318 @@
+"""Context parallelism: zig-zag sequence sharding and ring attention over the "cp" mesh axis.
+
+Legend (BSHD, as in `moe_lc.ops.attention`): B batch, S this rank's sequence = 2 chunks of C
+tokens (the full sequence is 2 * cp * C), H query heads, J key/value heads (both tp-local under
+tensor parallelism), D_qk query/key head dim, D_v value head dim. Every activation here is sharded
+over the "cp" axis along S in the zig-zag layout; heads and batch are whatever the caller holds.
+
+Zig-zag layout. The sequence is cut into 2*cp chunks; cp rank r holds chunks r and 2cp-1-r, in
+that order (`chunk_ids`). Tokens, labels, loss mask and position ids are sharded the same way
+(`prepare_batch`), so RoPE rotates every token by its true position and the summed token loss
+over all ranks is the single-device loss.
+
+Ring. At step s = 0 .. cp-1 rank r holds the K/V block of rank src = (r - s) mod cp; blocks move
+one rank forward per step (send to r+1, receive from r-1) and the next transfer is in flight
+while the current block is computed. Which part of the block each rank computes follows from the
+chunk positions alone (`block_plan`: query chunk a sees key chunk b fully if b < a, causally if
+b == a, not at all if b > a). For the zig-zag layout this gives the standard scheme, 2 chunk-pairs
+of work per step on every rank:
+  step 0 (src == r): all queries x all keys, causal (local diagonal: two half chunk-pairs + one);
+  src < r:           all queries x the first key chunk (chunk src), no mask;
+  src > r:           the second query chunk x all keys, no mask.
+A contiguous split (rank r holds chunks 2r, 2r+1) is also planned, for comparison: rank r then does
+2 + 4r chunk-pairs (`attention_work`). Partial outputs are merged with their log-sum-exp in fp32.
+
+Backward recomputes per block from the merged (out, lse) (the backend interface allows that),
+sends the K/V blocks around once more, and lets a dK/dV accumulator (fp32) travel with each block;
+after cp steps every accumulator has visited every rank and one more hop returns it to its owner.
+
+Traffic per attention call and rank (counted by comm.py as "cp"/"send"), e = bytes per element of
+k and v, |K|, |V| = local numels:  forward (cp-1)(|K|+|V|)e;  backward (cp-1)(|K|+|V|)e + cp(|K|+|V|)*4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from moe_lc.model.attention import LocalAttention
+from moe_lc.model.moe import MoE
+from moe_lc.ops.attention import AttentionBackend, get_backend
+from moe_lc.parallel import comm
+from moe_lc.parallel.comm import Group
+from moe_lc.parallel.mesh import ParallelDims
+
+LAYOUTS = ("zigzag", "contiguous")
+
+# --------------------------------------------------------------------------- layout and schedule
+
+
+def chunk_ids(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:
+    """The two global chunks (of 2*cp) that cp rank `rank` holds, in local order."""
+    if layout == "zigzag":
+        return rank, 2 * cp - 1 - rank
+    if layout == "contiguous":
+        return 2 * rank, 2 * rank + 1
+    raise ValueError(f"unknown sequence layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention call of a ring step: local query chunks [q0, q1) against the visiting K/V
+    block's chunks [kv0, kv1); causal = top-left aligned mask over the concatenated chunks."""
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    causal: bool
+
+    @property
+    def work(self) -> float:
+        """Attention work in chunk-pairs (C x C score blocks); a causal diagonal chunk counts half."""
+        n_pairs = (self.q[1] - self.q[0]) * (self.kv[1] - self.kv[0])
+        return n_pairs / 2 if self.causal else float(n_pairs)  # causal blocks are square (block_plan)
+
+    def q_slice(self, chunk: int) -> slice:
+        return slice(self.q[0] * chunk, self.q[1] * chunk)
+
+    def kv_slice(self, chunk: int) -> slice:
+        return slice(self.kv[0] * chunk, self.kv[1] * chunk)
+
+
+def _sees(q_chunk: int, kv_chunk: int) -> str | None:
+    return "full" if kv_chunk < q_chunk else "causal" if kv_chunk == q_chunk else None
+
+
+def block_plan(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> Block | None:
+    """The one attention call that covers exactly what queries in `q_chunks` see of `kv_chunks`
+    (global chunk ids in local order); None when nothing is visible. Raises AssertionError when the
+    visible part is not one rectangle (not the case for the layouts here)."""
+    seen = [[_sees(a, b) for b in kv_chunks] for a in q_chunks]
+    rows = [i for i, row in enumerate(seen) if any(row)]
+    cols = [j for j in range(len(kv_chunks)) if any(row[j] for row in seen)]
+    if not rows:
+        return None
+    block = Block((rows[0], rows[-1] + 1), (cols[0], cols[-1] + 1), any("causal" in row for row in seen))
+    for i, row in enumerate(seen):  # the call's mask must reproduce `seen` exactly
+        for j, want in enumerate(row):
+            inside = block.q[0] <= i < block.q[1] and block.kv[0] <= j < block.kv[1]
+            local = _sees(q_chunks[i], kv_chunks[j]) if block.causal else "full"
+            assert want == (local if inside else None), (q_chunks, kv_chunks, block)
+    if block.causal:
+        assert block.q == block.kv and list(q_chunks) == sorted(q_chunks), (q_chunks, kv_chunks)
+    return block
+
+
+def ring_schedule(rank: int, cp: int, layout: str = "zigzag") -> list[Block | None]:
+    """Per ring step s, what `rank` computes against the K/V block of rank (rank - s) mod cp."""
+    mine = chunk_ids(rank, cp, layout)
+    return [block_plan(mine, chunk_ids((rank - s) % cp, cp, layout)) for s in range(cp)]
+
+
+def attention_work(cp: int, layout: str = "zigzag") -> list[float]:
+    """Chunk-pairs of attention each cp rank computes per call (the ring's own schedule)."""
+    return [sum(b.work for b in ring_schedule(r, cp, layout) if b is not None) for r in range(cp)]
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def zigzag_shard(t: Tensor, group: Group, dim: int) -> Tensor:
+    """Full sequence along `dim` (length 2*cp*C, replicated) -> this rank's chunks (r, 2cp-1-r)
+    concatenated (length 2*C, sharded over the cp axis). A view-based copy; differentiable."""
+    if group.size == 1:
+        return t
+    n_chunks = 2 * group.size
+    if t.shape[dim] % n_chunks:
+        raise ValueError(f"sequence length {t.shape[dim]} (dim {dim}) must be divisible by 2*cp={n_chunks}")
+    chunks = t.chunk(n_chunks, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(group.rank, group.size)], dim=dim)
+
+
+@torch.no_grad()
+def zigzag_unshard(t: Tensor, group: Group, dim: int) -> Tensor:
+    """Inverse of zigzag_shard: every rank's (.., 2*C, ..) shard -> the full sequence on every rank
+    (one all-gather over the cp axis; no gradient)."""
+    if group.size == 1:
+        return t
+    cp = group.size
+    local = t.movedim(dim, 0).contiguous()
+    gathered = torch.empty((cp * local.shape[0], *local.shape[1:]), dtype=t.dtype, device=t.device)
+    comm.all_gather(gathered, local, group)
+    pieces = gathered.chunk(2 * cp, dim=0)  # rank r's chunks are pieces 2r, 2r+1
+    order = [None] * (2 * cp)
+    for r in range(cp):
+        for i, c in enumerate(chunk_ids(r, cp)):
+            order[c] = pieces[2 * r + i]
+    return torch.cat(order, dim=0).movedim(0, dim)
+
+
+# --------------------------------------------------------------------------- transports
+
+
+class P2PRing:
+    """Shifts tensors one step along the cp group: send to rank+1, receive from rank-1 (counted)."""
+
+    def __init__(self, group: Group):
+        self.group, self.rank, self.size = group, group.rank, group.size
+
+    def shift(self, tensors: list[Tensor]) -> "_InFlight":
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [comm.p2p_op("send", t, nxt, self.group) for t in tensors]
+        ops += [comm.p2p_op("recv", buf, prev, self.group) for buf in received]
+        return _InFlight(comm.batch_isend_irecv(ops), received, tensors)
+
+
+class LoopbackRing:
+    """Stands in for P2PRing on one device (benchmarks): every rank's block is this rank's own,
+    so one cp rank's exact compute schedule runs without any communication."""
+
+    def __init__(self, rank: int, size: int):
+        self.group, self.rank, self.size = None, rank, size
+
+    def shift(self, tensors: list[Tensor]) -> "_InFlight":
+        return _InFlight([], list(tensors), [])
+
+
+class _InFlight:
+    def __init__(self, works: list, received: list[Tensor], sent: list[Tensor]):
+        self._works, self._received, self._sent = works, received, sent  # keep sent buffers alive
+
+    def wait(self) -> list[Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works, self._sent = [], []
+        return self._received
+
+
+# --------------------------------------------------------------------------- ring attention
+
+
+def _merge_(out_BSHD: Tensor, lse_BHS: Tensor, part_out: Tensor, part_lse: Tensor, rows: slice) -> None:
+    """Online softmax in fp32: fold a partial (out, lse) over some keys into the accumulators."""
+    acc_out, acc_lse = out_BSHD[:, rows], lse_BHS[:, :, rows]
+    new_lse = torch.logaddexp(acc_lse, part_lse)
+    old_w = torch.exp(acc_lse - new_lse).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    new_w = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    acc_out.mul_(old_w).add_(part_out.float() * new_w)
+    acc_lse.copy_(new_lse)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """(q (B,S,H,D_qk), k (B,S,J,D_qk), v (B,S,J,D_v)), all zig-zag sharded over cp, causal over
+    the full sequence -> out (B,S,H,D_v) in q.dtype, lse (B,H,S) fp32 (sharded the same way).
+
+    Forward: cp steps; at each, post the shift of the current K/V block, compute the planned block
+    with backend.forward and merge it, then wait for the next block. Backward: the same ring for
+    K/V, plus a fp32 dK/dV accumulator that travels one step behind its block and ends at its owner.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, ring, backend: AttentionBackend, layout: str):
+        schedule = ring_schedule(ring.rank, ring.size, layout)
+        chunk = q.shape[1] // 2
+        out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
+        lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
+        k, v = k.contiguous(), v.contiguous()
+        k_blk, v_blk = k, v
+        for step, block in enumerate(schedule):
+            last = step == ring.size - 1
+            in_flight = None if last else ring.shift([k_blk, v_blk])
+            if block is not None:
+                rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
+                part_out, part_lse = backend.forward(q[:, rows], k_blk[:, cols], v_blk[:, cols], block.causal, scale)
+                _merge_(out, lse, part_out, part_lse, rows)
+            if not last:
+                k_blk, v_blk = in_flight.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.ring, ctx.backend, ctx.schedule = scale, ring, backend, schedule
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, backend, scale, chunk = ctx.ring, ctx.backend, ctx.scale, q.shape[1] // 2
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        k_blk, v_blk = k, v
+        dkv_in_flight = None
+        for step, block in enumerate(ctx.schedule):
+            last = step == ring.size - 1
+            kv_in_flight = None if last else ring.shift([k_blk, v_blk])
+            if step == 0:  # this rank's own block: its accumulator starts here
+                dk_acc = torch.zeros_like(k, dtype=torch.float32)
+                dv_acc = torch.zeros_like(v, dtype=torch.float32)
+            if block is not None:
+                rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
+                dq_b, dk_b, dv_b = backend.backward(dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
+                                                    out[:, rows], lse[:, :, rows].contiguous(), block.causal, scale)
+                dq[:, rows] += dq_b.float()
+            if step > 0:  # the accumulator of the block we hold arrives from the previous rank
+                dk_acc, dv_acc = dkv_in_flight.wait()
+            if block is not None:
+                dk_acc[:, cols] += dk_b.float()
+                dv_acc[:, cols] += dv_b.float()
+            if not last:
+                k_blk, v_blk = kv_in_flight.wait()
+            dkv_in_flight = ring.shift([dk_acc, dv_acc])  # one step behind its block; the last hop returns it home
+        dk_acc, dv_acc = dkv_in_flight.wait()
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+
+
+def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group | None = None,
+                            backend: AttentionBackend | str = "auto", layout: str = "zigzag",
+                            ring=None) -> tuple[Tensor, Tensor]:
+    """Causal attention over the full sequence from zig-zag shards (layouts: see RingAttentionFunction).
+    Pass `group` (the cp group) or a `ring` (P2PRing / LoopbackRing). lse carries no gradient."""
+    if q.shape[1] % 2:
+        raise ValueError(f"local sequence length {q.shape[1]} must be even (two chunks per cp rank)")
+    if isinstance(backend, str):
+        backend = get_backend(backend, q.device)
+    ring = ring if ring is not None else P2PRing(group)
+    return RingAttentionFunction.apply(q, k, v, float(scale), ring, backend, layout)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,
+                   backend: AttentionBackend | str = "auto") -> Tensor:
+    """Zig-zag ring attention output (B, S, H, D_v); see ring_attention_with_lse."""
+    return ring_attention_with_lse(q, k, v, scale, group, backend)[0]
+
+
+class RingAttention(nn.Module):
+    """Drop-in for LocalAttention under cp > 1: (q (B,S,H,D_qk), k, v (B,S,J,D_v)) -> (B,S,H,D_v),
+    S the zig-zag shard of this cp rank; same backend choice as the LocalAttention it replaces."""
+
+    def __init__(self, group: Group, backend: str = "auto"):
+        super().__init__()
+        self.group, self.backend_name = group, backend
+        self._backend = None
+
+    def forward(self, q, k, v, scale: float) -> Tensor:
+        if self._backend is None:
+            self._backend = get_backend(self.backend_name, q.device)
+        return ring_attention(q, k, v, scale, self.group, self._backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend_name}, cp={self.group.size}"
+
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """Swap every LocalAttention core for zig-zag ring attention over the "cp" group.
+
+    Everything else is per token and needs no change: prepare_batch shards tokens, labels, mask and
+    positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp)."""
+    with_aux = [name for name, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_weight > 0]
+    if with_aux:
+        raise NotImplementedError(
+            f"model.aux_loss_weight > 0 with parallel.cp={dims.cp}: the sequence-wise balance loss would be "
+            f"computed per zig-zag shard, not per sequence (layers {', '.join(with_aux)}); not implemented yet")
+    group = dims["cp"]
+    owners = [m for m in model.modules() if isinstance(getattr(m, "core", None), LocalAttention)]
+    for module in owners:
+        module.core = RingAttention(group, module.core.backend_name)
+    return model
