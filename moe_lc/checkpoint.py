@@ -1,13 +1,24 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), committed atomically.
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, reshardable, optionally asynchronous.
 
 Layout under the checkpoint root:
 
     step_00000100/          a complete checkpoint: DCP shards + .metadata + COMMITTED
     .tmp_step_00000200/     a save in progress (or one that was killed): never read
 
-A save writes into the temporary directory, then the writer rank adds the COMMITTED marker (fsync)
-and renames the directory into place (fsync of the root), so a save killed at any moment leaves the
-previous checkpoints untouched and loadable. `latest_checkpoint` only considers committed ones.
+A save writes into the temporary directory; after every rank's data and DCP's .metadata are on
+disk the writer rank adds the COMMITTED marker (fsync) and renames the directory into place (fsync
+of the root). A save killed at any moment leaves the previous checkpoints untouched and loadable;
+`latest_checkpoint` only considers committed ones.
+
+Contents: "model" and "optim" hold every parameter and optimizer state as boxes of the full tensors
+(`moe_lc.parallel.checkpoint_state`), so any layout loads any other's checkpoint; "train" holds the
+step, the skipped-step count and the data position (one global sample counter, which carries over
+when the data-parallel size changes); "rng" every rank's generator states (restored when the world
+size is unchanged).
+
+Asynchronous saves snapshot the state (a copy of this rank's boxes) before returning, so training
+never overwrites tensors being written; the write runs in a thread on a dedicated gloo group and
+is committed by the writer when DCP finishes. The next save, or `wait()`, joins it first.
 """
 
 from __future__ import annotations
@@ -16,12 +27,18 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from moe_lc import faults
+
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -61,10 +78,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _commit(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
+    """Writer rank only: marker, rename into place, prune old checkpoints."""
+    with open(tmp / MARKER, "w") as fh:
+        json.dump({"step": step, "time": time.time()}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # a re-save of the same step (after a resume) replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    if keep > 0:
+        for _, old in committed_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _dcp_save(state: dict, path: Path, group=None) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process notice
+        dcp.save(state, checkpoint_id=str(path), process_group=group)
+
+
 def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool,
-                    barrier: Callable[[], None] = lambda: None, keep: int = 0) -> Path:
-    """Save `state` (nested dicts of tensors / DTensors / plain values) for `step`; collective over all
-    ranks (every rank calls it). Returns the committed directory."""
+                    barrier=lambda: None, keep: int = 0, rank: int = 0) -> Path:
+    """Save `state` for `step` synchronously; collective over all ranks. Returns the committed dir."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     if is_writer:
@@ -72,39 +110,25 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
         tmp.mkdir()
     barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process notice
-        dcp.save(state, checkpoint_id=str(tmp))
-    barrier()
-    if is_writer:
-        marker = tmp / MARKER
-        with open(marker, "w") as fh:
-            json.dump({"step": step, "time": time.time()}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (after a resume) replaces it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        if keep > 0:
-            for _, old in committed_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+    _dcp_save(state, tmp)
+    faults.maybe_kill_in_save(step, rank)
+    if is_writer:  # DCP wrote .metadata after every rank's data: the checkpoint is complete
+        _commit(root, tmp, final, step, keep)
     barrier()
     return final
 
 
 def checkpoint_keys(path: str | Path) -> set[str]:
-    """Top-level keys present in a checkpoint (used to skip per-rank entries a new layout lacks)."""
+    """Flattened keys present in a checkpoint ("model.layers.0.attn.wo.weight", "train.step", ...)."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
-    return {key.split(".", 1)[0] for key in meta.state_dict_metadata}
+    return set(meta.state_dict_metadata)
 
 
 def load_checkpoint(path: str | Path, state: dict) -> dict:
-    """Load in place into `state` (its tensors give shapes, dtypes and shardings); returns it."""
+    """Load in place into `state` (its tensors give shapes, dtypes and boxes); returns it."""
     path = Path(path)
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
@@ -112,6 +136,113 @@ def load_checkpoint(path: str | Path, state: dict) -> dict:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {str(exc)[:500]})") from None
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {_first_line(exc)})") from None
+    return state
+
+
+class Checkpointer:
+    """Saves and restores one run's training state (see the module docstring)."""
+
+    def __init__(self, root: str | Path, dims, *, keep: int = 0, async_save: bool = False):
+        self.root, self.dims, self.keep, self.async_save = Path(root), dims, keep, async_save
+        self.is_writer = dims.rank == 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group = None
+        if async_save and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")  # checkpoint traffic off the training group
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def state(self, model, optimizer, train: dict) -> dict:
+        from moe_lc.parallel.checkpoint_state import model_state, optimizer_state
+
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {"model": model_state(model, self.dims), "optim": optimizer_state(optimizer, model, self.dims),
+                "train": dict(train, world=self.dims.world), "rng": {f"rank{self.dims.rank}": rng}}
+
+    def save(self, step: int, model, optimizer, train: dict) -> Path:
+        """Save (or, with async_save, start saving) the state after `step` optimizer steps."""
+        self.wait()
+        state = self.state(model, optimizer, train)
+        if not self.async_save:
+            return save_checkpoint(self.root, step, state, is_writer=self.is_writer, barrier=self._barrier,
+                                   keep=self.keep, rank=self.dims.rank)
+        final, tmp = step_dir(self.root, step), self.root / f".tmp_step_{step:08d}"
+        if self.is_writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        snapshot = _snapshot(state)  # from here on training may change the live buffers
+
+        def write():
+            try:
+                _dcp_save(snapshot, tmp, self._group)
+                faults.maybe_kill_in_save(step, self.dims.rank)
+                if self.is_writer:
+                    _commit(self.root, tmp, final, step, self.keep)
+            except BaseException as exc:  # surfaced by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-step{step}", daemon=True)
+        self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        """Join a running asynchronous save (and re-raise its error)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._barrier()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+
+    def resume(self, model, optimizer, train_template: dict) -> tuple[Path | None, dict]:
+        """Load the newest committed checkpoint into model and optimizer; returns (path, train state)."""
+        path = latest_checkpoint(self.root)
+        if path is None:
+            return None, train_template
+        keys = checkpoint_keys(path)
+        train = load_checkpoint(path, {"train": dict(train_template, world=0)})["train"]
+        state = self.state(model, optimizer, train_template)
+        state.pop("train")
+        if train["world"] != self.dims.world or f"rng.rank{self.dims.rank}.torch" not in keys:
+            state.pop("rng")  # another layout: generator states do not map rank to rank
+        load_checkpoint(path, state)
+        optimizer.step_count = int(state["optim"]["step"])
+        if "rng" in state:
+            rng = state["rng"][f"rank{self.dims.rank}"]
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        train.pop("world")
+        return path, train
+
+
+def _first_line(exc: BaseException) -> str:
+    """DCP wraps per-rank failures in long reports; keep the innermost error's message."""
+    text = str(exc)
+    for marker in ("Error: ", "Exception: "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[-1]
+    return text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+
+
+def _snapshot(state):
+    """A deep copy of a checkpoint state's tensors (Chunks boxes included)."""
+    from moe_lc.parallel.checkpoint_state import Chunks
+
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    if isinstance(state, Chunks):
+        return state.cloned()
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
     return state

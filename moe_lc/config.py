@@ -283,6 +283,7 @@ class CheckpointConfig:
     interval: int = f(0, "save every N steps (and at the end); 0 = never")
     resume: bool = f(False, "continue from the newest complete checkpoint in dir, if any")
     keep: int = f(3, "keep the newest K checkpoints; 0 = keep all")
+    async_save: bool = f(False, "write checkpoints in the background (a snapshot is taken first)")
 
     def errors(self) -> list[str]:
         e = []

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from moe_lc import checkpoint as ckpt
+from moe_lc import faults
 from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
@@ -83,11 +84,18 @@ class Trainer:
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        except (ValueError, FileNotFoundError, ImportError) as exc:
+            raise ConfigError([f"data.tokenizer={cfg.data.tokenizer!r}: {exc}"]) from None
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                                f"{self.tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"])
-        dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed, tokenizer=self.tokenizer)
+        try:
+            dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed,
+                                          tokenizer=self.tokenizer)
+        except (ValueError, FileNotFoundError) as exc:  # missing, short or mismatched data files
+            raise ConfigError([f"data: {exc}"]) from None
         self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
         model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
@@ -113,6 +121,8 @@ class Trainer:
             no_decay=no_weight_decay_names(self.model))
         self.step = 0
         self.nonfinite_skipped = 0
+        self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,
+                                              async_save=cfg.checkpoint.async_save)
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops(self.device, p.recipe, t.peak_tflops)
 
@@ -157,17 +167,20 @@ class Trainer:
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
             batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, self.cfg.model.mtp_depth))
+        scale = 1.0 / n_tokens
+        if faults.armed("nan_loss", self.step + 1, self.dims.rank):
+            scale = float("nan")
         if self.runtime is not None:
             self.optimizer.begin_step(self.runtime.grad_arrivals())
-            loss_sum = self.runtime.step(batches, 1.0 / n_tokens)
+            loss_sum = self.runtime.step(batches, scale) * (scale * n_tokens)
         else:
             self.optimizer.begin_step(len(batches))
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for batch in batches:
                 loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
                                   loss_mask=batch["loss_mask"], mtp=batch["mtp"])
-                (loss / n_tokens).backward()
-                loss_sum += loss.detach().double()
+                (loss * scale).backward()
+                loss_sum += loss.detach().double() * (scale * n_tokens)
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
@@ -201,31 +214,25 @@ class Trainer:
         return stats
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def _state(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "train": {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped,
-                          "data": self.loader.state_dict()}}
+    def _train_state(self) -> dict:
+        return {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped, "data": self.loader.state_dict()}
 
     def checkpoint_root(self) -> Path:
         c = self.cfg.checkpoint
         return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
 
     def save(self) -> Path:
-        barrier = (lambda: torch.distributed.barrier()) if self.dims.world > 1 else (lambda: None)
-        return ckpt.save_checkpoint(self.checkpoint_root(), self.step, self._state(), is_writer=self.is_logger,
-                                    barrier=barrier, keep=self.cfg.checkpoint.keep)
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:  # the non-finite guard skips such updates; never write them
+            raise FloatingPointError(f"refusing to save non-finite parameters: {bad[:5]}")
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self._train_state())
 
     def try_resume(self) -> Path | None:
-        path = ckpt.latest_checkpoint(self.checkpoint_root())
-        if path is None:
-            return None
-        state = self._state()
-        ckpt.load_checkpoint(path, state)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-        self.step = int(state["train"]["step"])
-        self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
-        self.loader.load_state_dict(state["train"]["data"])
+        path, train = self.checkpointer.resume(self.model, self.optimizer, self._train_state())
+        if path is not None:
+            self.step = int(train["step"])
+            self.nonfinite_skipped = int(train["nonfinite_skipped"])
+            self.loader.load_state_dict(train["data"])
         return path
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -271,7 +278,9 @@ class Trainer:
             interval = cfg.checkpoint.interval
             if interval and (self.step % interval == 0 or self.step == t.steps):
                 path = self.save()
-                logger.event(f"checkpoint saved: {path}")
+                logger.event(f"checkpoint {'started' if cfg.checkpoint.async_save else 'saved'}: {path}")
+            faults.maybe_exit(self.step, self.dims.rank)
+        self.checkpointer.wait()
         if keep_final_state:
             result.final_state = full_state_dict(self.model, self.dims)
         logger.close()
@@ -315,9 +324,12 @@ def main(argv=None) -> int:
         return 0
     try:
         result = run(cfg)
-    except ConfigError as exc:
+    except (ConfigError, ckpt.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except FloatingPointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

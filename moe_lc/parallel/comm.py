@@ -13,7 +13,8 @@ so tests and the planner can compare them with closed-form formulas:
 
 Ring ops send everything to the next rank of the group, so their bytes are inter-node when that
 rank is on another node; all-to-all and send count each destination separately. A group of size 1
-is a no-op and counts nothing.
+is a no-op and counts nothing. A collective that fails or times out (`parallel.timeout_s`) raises
+`CollectiveError` naming the op and the group, also when it surfaces later in `work.wait()`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,37 @@ import torch.distributed as dist
 # torch 2.13 renames the tensor collectives (*_single); torch 2.11 on the GPU machines may lack them.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out, with the op and the group it ran on."""
+
+    def __init__(self, op: str, group: "Group", cause: BaseException):
+        super().__init__(f"collective {op} on group '{group.name}' (global ranks {group.ranks}) failed: "
+                         f"{type(cause).__name__}: {str(cause).strip()[:400]} -- a peer may have died or not "
+                         f"reached this collective (timeout: parallel.timeout_s)")
+        self.op, self.group_name = op, group.name
+
+
+class _Work:
+    """An async collective whose wait() reports failures as CollectiveError."""
+
+    def __init__(self, work, op: str, group: "Group"):
+        self.work, self.op, self.group = work, op, group
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        except Exception as exc:
+            raise CollectiveError(self.op, self.group, exc) from exc
+
+
+def _issue(op: str, group: "Group", call, async_op: bool):
+    try:
+        work = call()
+    except Exception as exc:
+        raise CollectiveError(op, group, exc) from exc
+    return _Work(work, op, group) if async_op and work is not None else work
 
 
 class CommCounter:
@@ -105,7 +137,7 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     if group.size == 1:
         return None
     group._count_ring("all_reduce", 2 * (group.size - 1) * _nbytes(t) // group.size)
-    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=async_op), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -114,7 +146,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.R
         out.copy_(inp)
         return None
     group._count_ring("reduce_scatter", (group.size - 1) * _nbytes(inp) // group.size)
-    return _reduce_scatter_single(out, inp, op=op, group=group.pg, async_op=async_op)
+    return _issue("reduce_scatter", group,
+                  lambda: _reduce_scatter_single(out, inp, op=op, group=group.pg, async_op=async_op), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -124,7 +157,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
             out.copy_(inp)
         return None
     group._count_ring("all_gather", (group.size - 1) * _nbytes(out) // group.size)
-    return _all_gather_single(out, inp, group=group.pg, async_op=async_op)
+    return _issue("all_gather", group, lambda: _all_gather_single(out, inp, group=group.pg, async_op=async_op),
+                  async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -140,7 +174,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
             sent += n * row
             inter += n * row if group.node_of(peer) != group.node_of(group.rank) else 0
     group.counter.add(group.name, "all_to_all", sent, inter)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=async_op)
+    return _issue("all_to_all", group, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg,
+                                                                      async_op=async_op), async_op)
 
 
 def all_gather_object(obj, group: Group) -> list:
@@ -153,7 +188,7 @@ def all_gather_object(obj, group: Group) -> list:
     nbytes = len(pickle.dumps(obj))
     group._count_ring("all_gather_object", (group.size - 1) * nbytes)
     out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
+    _issue("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg), False)
     return out
 
 
@@ -168,9 +203,14 @@ def p2p_op(kind: str, t: torch.Tensor, peer: int, group: Group) -> dist.P2POp:
     raise ValueError(f"p2p kind {kind!r} must be 'send' or 'recv'")
 
 
-def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
-    """Post a group of p2p ops together; returns their works (wait on each)."""
-    return dist.batch_isend_irecv(ops) if ops else []
+def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list:
+    """Post a group of p2p ops together; returns their works (wait on each). `group` names the
+    group in errors."""
+    if not ops:
+        return []
+    named = group or Group("p2p", [])
+    works = _issue("batch_isend_irecv", named, lambda: dist.batch_isend_irecv(ops), False)
+    return [_Work(w, "batch_isend_irecv", named) for w in works]
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group):
@@ -179,4 +219,4 @@ def broadcast(t: torch.Tensor, src: int, group: Group):
     if group.size == 1:
         return None
     group._count_ring("broadcast", _nbytes(t) if group.rank != (src - 1) % group.size else 0)
-    return dist.broadcast(t, group.ranks[src], group=group.pg)
+    return _issue("broadcast", group, lambda: dist.broadcast(t, group.ranks[src], group=group.pg), False)

@@ -163,7 +163,7 @@ class P2PRing:
         received = [torch.empty_like(t) for t in tensors]
         ops = [comm.p2p_op("send", t, nxt, self.group) for t in tensors]
         ops += [comm.p2p_op("recv", buf, prev, self.group) for buf in received]
-        return _InFlight(comm.batch_isend_irecv(ops), received, tensors)
+        return _InFlight(comm.batch_isend_irecv(ops, self.group), received, tensors)
 
 
 class LoopbackRing:

@@ -198,35 +198,6 @@ class ShardedParams:
         """Optimizer-state bytes on this rank: master + both moments (the 12 psi / N of ZeRO-1 in fp32)."""
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
 
-    # -- checkpointing (full local-parameter-shaped states) -----------------------------------------
-    @torch.no_grad()
-    def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{param name: {master, exp_avg, exp_avg_sq}} shaped like the local parameter, gathered over the
-        group bucket by bucket (transient memory: one bucket of each state at a time)."""
-        out = {}
-        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            for b in self.buckets:
-                full = torch.empty(b.size, device=shard.device, dtype=shard.dtype)
-                comm.all_gather(full, self._shard_slice(b, shard), self.group)
-                for p, off in b.params:
-                    rel = off - b.start
-                    out.setdefault(self.names[id(p)], {})[key] = full[rel:rel + p.numel()].view_as(p).clone()
-        return out
-
-    @torch.no_grad()
-    def load_full_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            for b in self.buckets:
-                full = torch.zeros(b.size, device=shard.device, dtype=shard.dtype)
-                for p, off in b.params:
-                    rel = off - b.start
-                    full[rel:rel + p.numel()] = states[self.names[id(p)]][key].reshape(-1)
-                self._shard_slice(b, shard).copy_(full[self.group.rank * b.shard_size:][:b.shard_size])
-        for b in self.buckets:  # parameters follow their masters
-            own = self._own(self.param_buffer, b)
-            own.copy_(self._shard_slice(b, self.master))
-            comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group)
-
 
 class ZeroAdamW:
     """AdamW over several ZeRO-1 groups; global grad-norm clipping across all shards and mesh dims.
@@ -275,14 +246,3 @@ class ZeroAdamW:
 
     def state_bytes(self) -> int:
         return sum(s.state_bytes() for s in self.shards)
-
-    def state_dict(self) -> dict:
-        states = {}
-        for s in self.shards:
-            states.update(s.full_states())
-        return {"step": self.step_count, "params": states}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step_count = int(sd["step"])
-        for s in self.shards:
-            s.load_full_states(sd["params"])

@@ -168,7 +168,7 @@ class PipelineRuntime:
             else:
                 raise ValueError(f"unknown p2p op {p2p.op!r}")
         self.trace.append(("COMM", tuple((p.op, p.peer, self._stage(p.chunk, p.mb), p.mb) for p in group.ops)))
-        for work in comm.batch_isend_irecv(ops):
+        for work in comm.batch_isend_irecv(ops, self.pp_group):
             work.wait()
         for table, key, buf in landing:
             table[key] = buf

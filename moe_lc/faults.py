@@ -1,0 +1,48 @@
+"""Fault injection for reliability tests: `MOE_LC_FAULT="kind@step[:rank],..."`.
+
+Kinds (each fires once, on the given rank or on every rank, after optimizer step `step`):
+    exit          the process exits with status 13 (a crashed rank; torchrun restarts the job)
+    kill_in_save  SIGKILL while the checkpoint of that step is written (data and DCP metadata on
+                  disk, commit marker and rename not yet done)
+    nan_loss      the loss of that step becomes NaN before backward (non-finite guard)
+Under torchrun restarts a fault fires only in the first attempt (TORCHELASTIC_RESTART_COUNT = 0),
+so the restarted job runs clean. Nothing happens unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+KINDS = ("exit", "kill_in_save", "nan_loss")
+
+
+def _faults() -> list[tuple[str, int, int | None]]:
+    spec = os.environ.get("MOE_LC_FAULT", "").strip()
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return []
+    out = []
+    for item in spec.split(","):
+        kind, _, where = item.strip().partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit():
+            raise ValueError(f"MOE_LC_FAULT item {item!r}: expected KIND@STEP[:RANK] with KIND in {KINDS}")
+        out.append((kind, int(step), int(rank) if rank else None))
+    return out
+
+
+def armed(kind: str, step: int, rank: int) -> bool:
+    """Whether fault `kind` is set for this step and rank."""
+    return any(k == kind and s == step and r in (None, rank) for k, s, r in _faults())
+
+
+def maybe_exit(step: int, rank: int) -> None:
+    if armed("exit", step, rank):
+        print(f"[fault injection] rank {rank} exits after step {step}", flush=True)
+        os._exit(13)
+
+
+def maybe_kill_in_save(step: int, rank: int) -> None:
+    if armed("kill_in_save", step, rank):
+        print(f"[fault injection] rank {rank} killed while saving step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,145 @@
+"""A catalogue of bad inputs: each ends with one clear error (exit status 2, no traceback) that names
+the field, value and rule, before any training work is lost."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_lc.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "debug_cpu.toml")
+FAST = ["--set", "train.steps=1", "--set", "train.seq_len=64", "--set", "train.global_batch=4",
+        "--set", "train.micro_batch=4"]
+
+
+def sets(*items):
+    out = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+def write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+# (id, argv builder (tmp_path -> argv), WORLD_SIZE, expected message fragment)
+CASES = [
+    # files and syntax
+    ("malformed-toml", lambda t: [write(t, "r.toml", "[train\nsteps = 1")], 1, "malformed TOML"),
+    ("missing-recipe", lambda t: [str(t / "nope.toml")], 1, "recipe file not found"),
+    ("extends-cycle", lambda t: [write(t, "a.toml", 'extends = "a.toml"')], 1, "extends cycle"),
+    ("extends-not-string", lambda t: [write(t, "r.toml", "extends = 3")], 1, "extends=3 must be a path string"),
+    ("unknown-section", lambda t: [RECIPE, *sets("modle.dim=3")], 1, "unknown section [modle] (did you mean 'model'?)"),
+    ("unknown-key", lambda t: [RECIPE, *sets("train.setps=3")], 1, "unknown key train.setps (did you mean 'steps'?)"),
+    ("section-not-table", lambda t: [write(t, "r.toml", "model = 3")], 1, "[model] must be a table, got int"),
+    ("wrong-type-str", lambda t: [RECIPE, *sets("train.steps=ten")], 1, "train.steps='ten' must be an integer, got str"),
+    ("wrong-type-float", lambda t: [RECIPE, *sets("train.steps=1.5")], 1, "train.steps=1.5 must be an integer, got float"),
+    ("wrong-type-bool", lambda t: [RECIPE, *sets("checkpoint.resume=1")], 1, "checkpoint.resume=1 must be true/false"),
+    ("bad-set-syntax", lambda t: [RECIPE, "--set", "lr=3"], 1, "expected SECTION.KEY=VALUE"),
+    ("list-of-wrong-type", lambda t: [RECIPE, *sets("parallel.pp_stage_layers=[1.5]")], 1,
+     "parallel.pp_stage_layers=[1.5] must be a list of an integer"),
+    # model rules
+    ("kv-heads", lambda t: [RECIPE, *sets("model.n_kv_heads=3")], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
+    ("topk", lambda t: [RECIPE, *sets("model.topk=9")], 1, "model.topk=9 must lie in [1, n_routed_experts=8]"),
+    ("groups", lambda t: [RECIPE, *sets("model.n_groups=3")], 1, "model.n_groups=3 must divide model.n_routed_experts=8"),
+    ("topk-groups", lambda t: [RECIPE, *sets("model.topk_groups=5")], 1, "model.topk_groups=5 must lie in [1, n_groups=4]"),
+    ("vocab-small", lambda t: [RECIPE, *sets("model.vocab_size=200")], 1, "model.vocab_size=200 must be >= 259"),
+    ("rope-odd", lambda t: [RECIPE, *sets("model.n_heads=8", "model.n_kv_heads=8", "model.dim=120")], 1,
+     "must be even for RoPE"),
+    ("yarn-factor", lambda t: [RECIPE, *sets("model.rope_scaling=yarn", "model.rope_factor=0.5")], 1,
+     "model.rope_factor=0.5 must be >= 1"),
+    ("mla-ranks", lambda t: [RECIPE, *sets("model.attention=mla")], 1, "model.kv_lora_rank=0 must be > 0"),
+    ("score-func", lambda t: [RECIPE, *sets("model.score_func=relu")], 1, "model.score_func='relu' must be one of"),
+    # layouts
+    ("world-mismatch", lambda t: [RECIPE, *sets("parallel.dp=3")], 4, "parallel.pp*dp*cp*tp=3 must equal the world size 4"),
+    ("tp-heads", lambda t: [RECIPE, *sets("parallel.tp=3")], 3, "parallel.tp=3 must divide model.n_heads=4"),
+    ("ep-divides", lambda t: [RECIPE, *sets("parallel.ep=3")], 4, "parallel.ep=3 must divide dp*cp*tp=4"),
+    ("ep-experts", lambda t: [RECIPE, *sets("parallel.ep=16")], 16, "parallel.ep=16 must divide model.n_routed_experts=8"),
+    ("cp-seq", lambda t: [RECIPE, *sets("parallel.cp=4", "train.seq_len=100")], 4, "train.seq_len=100 must be divisible by 8"),
+    ("batch", lambda t: [RECIPE, *sets("train.global_batch=6")], 2, "train.global_batch=6 must be divisible by micro_batch*dp=8"),
+    ("pp-layers", lambda t: [RECIPE, *sets("parallel.pp=8")], 8, "model.n_layers=4 is fewer than the 8 pipeline stages"),
+    ("dualpipe-odd", lambda t: [RECIPE, *sets("parallel.pp=3", "parallel.pp_schedule=dualpipe", "model.n_layers=6")], 3,
+     "dualpipe needs pp even"),
+    ("mtp-1f1b", lambda t: [RECIPE, *sets("parallel.pp=2", "model.mtp_depth=1")], 2, "needs pp_schedule 'dualpipe' or 'dualpipev'"),
+    ("ranks-per-node", lambda t: [RECIPE, *sets("parallel.ranks_per_node=3")], 4, "parallel.ranks_per_node=3 must divide the world size 4"),
+    ("stage-layers", lambda t: [RECIPE, *sets("parallel.pp=2", "parallel.pp_stage_layers=[1,1]")], 2,
+     "parallel.pp_stage_layers=[1, 1] must list 2 positive block counts summing to model.n_layers=4"),
+    ("node-groups", lambda t: [RECIPE, *sets("parallel.ep=4", "parallel.ranks_per_node=2", "model.n_groups=1",
+                                             "model.topk_groups=1")], 4, "must be a multiple of the 2 nodes"),
+    # training
+    ("lr", lambda t: [RECIPE, *sets("train.lr=-1")], 1, "train.lr=-1.0 must be > 0"),
+    ("warmup", lambda t: [RECIPE, *sets("train.warmup_steps=-1")], 1, "train.warmup_steps=-1 must be >= 0"),
+    ("precision", lambda t: [RECIPE, *sets("precision.recipe=fp16")], 1, "precision.recipe='fp16' must be one of"),
+    ("recompute", lambda t: [RECIPE, *sets("recompute.selective=norm,softmax")], 1, "recompute.selective='softmax' must be one of"),
+    # data
+    ("tokens-no-path", lambda t: [RECIPE, *sets("data.source=tokens")], 1, "data.path is empty"),
+    ("tokens-missing", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={t / 'none'}")], 1, "data:"),
+    ("tokens-truncated", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={_token_file(t, truncate=True)}")],
+     1, "truncated or corrupt"),
+    ("tokens-tokenizer", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={_token_file(t, tokenizer='other')}")],
+     1, "was built with tokenizer 'other'"),
+    ("tokenizer-spec", lambda t: [RECIPE, *FAST, *sets("data.tokenizer=gpt2")], 1, "data.tokenizer='gpt2'"),
+    ("synthetic-short", lambda t: [RECIPE, *sets("data.source=synthetic", "train.seq_len=32")], 1,
+     "train.seq_len=32 must be >= 64 for synthetic"),
+    # checkpoints
+    ("ckpt-corrupt-metadata", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_corrupt_checkpoint(t)}", "checkpoint.resume=true")],
+     1, "unreadable checkpoint metadata"),
+    ("ckpt-other-model", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_checkpoint(t)}", "checkpoint.resume=true",
+                                                         "model.dim=64")], 1, "cannot load"),
+    ("ckpt-missing-shard", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_checkpoint(t, drop_shard=True)}",
+                                                           "checkpoint.resume=true")], 1, "cannot load"),
+]
+
+
+def _token_file(tmp: Path, truncate: bool = False, tokenizer: str = "byte") -> Path:
+    from moe_lc.data import write_token_file
+
+    prefix = tmp / "tok"
+    for split in ("train", "val"):
+        write_token_file(f"{prefix}.{split}", np.arange(2000) % 250, tokenizer, 259, "test")
+    if truncate:
+        bin_path = Path(f"{prefix}.train.bin")
+        bin_path.write_bytes(bin_path.read_bytes()[:1001])
+    return prefix
+
+
+def _checkpoint(tmp: Path, drop_shard: bool = False) -> Path:
+    """A real checkpoint of the debug model (1 step)."""
+    root = tmp / "ckpt"
+    rc = main([RECIPE, *FAST, *sets(f"train.output_dir={tmp / 'run'}", "checkpoint.interval=1", f"checkpoint.dir={root}")])
+    assert rc == 0
+    if drop_shard:
+        for shard in (root / "step_00000001").glob("*.distcp"):
+            shard.unlink()
+    return root
+
+
+def _corrupt_checkpoint(tmp: Path) -> Path:
+    root = _checkpoint(tmp)
+    (root / "step_00000001" / ".metadata").write_bytes(b"\x00 not a pickle")
+    return root
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clear_error(case, tmp_path, capsys, monkeypatch):
+    _, argv, world, expected = case
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    args = argv(tmp_path)
+    capsys.readouterr()  # drop the output of fixtures that trained a model
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code = main(args + ["--set", f"train.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: "), err
+    assert expected in err, err
+    assert "Traceback" not in err
+
+
+def test_the_catalogue_is_large():
+    assert len(CASES) >= 30
