@@ -199,11 +199,16 @@ class Trainer:
         moes = self.model.moe_layers()
         if not moes:
             return {}
+        stats = {}
+        if self.dims.ep > 1:  # dispatcher counters: load per expert and ep rank, nodes per token
+            from moe_lc.parallel.expert import expert_parallel_metrics
+
+            stats.update(expert_parallel_metrics(self.model, self.dims))
         loads = torch.stack([m.router.expert_load for m in moes.values()])
         comm.all_reduce(loads, self.dims["dp_cp_tp"])
-        stats = {}
         for (name, moe), load in zip(moes.items(), loads):
             stats[f"moe/imbalance/layer{name}"] = (load.max() / load.mean().clamp_min(1e-9)).item()
+            stats.setdefault(f"moe/load/layer{name}", load.tolist())
             moe.router.update_bias(load)
             bias = moe.router.expert_bias
             stats[f"moe/bias_range/layer{name}"] = (bias.max() - bias.min()).item()

@@ -142,7 +142,12 @@ class Transformer(nn.Module):
         return loss
 
     def moe_layers(self) -> dict[str, MoE]:
-        return {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}
+        """MoE FFNs by block name ("3", ..., and "mtp0" for the MTP modules' blocks)."""
+        out = {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}
+        for d, module in enumerate(self.mtp or []):
+            if isinstance(module.block.ffn, MoE):
+                out[f"mtp{d}"] = module.block.ffn
+        return out
 
 
 def run_phases(phases: list, x):
