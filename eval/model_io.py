@@ -1,0 +1,133 @@
+"""Find a checkpoint and its recipe, load the model weights, run the model: the eval side of I/O.
+
+Accepted paths: a run directory (<output_dir> with config.toml and checkpoints/), a checkpoint root
+(the step_XXXXXXXX directories), or one committed step directory. The recipe is the run's
+config.toml unless --recipe is given. Only the "model" entry of the DCP checkpoint is read.
+
+Checkpoints of any layout load here: moe_lc saves every parameter as boxes of the full tensor
+(reshardable checkpoints), so a tp / ep / pp / dp run's "model" entry fills one full model (checked
+for a tp=2 run).
+
+Context-parallel eval for long contexts: under `torchrun --nproc-per-node N -m eval ...` every rank
+holds the full weights and the model runs zig-zag ring attention over N ranks (cp = N): each rank
+feeds its two chunks of the sequence, and the logits are gathered back into sequence order on every
+rank, so scoring is the same code as in one process (and gives the same numbers, tests/test_eval.py).
+Inputs are padded at the end to a multiple of 2N; causal attention and per-token routing make the
+padding invisible to the real positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moe_lc.checkpoint import MARKER, CheckpointError, committed_checkpoints, load_checkpoint
+from moe_lc.config import Config, ConfigError, load_config
+from moe_lc.model.transformer import Transformer
+from moe_lc.parallel.mesh import ParallelDims, init_distributed
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
+    """(committed step directory, the run's config.toml or None) for a run, root or step path."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such run or checkpoint directory")
+    if (p / MARKER).is_file():
+        step, run = p, p.parent.parent
+    else:
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        found = committed_checkpoints(root)
+        if not found:
+            raise CheckpointError(f"{p}: no committed checkpoint (looked for step_XXXXXXXX/{MARKER} in {root}); "
+                                  "train with checkpoint.interval > 0")
+        step, run = found[-1][1], root.parent if root != p else p.parent
+        if (p / "config.toml").is_file():
+            run = p
+    config = run / "config.toml"
+    return step, config if config.is_file() else None
+
+
+def load_eval_config(config_path: Path | None, recipe: str | None, overrides: list[str]) -> Config:
+    """The recipe the model was trained with (--recipe wins over the run's config.toml). Only the
+    model section must be valid here: the run's parallel layout does not apply to one eval process."""
+    source = recipe or config_path
+    if source is None:
+        raise ConfigError(["no recipe: the checkpoint's run directory has no config.toml; pass --recipe"])
+    cfg = load_config(source, overrides, check=False)
+    errors = cfg.model.errors()
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def eval_dims(cfg: Config, device: torch.device) -> ParallelDims | None:
+    """Under torchrun (WORLD_SIZE > 1): join the job and make every rank one cp rank; else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    rank, world = init_distributed(cfg.parallel.timeout_s, device.type)
+    layout = dataclasses.replace(cfg.parallel, pp=1, dp=1, cp=world, tp=1, ep=1, ranks_per_node=0)
+    dims = ParallelDims.from_config(layout, world, rank)
+    dims.init_groups()
+    return dims
+
+
+def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, dims: ParallelDims | None = None) -> Transformer:
+    """The checkpoint's weights in a full model (eval mode, `dtype` parameters); with `dims` (cp > 1)
+    its attention runs the zig-zag ring over the cp group."""
+    model = Transformer(cfg.model)
+    state = model.state_dict()
+    _check_shapes(step_dir, state)
+    load_checkpoint(step_dir, {"model": state})
+    model.load_state_dict(state)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    if dims is not None and dims.cp > 1:
+        from moe_lc.parallel.parallelize import parallelize
+
+        model = parallelize(model, dims)
+        model.__dict__["eval_dims"] = dims
+    return model.to(device).eval()
+
+
+def _check_shapes(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    bad = []
+    for name, tensor in state.items():
+        entry = meta.get(f"model.{name}")
+        if entry is None:
+            bad.append(f"{name}: missing from the checkpoint")
+        elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
+            bad.append(f"{name}: checkpoint {tuple(entry.size)} vs recipe {tuple(tensor.shape)}")
+    if bad:
+        raise CheckpointError(f"{step_dir}: the checkpoint does not fit the recipe's model (wrong --recipe or "
+                              "--set?): "
+                              + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
+
+
+@torch.no_grad()
+def forward_logits(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """Logits (B, S, V) in fp32 for token ids (B, S), on the model's device; under context
+    parallelism every rank passes the same full tokens and gets the same full logits."""
+    device = next(model.parameters()).device
+    tokens_BS = tokens_BS.to(device)
+    dims = model.__dict__.get("eval_dims")
+    if dims is None:
+        return model(tokens_BS).float()
+    from moe_lc.parallel.context import zigzag_shard, zigzag_unshard
+
+    group, S = dims["cp"], tokens_BS.shape[1]
+    padded = -(-S // (2 * group.size)) * 2 * group.size
+    tokens_BS = torch.nn.functional.pad(tokens_BS, (0, padded - S))
+    positions = torch.arange(padded, device=device)
+    logits = model(zigzag_shard(tokens_BS, group, dim=1), positions=zigzag_shard(positions, group, dim=0))
+    return zigzag_unshard(logits.float().contiguous(), group, dim=1)[:, :S]
+
+
+def checkpoint_step(step_dir: Path) -> int:
+    return int(step_dir.name.rsplit("_", 1)[-1])

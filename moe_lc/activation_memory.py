@@ -1,0 +1,343 @@
+"""Saved-activation bytes of one micro-batch: derived from the model code, and measured.
+
+Legend: B micro-batch sequences, S local sequence length, T = B*S tokens, D model dim, H query heads,
+K kv heads, Dh head dim, V vocabulary rows, E routed experts, k experts per token, F dense FFN hidden,
+Fe routed-expert hidden, Fs = n_shared * Fe shared-expert hidden, c compute bytes (fp32 4, bf16 2).
+
+What our block keeps for backward (read off the code, then checked against `measure_saved_bytes`
+on the debug model, fp32 and bf16, exact to the byte), bytes per token:
+
+    RMSNorm (x2 per block)  fp32 copy of its input 4D (in fp32 this *is* the input), rsqrt 4, x*rsqrt 4D
+                            (+ a 4D fp32 copy of the weight per layer when c != 4)
+    attention               normed input cD (saved by wqkv), qkv c(H+2K)Dh (v is a view of it),
+                            roped q cH*Dh and k cK*Dh, out cH*Dh (also wo's input: the reshape is a
+                            view), lse 4H.  RoPE multiplies by cos/sin, which need no saving.
+    dense SwiGLU            normed input cD, gate|up c*2F, silu(gate) cF, product cF
+    MoE                     normed input cD (+ 4D fp32 router input when c != 4), affinities 4E,
+                            top-k ids 8k, gathered gates 4k, their sum 4, normalized gates ck,
+                            dispatch ids 8k, sorted token copies ckD, expert SwiGLU c*4k*Fe, combine
+                            ids 8k, combined copies ckD, shared SwiGLU c*4Fs (+ 8E per layer: counts)
+    no dropout; the fused attention keeps no S x S matrix (Korthikanti's 5as/h term is gone).
+
+So in fp32 a dense block keeps 4*(7D + 2(H+K)Dh + (H+2K)Dh + H + 2 + 4F) bytes per token, and the loss
+adds a 4V fp32 log-softmax per token (the logits themselves are not kept).
+
+Recompute policies (moe_lc/model/recompute.py), also checked against measurement on the debug model:
+    selective  drops the terms of its items: "norm" keeps each norm's input (cD) instead of its
+               fp32 intermediates (the final norm too), "swiglu" keeps gate|up only, "attention"
+               keeps q|k|v only (roped q, k and lse go; out stays, it is wo's input)
+    full       the trainer runs blocks as phases and checkpoints each: a block keeps its phases'
+               inputs: 2cD (dense) or 3cD + 2ckD + 4k (MoE: residual, normed input, sorted copies,
+               expert outputs, fp32 gates); the head, loss and embedding are not recomputed.
+    Not counted: the MoE routing handle a phased block keeps outside autograd (8k per token).
+
+Every term has a tensor-parallel class: "seq" lives in the sequence-parallel region (divided by tp
+with SP, replicated without), "heads" is cut by heads / hidden units / vocabulary (divided by tp),
+"full" is whole on every tp rank: the input of a column-parallel Linear, saved after the sequence
+all-gather (the one Linear saves what it multiplies), and replicated token ids and labels. Context
+parallelism shortens S to S/cp for every term. The layout-specific terms (moe_lc/parallel/tensor.py
+and context.py: vocab-parallel embedding and loss, the MoE router's sequence shard, ring attention's
+contiguous v) were read off those files and are compared with measurement by tests/test_plan.py
+(tp2, cp2, cp2 x tp2 on the debug model: equal to the byte).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from moe_lc.config import ModelConfig
+
+POLICIES = ("none", "selective", "full")
+CHECKED = "checked against measurement (tests/test_plan.py)"
+UNCHECKED = "formula, not yet checked against measurement"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor kept for backward: bytes per token, per sequence and per layer (constant)."""
+
+    what: str
+    per_token: float = 0.0
+    tp: str = "seq"  # "seq" | "heads" | "full" (see the module docstring)
+    dropped_by: str = ""  # the selective-recompute item that stops saving it: norm | swiglu | attention
+    per_seq: float = 0.0
+    per_layer: float = 0.0
+
+
+def _norm(name: str, D: int, c: int) -> list[Saved]:
+    return [Saved(f"{name}: fp32 input", 4 * D, "seq", "norm"),
+            Saved(f"{name}: rsqrt", 4, "seq", "norm"),
+            Saved(f"{name}: x*rsqrt", 4 * D, "seq", "norm"),
+            Saved(f"{name}: fp32 weight copy", per_layer=4 * D if c != 4 else 0, dropped_by="norm")]
+
+
+def _swiglu(name: str, hidden: float, c: int, tp: str) -> list[Saved]:
+    return [Saved(f"{name}: gate|up", 2 * c * hidden, tp),
+            Saved(f"{name}: silu(gate)", c * hidden, tp, "swiglu"),
+            Saved(f"{name}: silu*up (w2 input)", c * hidden, tp, "swiglu")]
+
+
+def _gqa_terms(m: ModelConfig, c: int, cp: int) -> list[Saved]:
+    H, K, Dh = m.n_heads, m.n_kv_heads, m.head_size
+    qkv = (Saved("attn: v (contiguous copy for the ring)", c * K * Dh, "heads") if cp > 1 else
+           Saved("attn: qkv (v is a view)", c * (H + 2 * K) * Dh, "heads"))
+    return [Saved("attn: normed input (wqkv input)", c * m.dim, "full"), qkv,
+            Saved("attn: roped q", c * H * Dh, "heads", "attention"),
+            Saved("attn: roped k", c * K * Dh, "heads", "attention"),
+            Saved("attn: out (and wo input)", c * H * Dh, "heads"),
+            Saved("attn: lse", 4 * H, "heads", "attention")]
+
+
+def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
+    """MLA (moe_lc/model/mla.py), decompressed. The fused backends pad the head dim to max(Dqk, Dv)
+    (CUDA: rounded up to 8), so out is stored padded and wo gets a contiguous copy when Dqk != Dv."""
+    H, Cq, Ckv, Dr = m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    Dqk, Dv = m.qk_nope_head_dim + Dr, m.v_head_dim
+    latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full", "norm")]
+              if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm")])
+    terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent]
+    for name, C in (("q_norm", Cq), ("kv_norm", Ckv)):
+        if C:
+            terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm"), Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm"),
+                      Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm"),
+                      Saved(f"mla {name}: output (up-projection input)", c * C, "full")]
+    terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.qk_nope_head_dim + Dv), "heads"),
+              Saved("mla: q with roped part", c * H * Dqk, "heads", "attention"),
+              Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention"),
+              Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads"),
+              Saved("mla: wo input (contiguous copy)", c * H * Dv if Dqk != Dv else 0, "heads"),
+              Saved("attn: lse", 4 * H, "heads", "attention")]
+    return terms
+
+
+def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1) -> list[Saved]:
+    """What block `layer_id` keeps for backward under recompute policy "none"."""
+    D = m.dim
+    attention = _mla_terms(m, c) if m.attention == "mla" else _gqa_terms(m, c, cp)
+    terms = _norm("attn_norm", D, c) + attention + _norm("ffn_norm", D, c) + [Saved("ffn: normed input", c * D, "full")]
+    if not (m.n_routed_experts > 0 and layer_id >= m.n_dense_layers):
+        return terms + _swiglu("dense ffn", m.ffn_dim, c, "heads")
+    k, E, Fe = m.topk, m.n_routed_experts, m.moe_ffn_dim
+    terms += [
+        # in fp32 without TP the router's input is the normed input itself; else a copy / the shard
+        Saved("router: fp32 input (sequence shard)", 4 * D if c != 4 or tp > 1 else 0),
+        Saved("router: affinities", 4 * E),
+        Saved("router: top-k ids", 8 * k),
+        Saved("router: gathered gates + sum", 4 * k + 4),
+        Saved("router: normalized gates", c * k),
+        Saved("dispatch: ids", 8 * k),
+        Saved("dispatch: sorted token copies", c * k * D),
+        Saved("experts: counts", per_layer=8 * E),
+        *_swiglu("routed experts", k * Fe, c, "seq"),
+        Saved("combine: ids", 8 * k),
+        Saved("combine: expert outputs in token order", c * k * D),
+    ]
+    if m.n_shared_experts:
+        terms += _swiglu("shared experts", m.n_shared_experts * Fe, c, "heads")
+    if m.aux_loss_weight > 0:
+        terms += [Saved("aux loss: affinity sums", 4), Saved("aux loss: f_e", per_seq=4 * E)]
+    return terms
+
+
+def model_terms(m: ModelConfig, c: int, micro_batch: int, seq_len: int, loss_mask: bool,
+                tp: int = 1, cp: int = 1) -> dict[str, list[Saved]]:
+    """Outside the blocks: token ids (embedding), RoPE tables, final norm + head + loss.
+    seq_len is the local (cp shard) length."""
+    head = _norm("final norm", m.dim, c) + [Saved("head: normed input", c * m.dim, "full")]
+    if tp > 1:  # VocabParallelCrossEntropy: softmax of the vocab shard, label index, two masks
+        head += [Saved("loss: fp32 softmax (vocab shard)", 4 * m.vocab_size, "heads"),
+                 Saved("loss: label index + hit/valid masks", 8 + 1 + 1, "full")]
+        embed = [Saved("vocab-parallel ids + outside mask", 8 + 1, "full")]
+    else:
+        head += [Saved("loss: fp32 log-softmax", 4 * m.vocab_size, "heads"),
+                 # tokens[:, 1:] is a view when B = 1; the zig-zag shard is a copy
+                 Saved("loss: labels copy", 8 if micro_batch > 1 or cp > 1 else 0, "full"),
+                 Saved("loss: total weight", per_layer=4)]
+        # the trainer's inputs are a view of the (B, S+1) tokens; zig-zag shards are (B, S/cp) copies
+        embed = [Saved("token ids", 8, "full", per_seq=8 if cp == 1 else 0)]
+    if loss_mask:
+        head.append(Saved("loss: mask", 4, "full"))
+    for d in range(m.mtp_depth):
+        head += _mtp_terms(m, d, c, tp, cp)
+    return {"embed": embed, "rope": [Saved("cos, sin tables", per_layer=4 * seq_len * m.rope_dim)], "head": head}
+
+
+def _mtp_terms(m: ModelConfig, d: int, c: int, tp: int, cp: int) -> list[Saved]:
+    """Multi-token prediction module d (moe_lc/model/mtp.py): two norms, the [h; emb] projection, one
+    block, a norm, the shared head and its loss. Per depth, the token ids, labels and mask add 20
+    bytes per token (views of the (B, D, S) targets or copies of their slices)."""
+    D = m.dim
+    h_input = 0 if d == 0 and c == 4 else 4 * D  # depth 0 normalizes h, which the final norm already keeps
+    terms = [Saved(f"mtp{d} hnorm: fp32 input", h_input, "seq", "norm")] + _norm(f"mtp{d} hnorm", D, c)[1:]
+    terms += [Saved(f"mtp{d} embedding output / enorm fp32 input", 4 * D, "seq", "norm")] + _norm(f"mtp{d} enorm", D, c)[1:]
+    terms += [Saved(f"mtp{d}: [h; emb] (eh_proj input)", 2 * c * D, "seq")]
+    terms += block_terms(m, m.n_layers + d, c, tp, cp)
+    terms += _norm(f"mtp{d} norm", D, c) + [Saved(f"mtp{d}: head input", c * D, "full")]
+    loss = 4 * m.vocab_size
+    terms += [Saved(f"mtp{d}: fp32 log-softmax", loss, "heads"), Saved(f"mtp{d}: ids, labels, mask", 20, "full"),
+              Saved(f"mtp{d}: total weight", per_layer=4)]
+    return terms
+
+
+def _tp_factor(term: Saved, tp: int, sequence_parallel: bool) -> float:
+    if term.tp == "heads" or (term.tp == "seq" and sequence_parallel):
+        return 1.0 / tp
+    return 1.0
+
+
+def _phase_inputs(m: ModelConfig, layer_id: int, c: int) -> list[Saved]:
+    """What full recomputation keeps of a block: the inputs of each of its phases (the trainer runs
+    blocks as phases, `Block.phases`, and checkpoints each phase): the residual stream before
+    attention and before the FFN; for MoE also the normed input, the sorted token copies, the expert
+    outputs and the fp32 gate weights that the experts and combine phases take."""
+    kept = [Saved("full: attention-phase input", c * m.dim, "seq"), Saved("full: ffn-phase input", c * m.dim, "seq")]
+    if m.n_routed_experts > 0 and layer_id >= m.n_dense_layers:
+        kept += [Saved("full: normed input (carried to the shared experts)", c * m.dim),
+                 Saved("full: sorted token copies (experts-phase input)", c * m.topk * m.dim),
+                 Saved("full: expert outputs (combine-phase input)", c * m.topk * m.dim),
+                 Saved("full: gate weights (fp32)", 4 * m.topk)]
+    return kept
+
+
+def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selective, layer_id=None) -> list[Saved]:
+    """Terms kept under a recompute policy (`layer_id` None: the terms outside the blocks)."""
+    if policy == "none":
+        return terms
+    if policy == "full":
+        return terms if layer_id is None else _phase_inputs(m, layer_id, c)
+    kept = [t for t in terms if t.dropped_by not in selective]
+    n_norms = sum(1 for t in terms if t.dropped_by == "norm" and t.what.endswith(": rsqrt"))
+    if "norm" in selective and n_norms:  # a recomputed norm keeps its input instead
+        kept += [Saved("norm inputs (kept for recompute)", n_norms * c * m.dim, "seq")]
+    return kept
+
+
+def _bytes(terms: list[Saved], tokens: int, seqs: int, tp: int, sp: bool) -> float:
+    return sum((t.per_token * tokens + t.per_seq * seqs) * _tp_factor(t, tp, sp) + t.per_layer for t in terms)
+
+
+@dataclass
+class ActivationEstimate:
+    """Saved-activation bytes of one micro-batch on one rank (one pipeline stage)."""
+
+    layers: dict[int, float]
+    embed: float
+    rope: float
+    head: float
+    recompute_working: float  # transient upper bound: one block's dropped terms, re-created in backward
+    status: str
+    terms: dict[str, list[Saved]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.layers.values()) + self.embed + self.rope + self.head
+
+
+def estimate(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int, *, policy: str = "none",
+             selective=("norm", "swiglu"), tp: int = 1, sequence_parallel: bool = True, cp: int = 1,
+             loss_mask: bool = False, layers=None, first_stage: bool = True,
+             last_stage: bool = True) -> ActivationEstimate:
+    """Saved bytes per layer and outside the layers for one micro-batch (see the module docstring).
+
+    seq_len is the full sequence; cp divides it. `layers` are the block ids on this rank (default all).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"recompute policy {policy!r} must be one of {', '.join(POLICIES)}")
+    if seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} must be divisible by cp={cp}")
+    c, S = compute_bytes, seq_len // cp
+    tokens = micro_batch * S
+    layers = range(m.n_layers) if layers is None else layers
+    per_layer, working = {}, 0.0
+    for i in layers:
+        full = block_terms(m, i, c, tp, cp)
+        per_layer[i] = _bytes(_apply_policy(full, m, c, policy, selective, i), tokens, micro_batch, tp, sequence_parallel)
+        working = max(working, _bytes(full, tokens, micro_batch, tp, sequence_parallel) - per_layer[i])
+    outside = {k: _apply_policy(v, m, c, policy, selective) for k, v in model_terms(m, c, micro_batch, S, loss_mask, tp, cp).items()}
+    part = {k: _bytes(v, tokens, micro_batch, tp, sequence_parallel) for k, v in outside.items()}
+    # measured (tests/test_plan.py): every policy on GQA blocks without MTP at tp = cp = 1; policy
+    # "none" also with MLA + MTP at tp = cp = 1, and on GQA under tp2, cp2 and cp2 x tp2
+    gqa = m.attention != "mla" and not m.mtp_depth
+    checked = (tp == 1 and cp == 1 and (policy == "none" or gqa)) or (policy == "none" and gqa)
+    return ActivationEstimate(per_layer, part["embed"] if first_stage else 0.0, part["rope"],
+                              part["head"] if last_stage else 0.0, working, CHECKED if checked else UNCHECKED,
+                              {"block": block_terms(m, max(layers, default=0), c, tp, cp), **outside})
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+
+
+def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:
+    """Run `forward()` (which calls `model`) under saved-tensor hooks and count the unique storage
+    bytes autograd keeps, parameters excluded, plus the inputs held by non-reentrant checkpoints
+    (recomputation). Each storage is attributed to the part that saved it first: "layer<i>"
+    (model.layers[i]), "rope" (the cos/sin tables), "embed" (before the first block), "head" (final
+    norm, head and loss); a checkpointed call's inputs are claimed by the part whose module it runs first. Returns {part: bytes}."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    owner: dict[int, tuple[str, int]] = {}
+    where = ["embed"]
+
+    pending: list[torch.Tensor] = []  # checkpoint inputs, claimed by the first module the checkpoint runs
+
+    def enter(part: str):
+        def hook(*args):
+            where[0] = part
+            while pending:
+                claim(pending.pop(), part)
+        return hook
+
+    # Every module of block i marks "layer<i>" when it runs, so the tagging does not depend on how the
+    # model sequences its blocks (plain calls or pipeline phases).
+    parts = [(f"layer{name}", blk) for name, blk in model.layers.items()]
+    parts += [("head", mod) for mod in (getattr(model, "norm", None), getattr(model, "head", None),
+                                       getattr(model, "loss_fn", None)) if mod is not None]
+    handles = [sub.register_forward_pre_hook(enter(part)) for part, mod in parts for sub in mod.modules()]
+
+    def claim(t: torch.Tensor, part: str) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in params:
+            owner.setdefault(storage.data_ptr(), (part, storage.nbytes()))
+
+    def claim_rope(module, args, out) -> None:
+        for t in out:
+            claim(t, "rope")
+
+    if getattr(model, "rope", None) is not None:
+        handles.append(model.rope.register_forward_hook(claim_rope))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # the checkpoint saves its own inputs (under our hook) before it runs: leave those to `enter`
+        if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in pending):
+            claim(t, where[0])
+        return t
+
+    # A non-reentrant checkpoint keeps its inputs in a closure, not through saved-tensor hooks (and
+    # its own hooks hide what runs inside it): count the inputs of every checkpointed call too.
+    generator = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+
+    def held_inputs(fn, *args, **kwargs):
+        pending.extend(a for a in args if isinstance(a, torch.Tensor))
+        return generator(fn, *args, **kwargs)
+
+    if generator is not None:
+        torch_checkpoint._checkpoint_without_reentrant_generator = held_inputs
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        for t in pending:
+            claim(t, where[0])
+    finally:
+        for h in handles:
+            h.remove()
+        if generator is not None:
+            torch_checkpoint._checkpoint_without_reentrant_generator = generator
+    totals: dict[str, int] = {}
+    for part, nbytes in owner.values():
+        totals[part] = totals.get(part, 0) + nbytes
+    return totals

@@ -1,0 +1,260 @@
+"""Memory and communication planner: per-rank bytes of every training state and traffic per mesh dim.
+
+    python tools/plan.py RECIPE [--set KEY=VALUE ...] [--world N] [--policy none|selective|full]
+                         [--terms] [--json]
+
+Nothing is built: parameter shapes come from the config (tools/plan_layout.py), saved activations
+from the formulas derived from the model code (moe_lc/activation_memory.py). The tool prints the
+placement table (where each state lives on each dim), memory per rank by state, saved activations
+under each recompute policy and the bytes this rank sends per optimizer step, keyed like the
+trainer's metrics ("comm/<group>/<op>_bytes"). Numbers for features that are not built yet are
+marked "formula, not yet checked against measurement". Runs from the repo root without installing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_lc.activation_memory import CHECKED, POLICIES, UNCHECKED, estimate  # noqa: E402
+from moe_lc.config import Config, ConfigError, load_config  # noqa: E402
+from moe_lc.model.counting import param_counts  # noqa: E402
+from tools.placement_semantics import (  # noqa: E402
+    MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
+)
+from tools.plan_layout import (  # noqa: E402
+    HOOKS, Degrees, bucket_elems, degrees, local_params, microbatches, pp_rank_stages, trainer_traffic,
+    zero_bucket_sizes,
+)
+
+__all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
+
+PARTS = {"dp_cp": "dense", "dp_cp_tp": "tp-replicated", "edp": "experts"}
+DIM_ORDER = ("pp", "dp", "cp", "tp", "ep", "dp_cp", "dp_cp_tp", "edp")
+
+
+@dataclass
+class RankPlan:
+    """One pipeline rank (every rank when pp = 1: the other dims are symmetric)."""
+
+    pp_rank: int
+    layers: list[int]
+    table: list[StatePlacement]
+    activations: dict[str, float]  # saved bytes by recompute policy
+    activation_status: dict[str, str]
+    traffic: list[Traffic]
+    buckets: dict[str, list[int]]  # ZeRO group -> padded bucket sizes (elements)
+
+    @property
+    def memory(self) -> dict[str, float]:
+        return memory_by_state(self.table)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    def comm_per_step(self) -> dict[str, float]:
+        """{"comm/<group>/<op>_bytes": bytes this rank sends per step}, as metrics.jsonl keys them."""
+        out: dict[str, float] = {}
+        for t in self.traffic:
+            out[t.key] = out.get(t.key, 0) + t.bytes
+        return out
+
+    def optimizer_state_bytes(self) -> float:
+        return self.memory["optimizer"]
+
+
+@dataclass
+class Plan:
+    recipe: str
+    degrees: Degrees
+    policy: str
+    ranks: list[RankPlan]
+    notes: list[str] = field(default_factory=list)
+
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    def to_json(self) -> dict:
+        return {"recipe": self.recipe, "degrees": {**asdict(self.degrees), "edp": self.degrees.edp},
+                "policy": self.policy, "notes": self.notes,
+                "ranks": [{"pp_rank": r.pp_rank, "layers": r.layers, "memory_bytes": r.memory,
+                           "total_bytes": r.total_bytes, "activations_by_policy": r.activations,
+                           "activation_status": r.activation_status, "comm_per_step": r.comm_per_step(),
+                           "traffic": [asdict(t) for t in r.traffic], "zero_buckets": r.buckets,
+                           "placement": [asdict(p) for p in r.table]} for r in self.ranks]}
+
+
+def compute_bytes(cfg: Config) -> int:
+    return 4 if cfg.precision.recipe == "fp32" else 2
+
+
+def _zero_rows(cfg: Config, deg: Degrees, stages: list[dict]) -> tuple[list[StatePlacement], dict[str, list[int]]]:
+    """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out."""
+    c, moments = compute_bytes(cfg), cfg.precision.adam_moments
+    pdtype = "fp32" if c == 4 else "bf16"
+    rows, buckets = [], {}
+    for group, params in sorted(local_params(cfg, deg, stages).items()):
+        n = deg.group_size(group)
+        buckets[group] = zero_bucket_sizes([k for _, k in params], bucket_elems(cfg), n)
+        local = sum(buckets[group])
+        model_dims = {"pp": (deg.pp, "S")}
+        if group == "dp_cp":
+            model_dims["tp"] = (deg.tp, "S")
+        elif group == "edp":
+            model_dims["ep"] = (deg.ep, "S")
+        scale = 1
+        for size, _ in model_dims.values():
+            scale *= size
+        part, numel = PARTS[group], local * scale
+        pad = local - sum(k for _, k in params)
+        note = f"{len(buckets[group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
+        rows += [StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note),
+                 StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
+                                "full-size main-grad buffer, reduce-scattered per bucket"),
+                 StatePlacement("optimizer", part, numel, 4 + 2 * (4 if moments == "fp32" else 2),
+                                f"fp32 master + 2 {moments} moments", {**model_dims, group: (n, "S")})]
+    return rows, buckets
+
+
+def _activations(cfg: Config, deg: Degrees, stages: list[dict], in_flight: float) -> tuple[dict, dict]:
+    """Saved bytes of this rank under each policy: in_flight micro-batches through its stages."""
+    t, r = cfg.train, cfg.recompute
+    masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+    by_policy, status = {}, {}
+    for policy in POLICIES:
+        per_stage = [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy,
+                              selective=tuple(r.selective), tp=deg.tp, cp=deg.cp, loss_mask=masked,
+                              layers=st["layers"], first_stage=st["first"], last_stage=st["last"]) for st in stages]
+        mean_stage = sum(e.total for e in per_stage) / len(per_stage)
+        by_policy[policy] = in_flight * mean_stage + max(e.recompute_working for e in per_stage)
+        # PP in-flight counts come from the simulator (not measured); EP's expert terms follow the routing
+        checked = all(e.status == CHECKED for e in per_stage) and deg.pp == 1 and deg.ep == 1
+        status[policy] = CHECKED if checked else UNCHECKED
+    return by_policy, status
+
+
+def _in_flight(cfg: Config, deg: Degrees) -> list[float]:
+    """Micro-batch x stage units of saved activations at the peak, per pipeline rank (1 without PP)."""
+    if deg.pp == 1:
+        return [1.0]
+    from moe_lc.parallel.pipeline import Costs, build_schedule, simulate
+
+    p = cfg.parallel
+    schedule = build_schedule(p.pp_schedule, p.pp, microbatches(cfg, deg),
+                              p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
+    return [float(x) for x in simulate(schedule, Costs(F=1, B=2, W=1, FB=2.5)).peak_activations]
+
+
+def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
+    """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
+    deg = degrees(cfg, world)
+    policy = cfg.recompute.policy
+    ranks = []
+    for pp_rank, (stages, in_flight) in enumerate(zip(pp_rank_stages(cfg, deg), _in_flight(cfg, deg))):
+        rows, buckets = _zero_rows(cfg, deg, stages)
+        acts, status = _activations(cfg, deg, stages, in_flight)
+        act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
+        scale = deg.pp * deg.dp * deg.cp * deg.tp
+        numel = acts[policy] * scale
+        rows.append(StatePlacement("activations", "saved", int(numel) if float(numel).is_integer() else numel, 1,
+                                   f"bytes, recompute {policy}", act_dims,
+                                   "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
+        c = compute_bytes(cfg)
+        sends = traffic(rows) + trainer_traffic(cfg, deg, stages)
+        for hook in HOOKS:
+            sends += hook(cfg, deg, stages, c)
+        layers = [i for st in stages for i in st["layers"]]
+        ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets))
+    notes = ["not modeled: transient buffers (a parameter's grad before it joins the main-grad buffer, "
+             "logits gradient, gathered buckets), allocator fragmentation, CUDA context, comm buffers"]
+    if cfg.precision.recipe == "fp8":
+        notes.append("fp8: activations assume bf16 saved inputs; FP8 Linear copies are not modeled yet")
+    return Plan(recipe, deg, policy, ranks, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# printing
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f}"
+
+
+def _mode(row: StatePlacement, dim: str) -> str:
+    if dim not in row.on:
+        return "-"
+    size, mode = row.on[dim]
+    return f"{mode}{size}" if size > 1 else "1"
+
+
+def render(p: Plan, cfg: Config, terms: bool = False) -> str:
+    d, c = p.degrees, param_counts(cfg.model)
+    out = [f"moe_lc plan: {p.recipe} | world={d.world} pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp} ep={d.ep} "
+           f"edp={d.edp}" + (" (dualpipe mirrors)" if d.mirror else ""),
+           f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
+           f"{cfg.precision.recipe}, Adam moments {cfg.precision.adam_moments} | micro-batch "
+           f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {microbatches(cfg, d)} per step | "
+           f"recompute {p.policy}", ""]
+    legend = ", ".join(f"{k} {v}" for k, v in MODES.items())
+    for r in p.ranks:
+        out.append(f"== pipeline rank {r.pp_rank}: layers {r.layers}" if d.pp > 1 else "== every rank")
+        dims = [dim for dim in DIM_ORDER if any(dim in row.on for row in r.table)]
+        out.append(f"Placement ({legend}; N = group size, - = not placed on that dim)")
+        header = f"{'state':<12}{'part':<15}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"
+        out.append(header)
+        for row in r.table:
+            out.append(f"{row.state:<12}{row.part:<15}{row.dtype:<28}" + "".join(f"{_mode(row, x):>9}" for x in dims)
+                       + f"{_mib(row.bytes_per_rank()):>12}" + (f"   {row.note}" if row.note else ""))
+        mem = r.memory
+        out.append("Memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items())
+                   + f", total {_mib(r.total_bytes)}")
+        out.append("Saved activations per rank by recompute policy (MiB): " + ", ".join(
+            f"{k} {_mib(v)}" + ("" if r.activation_status[k] == CHECKED else " [formula]") for k, v in r.activations.items()))
+        out.append(f"Communication per step, bytes this rank sends (status: exact unless marked):")
+        for t in r.traffic:
+            mark = "" if t.status == "exact" else f"   [{t.status}]"
+            out.append(f"  {t.key:<36}{t.bytes:>16,.0f}   {t.what}{mark}")
+        out.append("")
+    if terms:
+        out += _render_terms(cfg)
+    out += [f"note: {n}" for n in p.notes]
+    return "\n".join(out)
+
+
+def _render_terms(cfg: Config) -> list[str]:
+    e = estimate(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, compute_bytes(cfg))
+    out = ["Saved tensors (bytes per token / per sequence / per layer; tp class):"]
+    for part, terms in e.terms.items():
+        for t in terms:
+            out.append(f"  {part:<6}{t.what:<42}{t.per_token:>10g}{t.per_seq:>8g}{t.per_layer:>10g}  {t.tp}")
+    return out + [""]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    ap.add_argument("--world", type=int, default=None, help="world size (default: the recipe's degrees, dp=0 -> 1)")
+    ap.add_argument("--policy", choices=POLICIES, help="recompute policy to plan for (default: the recipe's)")
+    ap.add_argument("--terms", action="store_true", help="list every saved tensor of a block")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    sets = args.set + ([f"recompute.policy={args.policy}"] if args.policy else [])
+    try:
+        cfg = load_config(args.recipe, sets, world_size=args.world)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    p = plan(cfg, args.world, args.recipe)
+    print(json.dumps(p.to_json(), indent=1) if args.json else render(p, cfg, args.terms))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
