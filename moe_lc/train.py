@@ -329,6 +329,10 @@ def main(argv=None) -> int:
         return 0
     try:
         result = run(cfg)
+        if torch.distributed.is_initialized():
+            # every rank's last collective has drained before any rank tears its pairs down (a gloo
+            # rank that destroys its group while a peer still reads from it can abort the peer)
+            torch.distributed.barrier()
     except (ConfigError, ckpt.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

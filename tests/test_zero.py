@@ -154,7 +154,7 @@ def test_multi_rank_checkpoint_resume_is_exact(tmp_path):
 
 
 def test_torchrun_dp4_on_cpu(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moe_lc.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "moe_lc.train",
            str(RECIPE), "--set", "parallel.dp=4", "--set", "train.steps=3", "--set", f"train.output_dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
