@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from moe_lc.parallel.mesh import exit_process
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 # small, fast defaults for every multi-rank test (one thread per process: W processes share 2 cores).
@@ -70,6 +72,7 @@ def _worker(rank: int, world: int, port: int, recipe: str, overrides: list[str],
                 "final_state": result.final_state if rank == 0 else None}, Path(out_dir) / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    exit_process(0, distributed=world > 1)  # see exit_process: gloo teardown can abort a finished worker
 
 
 def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_s: float = 600,
@@ -142,6 +145,7 @@ def _fn_worker(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, 
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
+    exit_process(0, distributed=True)
 
 
 def run_workers(fn, world: int, *args, ranks_per_node: int | None = None, timeout_s: float = 300) -> list:
