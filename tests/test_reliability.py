@@ -90,6 +90,7 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert not (ckpts / ".tmp_step_00000004").exists()
 
 
+@pytest.mark.slow  # 70 s; the default run keeps test_killed_save_leaves_the_previous_checkpoint_loadable
 def test_external_sigkill_during_save_never_damages_committed_checkpoints(tmp_path):
     """Kill the process from outside as soon as a save is in progress, whatever it is doing."""
     out = tmp_path / "run"
@@ -187,6 +188,7 @@ def test_async_save_snapshots_before_training_continues(tmp_path):
         assert torch.equal(p, saved[name]), name
 
 
+@pytest.mark.slow  # the default run keeps the single-process async test and the multi-rank sync resume
 def test_async_checkpoints_resume_exactly_multi_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
     base = ["train.steps=6", "train.micro_batch=1", "checkpoint.interval=3", f"checkpoint.dir={ckpt}",
