@@ -350,4 +350,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from moe_lc.parallel.mesh import exit_process
 
-    exit_process(main(), distributed=int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    exit_process(main())

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, recipe: str, overrides: list[str],
                 "final_state": result.final_state if rank == 0 else None}, Path(out_dir) / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    exit_process(0, distributed=world > 1)  # see exit_process: gloo teardown can abort a finished worker
+    exit_process(0)  # see exit_process: gloo teardown can abort a finished worker
 
 
 def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_s: float = 600,
@@ -145,7 +145,7 @@ def _fn_worker(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, 
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
-    exit_process(0, distributed=True)
+    exit_process(0)
 
 
 def run_workers(fn, world: int, *args, ranks_per_node: int | None = None, timeout_s: float = 300) -> list:

@@ -174,14 +174,15 @@ def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def exit_process(code: int, distributed: bool) -> None:
-    """End an entry point. After gloo collectives, leave with os._exit and skip interpreter
-    finalization: a gloo worker thread can still hold a finished collective's tensors after wait()
-    has returned, and if it frees them while Python finalizes it cannot take the GIL and the process
-    aborts with "terminate called without an active exception" (about 1 run in 60 on a loaded CPU;
-    pytorch#179291). Callers have written and closed everything (checkpoints, metrics, logs) by now."""
+def exit_process(code: int) -> None:
+    """End an entry point. In a multi-process job (WORLD_SIZE > 1, as torchrun and the test harness
+    set it) leave with os._exit, skipping interpreter finalization: a gloo worker thread can still hold
+    a finished collective's tensors after wait() has returned, and if it frees them while Python
+    finalizes it cannot take the GIL and the process aborts with "terminate called without an active
+    exception" (about 1 run in 60 on a loaded CPU; pytorch#179291). Callers have written and closed
+    everything (checkpoints, metrics, logs) by now."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if distributed:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         os._exit(code)
     sys.exit(code)
