@@ -93,12 +93,11 @@ def test_fp8_training_tracks_bf16(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue #8 criterion not met on the debug MoE: fp8 blockwise final loss "
-                   "2.62% above bf16 (last-20-step mean 1.65%); bf16 alone moves 1.80% at the final step when "
-                   "only its micro-batch split changes (0.11% last-20 mean)")
 def test_fp8_vs_bf16_200_steps(tmp_path):
-    """Issue #8: 200 debug steps of fp8 vs bf16 from one seed, final loss within 1%. Prints the final
-    and the last-20-step mean gap; see the xfail reason for what was measured (2026-11-23)."""
+    """Issue #8: 200 debug steps of fp8 (blockwise, emulated) vs bf16 from one seed, final loss within 1%.
+    Prints the final and the last-20-step mean gaps. Measured 2026-11-24 on CPU: +0.05% final, -0.07%
+    last-20 (seed 1: +0.67%, +0.25%). The recipe's lr matters: at lr 3e-3 loss spikes at the warmup peak
+    made even fp32 vs bf16 differ by 1-1.8%, and fp8 by ~2-3% with the sign set by which run spiked."""
     out = {}
     for recipe in ("bf16", "fp8"):
         result = run(load_config(RECIPE, [f"precision.recipe={recipe}", "precision.fp8_backend=emulate",
