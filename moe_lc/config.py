@@ -194,7 +194,7 @@ class PrecisionConfig:
 
     recipe: str = f("fp32", "fp32 | bf16 | fp8 (fp8 GEMMs in the one Linear, bf16 elsewhere)")
     fp8_scaling: str = f("blockwise", "fp8 flavour: blockwise (DeepSeek 1x128 / 128x128) | tensorwise | delayed")
-    fp8_backend: str = f("auto", "fp8 GEMMs: auto (torch._scaled_mm where supported) | emulate | scaled_mm")
+    fp8_backend: str = f("auto", "fp8 GEMMs: auto (te, else torch._scaled_mm, where they run) | te | scaled_mm | emulate")
     adam_moments: str = f("fp32", "dtype of Adam moments: fp32 | bf16 (DeepSeek-V3 keeps them in bf16)")
 
     @property
@@ -207,7 +207,7 @@ class PrecisionConfig:
         e = []
         _choice(e, "precision", "recipe", self.recipe, ("fp32", "bf16", "fp8"))
         _choice(e, "precision", "fp8_scaling", self.fp8_scaling, ("blockwise", "tensorwise", "delayed"))
-        _choice(e, "precision", "fp8_backend", self.fp8_backend, ("auto", "emulate", "scaled_mm"))
+        _choice(e, "precision", "fp8_backend", self.fp8_backend, ("auto", "emulate", "scaled_mm", "te"))
         _choice(e, "precision", "adam_moments", self.adam_moments, ("fp32", "bf16"))
         return e
 

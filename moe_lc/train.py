@@ -102,7 +102,10 @@ class Trainer:
         self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch, self.schedule,
                                  self.stage_layers).to(self.device)
         if p.recipe == "fp8":
-            apply_fp8(self.model, p.fp8_scaling, p.fp8_backend)
+            try:
+                apply_fp8(self.model, p.fp8_scaling, p.fp8_backend, self.device)
+            except ValueError as exc:  # e.g. fp8_backend = "te" where Transformer Engine cannot run
+                raise ConfigError([f"precision.fp8_backend={p.fp8_backend!r}: {exc}"]) from None
         apply_recompute(self.model, cfg.recompute.policy, cfg.recompute.selective)
         self.model.train()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)

@@ -5,9 +5,13 @@ Recipes (`precision.fp8_scaling`):
     tensorwise  one scale per tensor from its current amax (the common baseline)
     delayed     one scale per tensor from the amax history of the previous steps (per layer, per operand)
 All E4M3 with fp32 accumulation; outputs return in the compute dtype, weight gradients in fp32 for
-the master-weight path. Backends (`precision.fp8_backend`): `scaled_mm` runs `torch._scaled_mm`
-where `moe_lc.ops.fp8.scaled_mm_support` finds a kernel, `emulate` quantizes and dequantizes exactly
-and multiplies in fp32 (the same numbers, on any device); `auto` takes the kernel when there is one.
+the master-weight path. Backends (`precision.fp8_backend`):
+    te          Transformer Engine's quantizers and cuBLASLt FP8 GEMMs (`moe_lc.ops.fp8_te`); an error
+                where TE is not importable or the device has no such GEMM
+    scaled_mm   `torch._scaled_mm` where `moe_lc.ops.fp8.scaled_mm_support` finds a kernel, else emulate
+    emulate     quantize and dequantize exactly, multiply in fp32 (the same numbers on any device)
+    auto        te where it runs, else scaled_mm where it runs, else emulate
+All use the same scales (amax/448 per tile, block or tensor), so they differ only by fp32 rounding.
 The embedding, output head, router, norms and attention core never come here (fp8_eligible=False or
 not a Linear), as in DeepSeek-V3.
 """
@@ -17,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_lc.ops import fp8
+from moe_lc.ops import fp8, fp8_te
 from moe_lc.ops.linear import GroupedLinear, Linear
 
 SCALINGS = ("blockwise", "tensorwise", "delayed")
-BACKENDS = ("auto", "emulate", "scaled_mm")
+BACKENDS = ("auto", "emulate", "scaled_mm", "te")
 
 
 class Fp8Gemms:
@@ -36,8 +40,13 @@ class Fp8Gemms:
         # delayed scaling keeps an amax history per operand role
         self.history = {role: fp8.DelayedScaling() for role in ("x", "w", "dy")} if scaling == "delayed" else None
 
-    def _kernel(self, t: torch.Tensor) -> bool:
-        return self.backend != "emulate" and fp8.scaled_mm_support(t.device, self.recipe)
+    def implementation(self, device) -> str:
+        """What runs on ``device``: "te", "scaled_mm" or "emulate" (see the module docstring)."""
+        if self.backend == "emulate":
+            return "emulate"
+        if self.backend == "te" or (self.backend == "auto" and fp8_te.te_support(device, self.recipe)):
+            return "te"
+        return "scaled_mm" if fp8.scaled_mm_support(device, self.recipe) else "emulate"
 
     def _amax(self, role: str, t: torch.Tensor):
         """Delayed scaling: the history's amax (None on the first step), then record t's amax."""
@@ -53,12 +62,16 @@ class Fp8Gemms:
         if self.history is not None:
             names = {"fprop": ("x_amax", "w_amax"), "dgrad": ("dy_amax", "w_amax"), "wgrad": ("dy_amax", "x_amax")}[gemm]
             kwargs = {names[0]: self._amax(roles[0], a), names[1]: self._amax(roles[1], b)}
-        kernel = self._kernel(a)
+        impl = self.implementation(a.device)
+        if impl == "te":
+            amaxes = list(kwargs.values()) or [None, None]
+            return fp8_te.te_gemm(gemm, a, b, self.recipe, *amaxes, out_dtype=out_dtype)
         fn = {"fprop": (fp8.fp8_linear_scaled_mm, fp8.fp8_linear_emulated),
               "dgrad": (fp8.fp8_dgrad_scaled_mm, fp8.fp8_dgrad_emulated),
-              "wgrad": (fp8.fp8_wgrad_scaled_mm, fp8.fp8_wgrad_emulated)}[gemm][0 if kernel else 1]
-        out = fn(a, b, self.recipe, out_dtype=out_dtype, **kwargs) if kernel else fn(a, b, self.recipe, **kwargs)
-        return out.to(out_dtype)
+              "wgrad": (fp8.fp8_wgrad_scaled_mm, fp8.fp8_wgrad_emulated)}[gemm][impl == "emulate"]
+        if impl == "scaled_mm":
+            kwargs["out_dtype"] = out_dtype
+        return fn(a, b, self.recipe, **kwargs).to(out_dtype)
 
     def fprop(self, x, w):
         return self._run("fprop", x, w, ("x", "w"), x.dtype)
@@ -89,10 +102,15 @@ class Fp8Gemms:
         return torch.cat(parts)
 
 
-def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto") -> int:
+def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto", device=None) -> int:
     """Switch every FP8-eligible Linear / GroupedLinear of `model` to FP8 GEMMs; returns how many.
-    Stateless recipes share one Fp8Gemms; delayed scaling gets one per layer (its amax histories)."""
+    Stateless recipes share one Fp8Gemms; delayed scaling gets one per layer (its amax histories).
+    With ``device`` given, backend "te" is checked up front: ValueError with the reason if it cannot run."""
     shared = Fp8Gemms(scaling, backend) if scaling != "delayed" else None
+    if backend == "te" and device is not None:
+        reason = fp8_te.unsupported_reason(device, (shared or Fp8Gemms(scaling, backend)).recipe)
+        if reason is not None:
+            raise ValueError(reason)
     n = 0
     for module in model.modules():
         if isinstance(module, (Linear, GroupedLinear)) and module.fp8_eligible:

@@ -19,6 +19,8 @@ Tokens M = 4096, 8192, 16384. x: (M, K), w: (N, K), bf16, y = x @ w^T. Variants:
   raw_tensorwise_fastacc  the same with use_fast_accum=True (the wrapper uses the default, False)
   raw_blockwise     torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128 scales in the
                     layouts moe_lc.ops.fp8 builds (CUDA "native" backend only)
+  te_tensorwise     moe_lc.ops.fp8_te.te_gemm (fp8_backend = "te": TE quantizers + cuBLASLt through TE),
+  te_blockwise      when TE is importable and reports the recipe on this GPU
   te_fp8            transformer_engine.pytorch.Linear under fp8_autocast, when TE is importable
 
 FLOPs = 2 * M * N * K. `speedup_vs_bf16` = bf16 time / this time; `quant_ms` = wrapper - raw time
@@ -34,7 +36,7 @@ import torch
 
 from moe_lc.config import load_config
 from moe_lc.model.transformer import Transformer
-from moe_lc.ops import fp8
+from moe_lc.ops import fp8, fp8_te
 from moe_lc.ops.linear import GroupedLinear, Linear
 from tools.bench.common import ROOT, Context, Recorder, tflops, time_fn
 
@@ -117,6 +119,10 @@ def variants(ctx: Context, x, w) -> list[tuple[str, str, object]]:
         out.append(("raw_blockwise", "F.scaled_mm", raw_blockwise))
     else:
         out.append(("raw_blockwise", f"blockwise backend is {bw!r}: no single blockwise kernel to time alone", None))
+    for recipe in ("tensorwise", "blockwise"):
+        reason = fp8_te.unsupported_reason(ctx.device, recipe)
+        out.append((f"te_{recipe}", reason or "moe_lc.ops.fp8_te", None if reason else
+                    (lambda r=recipe: lambda: fp8_te.te_gemm("fprop", x, w, r, out_dtype=out_dtype))))
     if ctx.cuda and _te_version() is not None:
         out.append(("te_fp8", f"transformer_engine {_te_version()}", lambda: _te_call(x, w)))
     return out
