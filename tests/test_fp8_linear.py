@@ -94,17 +94,26 @@ def test_fp8_training_tracks_bf16(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_vs_bf16_200_steps(tmp_path):
-    """Issue #8: 200 debug steps of fp8 (blockwise, emulated) vs bf16 from one seed, final loss within 1%.
-    Prints the final and the last-20-step mean gaps. Measured 2026-11-24 on CPU: +0.05% final, -0.07%
-    last-20 (seed 1: +0.67%, +0.25%). The recipe's lr matters: at lr 3e-3 loss spikes at the warmup peak
-    made even fp32 vs bf16 differ by 1-1.8%, and fp8 by ~2-3% with the sign set by which run spiked."""
-    out = {}
-    for recipe in ("bf16", "fp8"):
-        result = run(load_config(RECIPE, [f"precision.recipe={recipe}", "precision.fp8_backend=emulate",
-                                          f"train.output_dir={tmp_path}/{recipe}"]))
-        out[recipe] = result.losses
-    fp8, bf16 = out["fp8"], out["bf16"]
-    diff = abs(fp8[-1] - bf16[-1]) / bf16[-1]
-    smooth = abs(sum(fp8[-20:]) - sum(bf16[-20:])) / sum(bf16[-20:])
-    print(json.dumps({"bf16_final": bf16[-1], "fp8_final": fp8[-1], "rel_diff": diff, "last20_rel_diff": smooth}))
-    assert diff < 0.01
+    """Issue #8: 200 debug steps of fp8 (blockwise, emulated) vs bf16, paired by seed (seeds 0, 1, 2): the
+    mean final-loss gap is within 1%, and so is the recipe's own seed 0. Prints every gap.
+
+    Why a mean over seeds. On this 1.5M-parameter MoE, rounding alone moves a run's final loss by up to ~1%:
+    bf16 vs bf16 with only the micro-batch split changed (4 -> 8, i.e. the order of sums) differed by
+    -0.75..+0.96% at the final step over seeds 0-7 (2026-11-24, 1 thread). fp8 blockwise vs bf16 over the
+    same 8 seeds: final step -1.25..+2.14%, mean +0.46% (standard error 0.39); fp32 held-out loss of the
+    final weights mean +0.43% (SE 0.29); tensorwise fp8 mean +0.50% (SE 0.24). So one seed's gap is mostly
+    chaos and a mean over seeds is what can fail when FP8 costs accuracy. The emulation's fp32 matmuls sum
+    in an order set by the thread count: with 2 threads seeds 0/1/2 gave -0.28/+1.23/+0.45%, mean +0.47%
+    (6.5 minutes); with 1 thread -0.79/+1.20/+0.94%."""
+    gaps = []
+    for seed in (0, 1, 2):
+        final = {}
+        for recipe in ("bf16", "fp8"):
+            result = run(load_config(RECIPE, [f"precision.recipe={recipe}", "precision.fp8_backend=emulate",
+                                              f"train.seed={seed}", f"train.output_dir={tmp_path}/{recipe}{seed}"]))
+            final[recipe] = result.losses[-1]
+        gaps.append((final["fp8"] - final["bf16"]) / final["bf16"])
+        print(json.dumps({"seed": seed, "bf16_final": final["bf16"], "fp8_final": final["fp8"], "rel_gap": gaps[-1]}))
+    mean = sum(gaps) / len(gaps)
+    print(json.dumps({"mean_rel_gap": mean}))
+    assert abs(mean) < 0.01 and abs(gaps[0]) < 0.01

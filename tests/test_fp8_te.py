@@ -33,7 +33,7 @@ class _BlockQuantizer:
         self.dim = block_scaling_dim
 
     def __call__(self, t):
-        assert t.dim() == 2 and t.is_contiguous()
+        assert t.dim() == 2 and t.is_contiguous() and t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
         if self.dim == 1:
             return _Quantized(fp8.dequantize_rowwise_tiles(*fp8.quantize_rowwise_tiles(t)))
         return _Quantized(fp8.dequantize_blocks(*fp8.quantize_blocks(t)))

@@ -127,12 +127,17 @@ def te_gemm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
     te = load_te()
     lhs, rhs = fp8._gemm_operands(gemm, first, second)
     g_lhs, g_rhs = fp8._GRANULARITY[recipe][gemm]
+    n_rows, n_cols = lhs.shape[0], rhs.shape[0]
     with torch.no_grad():
+        # cuBLASLt FP8 wants every dim a multiple of 16 (TE pads expert tokens for this, Fp8Padding); zero
+        # rows and columns change no amax and add nothing to a sum, so padding is exact. wgrad contracts
+        # over an expert's tokens, which come in any count.
+        lhs, rhs = fp8._pad_rows_cols(lhs, 16, 16), fp8._pad_rows_cols(rhs, 16, 16)
         q_lhs = _quantizer(te, g_lhs, lhs_amax, lhs.device)(lhs.contiguous())
         q_rhs = _quantizer(te, g_rhs, rhs_amax, rhs.device)(rhs.contiguous())
         kwargs = {"out_dtype": out_dtype, "layout": "TN", "use_split_accumulator": True}
         if _takes_workspace(te.general_gemm):
             kwargs["workspace"] = (te.get_workspace() if te.get_workspace is not None
                                    else torch.empty(0, dtype=torch.uint8, device=lhs.device))
-        out = te.general_gemm(q_rhs, q_lhs, **kwargs)[0]  # B @ A^T = lhs @ rhs^T: (R, P)
+        out = te.general_gemm(q_rhs, q_lhs, **kwargs)[0][:n_rows, :n_cols]  # B @ A^T = lhs @ rhs^T: (R, P)
     return fp8._unflatten_out(out, gemm, first)
