@@ -100,16 +100,15 @@ def _cached_reason(device: str, recipe: str) -> str | None:
 def _quantizer(te, granularity: str, amax, device):
     dtype = te.TE_DType[fp8.FP8_DTYPE]
     if granularity in ("tile", "block"):
-        q = te.Float8BlockQuantizer(dtype, rowwise=True, columnwise=False, amax_epsilon=0.0,
-                                    force_pow_2_scales=False, block_scaling_dim=1 if granularity == "tile" else 2)
-    elif amax is None:
-        q = te.Float8CurrentScalingQuantizer(dtype, device, rowwise=True, columnwise=False,
-                                             force_pow_2_scales=False, amax_epsilon=0.0)
-    else:  # delayed: our history's amax gives TE's encoding scale (the inverse of our decoding scale)
-        decode = fp8._amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=device).reshape(1))
-        q = te.Float8Quantizer(1.0 / decode, torch.zeros(1, dtype=torch.float32, device=device), dtype,
-                               rowwise=True, columnwise=False)
-    return q
+        return te.Float8BlockQuantizer(dtype, rowwise=True, columnwise=False, amax_epsilon=0.0,
+                                       force_pow_2_scales=False, block_scaling_dim=1 if granularity == "tile" else 2)
+    if amax is None:
+        return te.Float8CurrentScalingQuantizer(dtype, device, rowwise=True, columnwise=False,
+                                                force_pow_2_scales=False, amax_epsilon=0.0)
+    # delayed: our history's amax gives TE's encoding scale (the inverse of our decoding scale)
+    decode = fp8._amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=device).reshape(1))
+    return te.Float8Quantizer(1.0 / decode, torch.zeros(1, dtype=torch.float32, device=device), dtype,
+                              rowwise=True, columnwise=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +120,7 @@ def te_gemm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
             out_dtype=torch.float32) -> torch.Tensor:
     """One of fprop / dgrad / wgrad (same arguments and shapes as `fp8.fp8_*_scaled_mm`) on TE kernels.
     Raises ValueError with the reason when TE cannot run it here."""
-    reason = unsupported_reason(first.device, recipe)
+    reason = _cached_reason(str(first.device), recipe)
     if reason is not None:
         raise ValueError(f"fp8 backend 'te': {reason}")
     te = load_te()
