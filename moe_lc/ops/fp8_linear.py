@@ -28,6 +28,11 @@ SCALINGS = ("blockwise", "tensorwise", "delayed")
 BACKENDS = ("auto", "emulate", "scaled_mm", "te")
 
 
+def _gemm_recipe(scaling: str) -> str:
+    """The `moe_lc.ops.fp8` recipe a scaling runs: delayed is tensorwise with a history's amax."""
+    return "blockwise" if scaling == "blockwise" else "tensorwise"
+
+
 class Fp8Gemms:
     """fprop / dgrad / wgrad (and their grouped forms) with FP8 inputs. x: (T, K), w: (N, K), dy: (T, N)."""
 
@@ -35,7 +40,7 @@ class Fp8Gemms:
         if scaling not in SCALINGS or backend not in BACKENDS:
             raise ValueError(f"fp8 scaling {scaling!r} / backend {backend!r}: expected one of {SCALINGS} / {BACKENDS}")
         self.scaling, self.backend = scaling, backend
-        self.recipe = "blockwise" if scaling == "blockwise" else "tensorwise"
+        self.recipe = _gemm_recipe(scaling)
         self.name = f"fp8-{scaling}"
         # delayed scaling keeps an amax history per operand role
         self.history = {role: fp8.DelayedScaling() for role in ("x", "w", "dy")} if scaling == "delayed" else None
@@ -44,7 +49,7 @@ class Fp8Gemms:
         """What runs on ``device``: "te", "scaled_mm" or "emulate" (see the module docstring)."""
         if self.backend == "emulate":
             return "emulate"
-        if self.backend == "te" or (self.backend == "auto" and fp8_te.te_support(device, self.recipe)):
+        if self.backend == "te" or (self.backend == "auto" and fp8_te.unsupported_reason(device, self.recipe) is None):
             return "te"
         return "scaled_mm" if fp8.scaled_mm_support(device, self.recipe) else "emulate"
 
@@ -58,20 +63,16 @@ class Fp8Gemms:
         return amax
 
     def _run(self, gemm: str, a: torch.Tensor, b: torch.Tensor, roles: tuple[str, str], out_dtype) -> torch.Tensor:
-        kwargs = {}
-        if self.history is not None:
-            names = {"fprop": ("x_amax", "w_amax"), "dgrad": ("dy_amax", "w_amax"), "wgrad": ("dy_amax", "x_amax")}[gemm]
-            kwargs = {names[0]: self._amax(roles[0], a), names[1]: self._amax(roles[1], b)}
+        """a, b: the 2-D inputs of `gemm`, (x, w) / (dy, w) / (dy, x); delayed scaling reads their roles' amaxes."""
+        amaxes = self._amax(roles[0], a), self._amax(roles[1], b)
         impl = self.implementation(a.device)
         if impl == "te":
-            amaxes = list(kwargs.values()) or [None, None]
-            return fp8_te.te_gemm(gemm, a, b, self.recipe, *amaxes, out_dtype=out_dtype)
-        fn = {"fprop": (fp8.fp8_linear_scaled_mm, fp8.fp8_linear_emulated),
-              "dgrad": (fp8.fp8_dgrad_scaled_mm, fp8.fp8_dgrad_emulated),
-              "wgrad": (fp8.fp8_wgrad_scaled_mm, fp8.fp8_wgrad_emulated)}[gemm][impl == "emulate"]
-        if impl == "scaled_mm":
-            kwargs["out_dtype"] = out_dtype
-        return fn(a, b, self.recipe, **kwargs).to(out_dtype)
+            out = fp8_te.te_gemm(gemm, a, b, self.recipe, *amaxes, out_dtype=out_dtype)
+        elif impl == "scaled_mm":
+            out = fp8._run_scaled_mm(gemm, a, b, self.recipe, *amaxes, out_dtype)
+        else:
+            out = fp8._run_emulated(gemm, a, b, self.recipe, *amaxes)
+        return out.to(out_dtype)
 
     def fprop(self, x, w):
         return self._run("fprop", x, w, ("x", "w"), x.dtype)
@@ -108,7 +109,7 @@ def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto
     With ``device`` given, backend "te" is checked up front: ValueError with the reason if it cannot run."""
     shared = Fp8Gemms(scaling, backend) if scaling != "delayed" else None
     if backend == "te" and device is not None:
-        reason = fp8_te.unsupported_reason(device, (shared or Fp8Gemms(scaling, backend)).recipe)
+        reason = fp8_te.unsupported_reason(device, _gemm_recipe(scaling))
         if reason is not None:
             raise ValueError(reason)
     n = 0

@@ -74,8 +74,10 @@ def _te_says(te_pt, name: str) -> bool:
     return bool(answer[0] if isinstance(answer, tuple) else answer)
 
 
+@functools.lru_cache(maxsize=None)
 def unsupported_reason(device, recipe: str) -> str | None:
-    """Why backend "te" cannot run ``recipe`` on ``device`` (None when it can)."""
+    """Why backend "te" cannot run ``recipe`` on ``device`` (None when it can); asked of TE once per
+    device and recipe, since every GEMM of `auto` asks."""
     fp8._check_recipe(recipe)
     device = torch.device(device)
     te = load_te()
@@ -85,16 +87,6 @@ def unsupported_reason(device, recipe: str) -> str | None:
         return f"Transformer Engine runs on CUDA devices only, not {device.type}"
     ok = te.block_ok() if recipe == "blockwise" else te.fp8_ok()
     return None if ok else f"Transformer Engine reports no {recipe} FP8 GEMM on this GPU"
-
-
-def te_support(device, recipe: str) -> bool:
-    """True where backend "te" runs ``recipe`` on ``device`` (asked once per device and recipe)."""
-    return _cached_reason(str(torch.device(device)), recipe) is None
-
-
-@functools.lru_cache(maxsize=None)
-def _cached_reason(device: str, recipe: str) -> str | None:
-    return unsupported_reason(device, recipe)
 
 
 def _quantizer(te, granularity: str, amax, device):
@@ -120,7 +112,7 @@ def te_gemm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
             out_dtype=torch.float32) -> torch.Tensor:
     """One of fprop / dgrad / wgrad (same arguments and shapes as `fp8.fp8_*_scaled_mm`) on TE kernels.
     Raises ValueError with the reason when TE cannot run it here."""
-    reason = _cached_reason(str(first.device), recipe)
+    reason = unsupported_reason(first.device, recipe)
     if reason is not None:
         raise ValueError(f"fp8 backend 'te': {reason}")
     te = load_te()
