@@ -71,7 +71,7 @@ def eval_dims(cfg: Config, device: torch.device) -> ParallelDims | None:
         return None
     rank, world = init_distributed(cfg.parallel.timeout_s, device.type)
     layout = dataclasses.replace(cfg.parallel, pp=1, dp=1, cp=world, tp=1, ep=1, ranks_per_node=0)
-    dims = ParallelDims.from_config(layout, world, rank)
+    dims = ParallelDims.from_config(layout, world, rank, device.type)
     dims.init_groups()
     return dims
 

@@ -79,7 +79,7 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
-        self.dims = ParallelDims.from_config(cfg.parallel, world, rank)
+        self.dims = ParallelDims.from_config(cfg.parallel, world, rank, self.device.type)
         self.dims.init_groups()
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
@@ -135,7 +135,7 @@ class Trainer:
             return float(self.cfg.train.global_batch * self.cfg.train.seq_len)
         local = sum(float(mb["loss_mask"].sum()) if mb["loss_mask"] is not None else mb["tokens"][:, 1:].numel()
                     for mb in micro)
-        count = torch.tensor(local, dtype=torch.float64)
+        count = torch.tensor(local, dtype=torch.float64, device=self.device)
         comm.all_reduce(count, self.dims["dp"])
         return max(count.item(), 1.0)
 
@@ -209,14 +209,20 @@ class Trainer:
             stats.update(expert_parallel_metrics(self.model, self.dims))
         loads = torch.stack([m.router.expert_load for m in moes.values()])
         comm.all_reduce(loads, self.dims["dp_cp_tp"])
+        scalars = {}  # metric -> 0-dim device tensor, brought to the host in one transfer (one sync per step)
         for (name, moe), load in zip(moes.items(), loads):
-            stats[f"moe/imbalance/layer{name}"] = (load.max() / load.mean().clamp_min(1e-9)).item()
-            stats.setdefault(f"moe/load/layer{name}", load.tolist())
+            scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
             moe.router.update_bias(load)
             bias = moe.router.expert_bias
-            stats[f"moe/bias_range/layer{name}"] = (bias.max() - bias.min()).item()
+            scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
             if moe.last_aux_loss is not None:
-                stats[f"moe/aux_loss/layer{name}"] = moe.last_aux_loss.item()
+                scalars[f"moe/aux_loss/layer{name}"] = moe.last_aux_loss
+        host = torch.cat([torch.stack([v.float() for v in scalars.values()]), loads.float().flatten()]).tolist()
+        stats.update(zip(scalars, host))
+        n_experts = loads.shape[1]
+        for i, name in enumerate(moes):
+            start = len(scalars) + i * n_experts
+            stats.setdefault(f"moe/load/layer{name}", host[start:start + n_experts])
         stats["moe/imbalance_max"] = max(v for k, v in stats.items() if k.startswith("moe/imbalance/"))
         self._moe_stats = stats
         return stats

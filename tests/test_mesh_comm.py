@@ -113,3 +113,21 @@ def test_size_one_groups_count_nothing():
     comm.reduce_scatter(out, torch.arange(4.0), g)
     comm.all_reduce(out, g)
     assert torch.equal(out, torch.arange(4.0)) and g.counter.total() == 0
+
+
+def test_collectives_refuse_a_tensor_off_the_groups_device():
+    """A CPU tensor handed to an NCCL group crashes only on a multi-GPU run; comm refuses it on any group
+    size, naming the op, the group and both devices (the class of bug that broke EP metrics and the
+    token count on GPUs)."""
+    for ranks in ([0], [0, 1]):
+        g = comm.Group("ep", ranks, 0, device_type="cuda")
+        with pytest.raises(ValueError, match=r"all_reduce on group 'ep' got a tensor on cpu.*runs on cuda.*NCCL"):
+            comm.all_reduce(torch.zeros(3), g)
+        with pytest.raises(ValueError, match="all_to_all on group 'ep'"):
+            comm.all_to_all(torch.zeros(2), torch.zeros(2), [2], [2], g)
+        with pytest.raises(ValueError, match="all_gather"):
+            comm.all_gather(torch.zeros(2), torch.zeros(2), g)
+    dims = ParallelDims.from_config(ParallelConfig(), 1, 0, device_type="cuda")
+    dims.init_groups()
+    assert all(g.device_type == "cuda" for g in dims.groups.values())
+    comm.all_reduce(torch.zeros(3), comm.single_group("dp", device_type="cpu"))  # a matching device passes

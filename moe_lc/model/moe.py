@@ -74,7 +74,7 @@ class Router(nn.Module):
         step (the caller all-reduces it under data/context/tensor parallelism); default: local load.
         """
         load_E = self.expert_load if load_E is None else load_E
-        if self.bias_update_speed > 0 and load_E.sum() > 0:
+        if self.bias_update_speed > 0:  # (an all-zero load moves nothing: sign(0) = 0; no host sync to ask)
             self.expert_bias += self.bias_update_speed * torch.sign(load_E.mean() - load_E)
         self.expert_load.zero_()
 

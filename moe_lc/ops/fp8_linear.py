@@ -84,7 +84,9 @@ class Fp8Gemms:
         return self._run("wgrad", dy, x, ("dy", "x"), torch.float32)
 
     # Experts: one FP8 GEMM per expert over its rows (weights are quantized per expert; activation
-    # tiles never straddle two experts' tokens, as with a grouped FP8 kernel).
+    # tiles never straddle two experts' tokens, as with a grouped FP8 kernel). The loop needs the
+    # split sizes on the host: one `counts.tolist()` sync per grouped GEMM, which a grouped FP8
+    # kernel taking device offsets (torch._scaled_grouped_mm) would remove.
     def grouped_fprop(self, x, w, counts):
         return self._per_expert(lambda xe, e: self.fprop(xe, w[e]), x, counts, w.shape[1])
 

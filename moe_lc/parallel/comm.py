@@ -15,6 +15,12 @@ Ring ops send everything to the next rank of the group, so their bytes are inter
 rank is on another node; all-to-all and send count each destination separately. A group of size 1
 is a no-op and counts nothing. A collective that fails or times out (`parallel.timeout_s`) raises
 `CollectiveError` naming the op and the group, also when it surfaces later in `work.wait()`.
+
+A group knows the device type its backend moves (`device_type`: "cuda" under NCCL, "cpu" under
+gloo), and every op refuses a tensor on another device with a ValueError naming the op, the group
+and both devices, also on a size-1 group: a CPU tensor handed to NCCL crashes only on a multi-GPU
+run, so the check must fire wherever the call site runs, e.g. in a one-GPU test or a dry run with
+fake CUDA tensors.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ class Group:
     """A process group along one named mesh dimension (or a flattened combination of them).
 
     ranks: global ranks in group order; rank: this process's index in `ranks`; pg: the torch
-    ProcessGroup (None when size == 1 or without torch.distributed); node_size: ranks per node.
+    ProcessGroup (None when size == 1 or without torch.distributed); node_size: ranks per node;
+    device_type: the device type of the tensors its backend takes (None: not checked).
     """
 
     name: str
@@ -102,6 +109,17 @@ class Group:
     pg: object = None
     node_size: int = 1 << 30
     counter: CommCounter = field(default_factory=CommCounter)
+    device_type: str | None = None
+
+    def check_device(self, op: str, *tensors: torch.Tensor) -> None:
+        """ValueError unless every tensor lives on this group's device type (see the module docstring)."""
+        if self.device_type is None:
+            return
+        for t in tensors:
+            if t.device.type != self.device_type:
+                raise ValueError(f"collective {op} on group '{self.name}' got a tensor on {t.device}, but the group "
+                                 f"runs on {self.device_type} ({'NCCL takes CUDA tensors only' if self.device_type == 'cuda' else 'its backend'}); "
+                                 f"create the tensor on the run's device")
 
     @property
     def size(self) -> int:
@@ -123,9 +141,10 @@ class Group:
         return f"Group({self.name}, size={self.size}, rank={self.rank})"
 
 
-def single_group(name: str, counter: CommCounter | None = None) -> Group:
+def single_group(name: str, counter: CommCounter | None = None, device_type: str | None = None) -> Group:
     """A size-1 group (single device, or a degree of 1)."""
-    return Group(name, [dist.get_rank() if dist.is_initialized() else 0], 0, None, counter=counter or CommCounter())
+    return Group(name, [dist.get_rank() if dist.is_initialized() else 0], 0, None, counter=counter or CommCounter(),
+                 device_type=device_type)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -134,6 +153,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of t over the group."""
+    group.check_device("all_reduce", t)
     if group.size == 1:
         return None
     group._count_ring("all_reduce", 2 * (group.size - 1) * _nbytes(t) // group.size)
@@ -142,6 +162,7 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """out (n,) <- this rank's 1/N slice of the sum of every rank's inp (N*n,) (dim 0 concatenation)."""
+    group.check_device("reduce_scatter", out, inp)
     if group.size == 1:
         out.copy_(inp)
         return None
@@ -152,6 +173,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.R
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
     """out (N*n, ...) <- every rank's inp (n, ...) concatenated along dim 0 in group order."""
+    group.check_device("all_gather", out, inp)
     if group.size == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
@@ -164,6 +186,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                group: Group, async_op: bool = False):
     """Rows of inp split by in_splits go to ranks 0..N-1; out receives out_splits rows from each."""
+    group.check_device("all_to_all", out, inp)
     if group.size == 1:
         out.copy_(inp)
         return None
@@ -194,6 +217,7 @@ def all_gather_object(obj, group: Group) -> list:
 
 def p2p_op(kind: str, t: torch.Tensor, peer: int, group: Group) -> dist.P2POp:
     """A send ("send") or receive ("recv") of t with `peer` (an index into group.ranks), counted."""
+    group.check_device(kind, t)
     if kind == "send":
         inter = _nbytes(t) if group.node_of(peer) != group.node_of(group.rank) else 0
         group.counter.add(group.name, "send", _nbytes(t), inter)
@@ -216,6 +240,7 @@ def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list
 def broadcast(t: torch.Tensor, src: int, group: Group):
     """In-place broadcast from group rank `src`; ring (pipelined) model: every rank but the one
     just before `src` in the ring forwards the buffer once."""
+    group.check_device("broadcast", t)
     if group.size == 1:
         return None
     group._count_ring("broadcast", _nbytes(t) if group.rank != (src - 1) % group.size else 0)

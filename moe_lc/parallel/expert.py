@@ -148,7 +148,9 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def __init__(self, group: Group, topo: ExpertTopology, counting=lambda: True):
         self.group, self.topo, self.counting = group, topo, counting
-        self._counts = torch.zeros(topo.n_experts + topo.n_nodes + 1 + 3, dtype=torch.float64)
+        # on the device of the routed ids (allocated at the first count): the step's metrics all-reduce
+        # it over NCCL, and keeping it there costs no host sync per layer
+        self._counts: torch.Tensor | None = None
 
     # -- metadata ---------------------------------------------------------------------------------
     def _gather(self, vec: torch.Tensor) -> torch.Tensor:
@@ -168,8 +170,10 @@ class AllToAllDispatcher(TokenDispatcher):
         remote = has_TN.clone()
         remote[:, topo.node] = False
         hist = torch.bincount(has_TN.sum(1), minlength=topo.n_nodes + 1)
-        extra = torch.tensor([idx_TK.shape[0], float((node_TK != topo.node).sum()), float(remote.sum())])
-        self._counts += torch.cat([counts_E.double().cpu(), hist.double().cpu(), extra.double()])
+        extra = torch.stack([(node_TK != topo.node).sum(), remote.sum()])
+        tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
+        counts = torch.cat([counts_E.double(), hist.double(), tokens, extra.double()])
+        self._counts = counts if self._counts is None else self._counts + counts
 
     def stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
         """This rank's counters since the last reset (training forwards of every micro-batch):
@@ -180,9 +184,13 @@ class AllToAllDispatcher(TokenDispatcher):
         inter_node_slots ()     (token, expert) copies whose expert is on another node (flat traffic)
         inter_node_pairs ()     (token, node) pairs with the node remote (hierarchical traffic)
         """
-        c, E, N = self._counts.clone(), self.topo.n_experts, self.topo.n_nodes
+        E, N = self.topo.n_experts, self.topo.n_nodes
+        if self._counts is None:  # nothing routed since the last reset
+            c = torch.zeros(E + N + 1 + 3, dtype=torch.float64, device=self.group.device_type or "cpu")
+        else:
+            c = self._counts if reset else self._counts.clone()
         if reset:
-            self._counts.zero_()
+            self._counts = None
         return {"load": c[:E], "nodes_per_token": c[E:E + N + 1], "tokens": c[E + N + 1],
                 "inter_node_slots": c[E + N + 2], "inter_node_pairs": c[E + N + 3]}
 
@@ -197,6 +205,9 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_E = torch.bincount(flat, minlength=n_experts)
         self._count(idx_TK, counts_E)
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
+        # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
+        # know the sizes to post the transfers). Kernels that send into worst-case-sized buffers
+        # (DeepEP) avoid it; torch's all-to-all cannot.
         send, recv = counts_E.view(R, El).sum(1).tolist(), recv_RL.sum(1).tolist()
         x_recv = AllToAll.apply(x_TD[order // K], recv, send, self.group)
         regroup = _expert_major(recv_RL)

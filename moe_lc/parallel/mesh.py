@@ -47,11 +47,12 @@ class ParallelDims:
     ranks_per_node: int
     rank: int = 0
     pp_mirror: bool = False
+    device_type: str = "cpu"  # what the groups' backend moves: "cuda" (NCCL) or "cpu" (gloo); comm checks it
     groups: dict[str, Group] = field(default_factory=dict)
     counter: CommCounter = field(default_factory=CommCounter)
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0) -> "ParallelDims":
+    def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0, device_type: str = "cpu") -> "ParallelDims":
         """Degrees from [parallel] for this world size; ConfigError lists every violated layout rule.
         (Model-dependent rules, such as tp dividing the heads, are `config.validate`'s job.)"""
         d, errors = resolve_degrees(p, world_size)
@@ -65,7 +66,7 @@ class ParallelDims:
         if errors:
             raise ConfigError(errors)
         return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(rpn, world_size), rank,
-                   pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1)
+                   pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type)
 
     # -- coordinates ----------------------------------------------------------------------------
     @property
@@ -140,7 +141,8 @@ class ParallelDims:
                 new = dist.group.WORLD if len(ranks) == self.world else dist.new_group(ranks)
             if self.rank in ranks:
                 mine, pg = ranks, new
-        self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter)
+        self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter,
+                                  self.device_type)
         return self.groups[name]
 
     def __getitem__(self, name: str) -> Group:
