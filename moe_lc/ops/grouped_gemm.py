@@ -4,27 +4,54 @@ Legend: T tokens (sorted by expert), E experts, K contraction dim, N output dim.
 `counts[e]` tokens belong to expert e and lie in rows [sum(counts[:e]), sum(counts[:e+1])).
 
 Backends: `torch._grouped_mm` (one kernel; CPU fp32/bf16 and CUDA bf16 on Hopper) where it works,
-else a loop over experts (never over tokens). The choice is made per call from device and dtype.
+else a loop over experts (never over tokens). The choice is made per call from device, dtype and
+layout: the kernel (pytorch aten/src/ATen/native/GroupedMMUtils.h, check_valid_strides_and_return_
+transposed) wants a 16-byte-aligned data_ptr, one of the last two strides 1 and the other a multiple
+of 16 bytes. A weight viewed out of ZeRO's flat buffer can start anywhere, so a misaligned operand
+takes the loop (with one warning saying why) instead of failing inside the kernel.
+
+Host syncs: the loop needs the counts on the host (`.tolist()`, one sync per call); the grouped
+kernel takes the offsets on the device and syncs nothing.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
+_warned: set[str] = set()
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """The kernel wants every non-unit stride to be a multiple of 16 bytes."""
-    return all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
+def misalignment(t: torch.Tensor) -> str | None:
+    """Why torch._grouped_mm would refuse t's layout (None when it takes it)."""
+    if t.data_ptr() % 16:
+        return f"data_ptr {t.data_ptr():#x} is not 16-byte aligned"
+    rows, cols = t.stride()[-2:]
+    if not ((cols == 1 and rows * t.element_size() % 16 == 0) or (rows == 1 and cols * t.element_size() % 16 == 0)):
+        return f"strides {tuple(t.stride())} are neither row- nor column-major with 16-byte rows"
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) * t.element_size() % 16:
+        return f"expert stride {t.stride(0)} is not a multiple of 16 bytes"
+    return None
 
 
 def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not _GROUPED_MM or a.dtype != b.dtype or not (_aligned(a) and _aligned(b)):
+    if not _GROUPED_MM or a.dtype != b.dtype:
         return False
     if a.device.type == "cpu":
-        return a.dtype in (torch.float32, torch.bfloat16)
-    return a.dtype == torch.bfloat16  # the CUDA kernel (Hopper) is bf16-only
+        supported = a.dtype in (torch.float32, torch.bfloat16)
+    else:
+        supported = a.dtype == torch.bfloat16  # the CUDA kernel (Hopper) is bf16-only
+    if not supported:
+        return False
+    reason = misalignment(a) or misalignment(b)
+    if reason is not None:
+        if reason not in _warned and a.device.type == "cuda":
+            _warned.add(reason)
+            warnings.warn(f"grouped GEMM falls back to a loop over experts: {reason}", RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
