@@ -48,7 +48,7 @@ class ModelConfig:
     ffn_dim: int = f(512, "hidden width of the dense SwiGLU FFN (first n_dense_layers blocks)")
     norm_eps: float = f(1e-6, "RMSNorm epsilon")
     init_std: float = f(0.02, "std of the normal init of weights (output projections scaled by depth)")
-    attn_backend: str = f("auto", "attention kernel: auto | flash_attn | torch | reference")
+    attn_backend: str = f("auto", "attention kernel: auto | flash_attn4 | flash_attn | torch | reference")
     rope_theta: float = f(10000.0, "RoPE base b (theta_i = b^(-2i/d))")
     rope_scaling: str = f("none", "none | yarn (long-context extension)")
     rope_factor: float = f(1.0, "YaRN scale factor s (e.g. 32 for 4K -> 128K)")
@@ -124,7 +124,7 @@ class ModelConfig:
                 e.append(f"model head size {self.head_size} must be even for RoPE")
         if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
             e.append("model.mtp_depth and model.mtp_loss_weight must be >= 0")
-        _choice(e, "model", "attn_backend", self.attn_backend, ("auto", "flash_attn", "torch", "reference"))
+        _choice(e, "model", "attn_backend", self.attn_backend, ("auto", "flash_attn4", "flash_attn", "torch", "reference"))
         _choice(e, "model", "rope_scaling", self.rope_scaling, ("none", "yarn"))
         _choice(e, "model", "score_func", self.score_func, ("sigmoid", "softmax"))
         if self.rope_scaling == "yarn":

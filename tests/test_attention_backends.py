@@ -20,10 +20,14 @@ so only the backend's own arithmetic is measured; tolerances are torch.testing.a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from moe_lc.ops.attention import (
+    AUTO_ORDER,
+    _flash_attn4_interface,
     BACKEND_NAMES,
     AttentionBackend,
     attention,
@@ -33,6 +37,7 @@ from moe_lc.ops.attention import (
 )
 
 BACKENDS = available_backends("cpu")
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug_cpu.toml"
 N_HEADS = 4
 KV_HEADS = (1, 2, 4)
 HEAD_DIMS = ((16, 16), (24, 16), (16, 24))  # (D_qk, D_v)
@@ -234,6 +239,20 @@ def test_flash_attn_unavailable_gives_clear_error():
         get_backend("flash_attn", "cpu")
 
 
+@pytest.mark.skipif(_flash_attn4_interface() is not None, reason="flash-attn-4 is importable here")
+def test_flash_attn4_unavailable_gives_clear_error():
+    with pytest.raises(ImportError, match="flash-attn-4"):
+        get_backend("flash_attn4", "cpu")
+
+
+def test_auto_order_and_config_choices_name_every_backend():
+    from moe_lc.config import load_config
+
+    assert set(AUTO_ORDER) == set(BACKEND_NAMES) - {"auto"}
+    for name in BACKEND_NAMES:  # every backend name is a valid recipe value
+        assert load_config(RECIPE, [f"model.attn_backend={name}"]).model.attn_backend == name
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_causal_with_unequal_lengths_raises(backend_name):
     q, k, v, _ = make_inputs(torch.float32, 6, 10, 2, 16, 16)
@@ -258,3 +277,48 @@ def test_mismatched_shapes_and_dtypes_raise():
         attention(q, k[..., :8], v)
     with pytest.raises(ValueError, match="dtype"):
         attention(q, k.bfloat16(), v)
+
+
+class _StandInFlashAttn4:
+    """flash_attn.cute.interface's two private entry points as FlashAttn4Backend calls them, computed by
+    the reference backend; checks what the real kernels require (one dtype of fp16/bf16, head dims that
+    are multiples of 8, D_qk shared by q and k) and records the shapes it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _flash_attn_fwd(self, q, k, v, *, softmax_scale, causal, return_lse):
+        assert return_lse and q.dtype == torch.bfloat16 and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+        self.seen.append(("fwd", q.shape[-1], v.shape[-1]))
+        out, lse = get_backend("reference").forward(q, k, v, causal, softmax_scale)
+        return out, lse, None, None, None  # 4.0.0b36 returns (out, lse, p, row_max, o_lo)
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and dout.shape == out.shape
+        self.seen.append(("bwd", q.shape[-1], v.shape[-1]))
+        return get_backend("reference").backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+
+def test_flash_attn4_backend_glue_against_a_stand_in(monkeypatch):
+    """Padding of head dims to multiples of 8 (D_qk != D_v kept apart), argument order of the private API
+    (out before dout in its backward) and lse passing, on CPU with a stand-in for the CUDA kernels."""
+    import moe_lc.ops.attention as attn
+
+    stand_in = _StandInFlashAttn4()
+    monkeypatch.setattr(attn, "_flash_attn4_interface", lambda: stand_in)
+    monkeypatch.setattr(attn, "_flash_attn4_device_ok", lambda device: True)
+    backend = attn.FlashAttn4Backend()
+    q, k, v, dout = make_inputs(torch.bfloat16, 8, 8, 2, 20, 12)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention_with_lse(*leaves, causal=True, scale=SCALE, backend=backend)
+    out.backward(dout)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attention_with_lse(*ref, causal=True, scale=SCALE, backend="reference")
+    ref_out.backward(dout)
+    assert stand_in.seen == [("fwd", 24, 16), ("bwd", 24, 16)]
+    assert out.shape == ref_out.shape and lse.shape == (2, 4, 8)
+    assert_close(out, ref_out, 2e-2, "out")
+    assert_close(lse, ref_lse, 1e-3, "lse")
+    for got, want, name in zip(leaves, ref, "qkv"):
+        assert got.grad.shape == got.shape
+        assert_close(got.grad, want.grad, 4e-2, f"d{name}")

@@ -18,11 +18,13 @@ forward on key blocks, merge the partials by LSE, and then call backward per blo
 Backends (config `model.attn_backend`): "reference" (float32 torch math, any device), "torch"
 (aten's fused flash kernels: CPU `_scaled_dot_product_flash_attention_for_cpu`, CUDA
 `_scaled_dot_product_flash_attention`), "flash_attn" (the flash-attn 2.6+ package, CUDA only,
-imported lazily) and "auto" (flash_attn on CUDA if importable, else torch, else reference).
-Fused kernels want one head dim for q, k and v: the smaller of D_qk / D_v is zero-padded (zero
-columns of q and k leave the scores unchanged; zero columns of v give zero output columns) and
-the results are sliced back. Inputs a fused kernel cannot take (fp32 on CUDA, a head dim above
-256) go to the reference math with a warning.
+built from source), "flash_attn4" (PyPI's `flash-attn-4`, the CuTe-DSL FlashAttention, wheels only,
+Hopper and Blackwell: compute capability >= 9.0) and "auto": the first usable of `AUTO_ORDER`.
+FlashAttention-2 and the torch kernel want one head dim for q, k and v: the smaller of D_qk / D_v is
+zero-padded (zero columns of q and k leave the scores unchanged; zero columns of v give zero output
+columns) and the results are sliced back; flash-attn-4 takes D_qk != D_v (e.g. MLA's 192 / 128) as
+is. Inputs a fused kernel cannot take (fp32 on CUDA, a head dim above 256) go to the reference math
+with a warning.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ from torch.autograd.function import once_differentiable
 
 aten = torch.ops.aten
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flash_attn")
+BACKEND_NAMES = ("auto", "reference", "torch", "flash_attn", "flash_attn4")
+# "auto" takes the first of these that is usable on the device: fastest first by the published
+# figures (flash-attn-4 on Hopper/Blackwell ahead of FlashAttention-2, which torch's own CUDA kernel
+# also is). Not yet measured here: tools/bench's attention part times every backend against each other.
+AUTO_ORDER = ("flash_attn4", "flash_attn", "torch", "reference")
 _CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _CUDA_FLASH_MAX_HEAD_DIM = 256
 
@@ -239,26 +245,27 @@ def _unpad_grads(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, v: Tensor) -> tu
 
 @functools.lru_cache(maxsize=None)
 def _flash_attn_interface():
-    """The flash_attn.flash_attn_interface module and whether it has the >= 2.6.3 API; None if absent."""
+    """The flash_attn.flash_attn_interface module and whether it has the >= 2.7.0 API; None if absent."""
     try:
         import flash_attn
         from flash_attn import flash_attn_interface
     except ImportError:
         return None
     version = tuple(int(x) for x in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:3])
-    return flash_attn_interface, version >= (2, 6, 3)
+    return flash_attn_interface, version >= (2, 7, 0)
 
 
 class FlashAttnBackend(AttentionBackend):
     """flash-attn 2.x private entry points (the ones its own autograd Functions call). Untested here.
 
-    flash-attn >= 2.6.3 (read in Dao-AILab/flash-attention flash_attn/flash_attn_interface.py):
+    flash-attn >= 2.7.0 (read in Dao-AILab/flash-attention flash_attn/flash_attn_interface.py, v2.7.0 and
+    v2.8.3; 2.7.0 registered these as torch custom ops and changed their signatures):
       _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                           softcap, alibi_slopes, return_softmax) -> (out_padded, softmax_lse, S_dmask, rng_state)
       _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                            window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                            rng_state=None) -> softmax_d   (writes dq, dk, dv in place)
-    2.6.0-2.6.2 take `window_size=(left, right)` instead and the forward returns
+    2.6.0-2.6.3 take `window_size=(left, right)` instead and the forward returns
       (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state).
     Tensors are BSHD (our layout), fp16/bf16, one head dim (multiple of 8, <= 256), H_kv | H natively.
     """
@@ -269,7 +276,7 @@ class FlashAttnBackend(AttentionBackend):
         found = _flash_attn_interface()
         if found is None:
             raise ImportError("attention backend 'flash_attn' needs the flash-attn package (>= 2.6, CUDA), "
-                              "which is not importable here; use 'auto', 'torch' or 'reference'")
+                              "which is not importable here; use 'auto', 'flash_attn4', 'torch' or 'reference'")
         self._fa, self._new_api = found
 
     def _window_kwargs(self) -> dict:
@@ -303,6 +310,80 @@ class FlashAttnBackend(AttentionBackend):
         return _unpad_grads(dq, dk, dv, q, v)
 
 
+# --------------------------------------------------------------------------- flash-attn-4 (CuTe DSL)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn4_interface():
+    """flash_attn.cute.interface from PyPI's flash-attn-4, or None where it does not import (it needs
+    the nvidia-cutlass-dsl wheels; its kernels compile on first use for each shape class)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # ImportError, or the DSL's own import-time checks (no driver, no CUDA flavour)
+        return None
+    return interface
+
+
+def _flash_attn4_device_ok(device: torch.device) -> bool:
+    # its forward and backward kernels exist for SM90 (Hopper) and SM100+ (Blackwell) only
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class FlashAttn4Backend(AttentionBackend):
+    """flash-attn-4's private entry points, the ones its own `FlashAttnFunc` calls (read in
+    Dao-AILab/flash-attention flash_attn/cute/interface.py, 4.0.0b36):
+
+      _flash_attn_fwd(q, k, v, softmax_scale=, causal=, return_lse=True) -> (out, lse, ...)
+      _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal) -> (dq, dk, dv)
+
+    BSHD, fp16/bf16, lse (B, H, Q) float32 natural log; H_kv | H natively; D_qk and D_v may differ,
+    each a multiple of 8 in 8..256 on SM90. The forward's tuple grew between betas (2 -> 5 items),
+    so only its first two are read. The backward recomputes P from the lse we pass, as ring
+    attention needs.
+    """
+
+    name = "flash_attn4"
+
+    def __init__(self) -> None:
+        self._fa = _flash_attn4_interface()
+        if self._fa is None:
+            raise ImportError("attention backend 'flash_attn4' needs PyPI's flash-attn-4 (pip install flash-attn-4, "
+                              "CUDA 12.9+ / 13, compute capability >= 9.0), which is not importable here; use "
+                              "'auto', 'torch' or 'reference'")
+
+    def _reason(self, q: Tensor, v: Tensor) -> str | None:
+        if not _flash_attn4_device_ok(q.device):
+            return "CPU tensors" if not q.is_cuda else "a GPU below compute capability 9.0"
+        if q.dtype not in _CUDA_FLASH_DTYPES:
+            return f"dtype {q.dtype} (kernel takes {_CUDA_FLASH_DTYPES})"
+        if max(q.shape[-1], v.shape[-1]) > _CUDA_FLASH_MAX_HEAD_DIM:
+            return f"head dims D_qk={q.shape[-1]}, D_v={v.shape[-1]} (kernel takes <= {_CUDA_FLASH_MAX_HEAD_DIM})"
+        return None
+
+    def forward(self, q, k, v, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        reason = self._reason(q, v)
+        if reason is not None:
+            _warn_fallback(self.name, reason)
+            return _REFERENCE.forward(q, k, v, causal, scale)
+        d_qk, d_v = _round_up(q.shape[-1], 8), _round_up(v.shape[-1], 8)
+        q_, k_ = (_pad_head_dim(x, d_qk) for x in (q, k))
+        out, lse = self._fa._flash_attn_fwd(q_, k_, _pad_head_dim(v, d_v), softmax_scale=scale, causal=causal,
+                                            return_lse=True)[:2]
+        return _trim_head_dim(out, v.shape[-1]), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        if self._reason(q, v) is not None:
+            return _REFERENCE.backward(dout, q, k, v, out, lse, causal, scale)
+        d_qk, d_v = _round_up(q.shape[-1], 8), _round_up(v.shape[-1], 8)
+        q_, k_ = (_pad_head_dim(x, d_qk) for x in (q, k))
+        v_, out_, dout_ = (_pad_head_dim(x, d_v) for x in (v, out, dout))
+        dq, dk, dv = self._fa._flash_attn_bwd(q_, k_, v_, out_, dout_, lse.float().contiguous(),
+                                              softmax_scale=scale, causal=causal)[:3]
+        return _trim_head_dim(dq, q.shape[-1]), _trim_head_dim(dk, q.shape[-1]), _trim_head_dim(dv, v.shape[-1])
+
+
 # --------------------------------------------------------------------------- selection
 
 
@@ -323,26 +404,31 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
         names.append("torch")
     if device_type == "cuda" and _flash_attn_interface() is not None:
         names.append("flash_attn")
+    if device_type == "cuda" and _flash_attn4_device_ok(torch.device(device)) and _flash_attn4_interface() is not None:
+        names.append("flash_attn4")
     return names
 
 
+_BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "flash_attn": FlashAttnBackend,
+                    "flash_attn4": FlashAttn4Backend}
+
+
 @functools.lru_cache(maxsize=None)
-def _backend_for(name: str, device_type: str) -> AttentionBackend:
+def _backend_for(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        usable = available_backends(device_type)
-        name = next(n for n in ("flash_attn", "torch", "reference") if n in usable)
-    if name == "reference":
-        return _REFERENCE
-    if name == "torch":
-        return TorchBackend()
-    return FlashAttnBackend()
+        usable = available_backends(device)
+        name = next(n for n in AUTO_ORDER if n in usable)
+    return _REFERENCE if name == "reference" else _BACKEND_CLASSES[name]()
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called `name` ("auto": flash_attn on CUDA if importable, else torch, else reference)."""
+    """The backend called `name` ("auto": the first of AUTO_ORDER usable on `device`)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(BACKEND_NAMES)}")
-    return _backend_for(name, torch.device(device).type)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _backend_for(name, device)
 
 
 # --------------------------------------------------------------------------- autograd entry points
