@@ -13,15 +13,30 @@ from pathlib import Path
 
 import torch
 
-# Dense peak TFLOP/s per GPU by name fragment and compute precision (NVIDIA datasheets, no sparsity).
-PEAK_TFLOPS = {
-    "H100": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
-    "H200": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
-    "H800": {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0},
-    "H20": {"bf16": 148.0, "fp8": 296.0, "fp32": 74.0},
-    "A100": {"bf16": 312.0, "fp8": 312.0, "fp32": 156.0},
-    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp32": 1100.0},
-}
+# Dense (no sparsity) peak TFLOP/s per GPU and compute precision, from NVIDIA's datasheets (their
+# sparse figures halved); "fp32" is the TF32 tensor-core rate an fp32 run's matmuls get. Matched as
+# fragments of torch.cuda.get_device_name, most specific first: a PCIe or NVL H100 / H200 has lower
+# clocks and power than the SXM part ("NVIDIA H100 80GB HBM3"), and "H20" is a prefix of "H200".
+PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0, "fp32": 378.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp8": 1671.0, "fp32": 418.0}),
+    ("H200 NVL", {"bf16": 835.0, "fp8": 1671.0, "fp32": 418.0}),
+    ("GH200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0}),
+    ("H200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0}),
+    ("H100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0}),  # SXM
+    ("H800", {"bf16": 989.0, "fp8": 1979.0, "fp32": 494.0}),
+    ("H20", {"bf16": 148.0, "fp8": 296.0, "fp32": 74.0}),
+    ("A100", {"bf16": 312.0, "fp8": 312.0, "fp32": 156.0}),  # no FP8 units: fp8 recipes run bf16 math
+    ("B200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}),
+)
+
+
+def peak_tflops_of(device_name: str) -> dict[str, float] | None:
+    """{"bf16", "fp8", "fp32"} dense TFLOP/s for a GPU name, None when unknown."""
+    for fragment, table in PEAK_TFLOPS:
+        if fragment in device_name:
+            return dict(table)
+    return None
 
 
 def peak_flops(device: torch.device, recipe: str, override_tflops: float = 0.0) -> float | None:
@@ -30,11 +45,8 @@ def peak_flops(device: torch.device, recipe: str, override_tflops: float = 0.0) 
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, table in PEAK_TFLOPS.items():
-        if key in name:
-            return table["fp32" if recipe == "fp32" else recipe] * 1e12
-    return None
+    table = peak_tflops_of(torch.cuda.get_device_name(device))
+    return None if table is None else table[recipe] * 1e12
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -16,13 +16,13 @@ from tools.bench.common import RESULTS_DIR, ROOT, Timing, peak_tflops, time_fn
 from tools.bench.gemm import gemm_flops, linear_shapes
 from tools.bench.grouped_gemm import expert_counts
 from tools.bench.model_step import categorize, step_flops
-
-PARTS = ("attention", "gemm", "grouped_gemm", "model_step")
+from tools.bench.run import PARTS
 # metrics every "ok" entry of a part must carry as finite positive numbers
 METRICS = {"attention": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"),
            "gemm": ("ms", "tflops"),
            "grouped_gemm": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"),
-           "model_step": ("step_ms", "tokens_per_s", "model_flops", "hardware_flops")}
+           "model_step": ("step_ms", "tokens_per_s", "model_flops", "hardware_flops"),
+           "layer": ("fwd_ms", "fwd_bwd_ms", "planned_saved_gib")}
 
 
 def _positive_number(x) -> bool:
@@ -201,6 +201,8 @@ def test_peak_table_and_kernel_categories():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == {"bf16": 989.0, "fp8": 1979.0}
     assert peak_tflops("NVIDIA H200") == {"bf16": 989.0, "fp8": 1979.0}
     assert peak_tflops("NVIDIA H100 PCIe")["bf16"] == 756.0
+    assert peak_tflops("NVIDIA H100 NVL")["bf16"] == peak_tflops("NVIDIA H200 NVL")["bf16"] == 835.0
+    assert peak_tflops("NVIDIA H20")["bf16"] == 148.0  # not taken for an H200 by its prefix
     assert peak_tflops("CPU x86_64") is None
     kernels = {
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
@@ -219,3 +221,20 @@ def test_time_fn_reports_median_of_timed_calls():
     calls = []
     t = time_fn(lambda: calls.append(1), torch.device("cpu"), Timing(warmup=2, iters=5, min_iters=5, max_s=0.0))
     assert len(calls) == 7 and t["n"] == 5 and 0 <= t["min_s"] <= t["s"]
+
+
+def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
+    """The one-command GPU bring-up (python -m tools.gpu_check) on a CPU: env report, the `gpu` tests
+    (each skipped with its reason), the benchmark dry run, one summary."""
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--dry-run", "--out", str(tmp_path),
+                           "--parts", "attention,grouped_gemm"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for step in ("env", "install: skipped (dry run)", "tests: passed", "bench: done"):
+        assert f"- {step}" in summary, summary
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["torch"] == torch.__version__ and set(env["optional"]) == {"flash_attn", "flash_attn4", "transformer_engine"}
+    tests_log = (tmp_path / "gpu_tests.log").read_text()
+    assert "needs a CUDA GPU" in tests_log and " skipped" in tests_log and "failed" not in tests_log
+    (bench,) = tmp_path.glob("*-dry-run.json")
+    assert sorted(json.loads(bench.read_text())["parts"]) == ["attention", "grouped_gemm"]

@@ -6,8 +6,9 @@ seconds have been spent (after at least `min_iters`). On a GPU each call is brac
 report the median (and min / mean / n): robust to the odd slow call (allocator growth, clock ramp).
 
 Throughput: TFLOP/s = FLOPs / median seconds / 1e12, with each part's FLOP formula in its docstring.
-Peaks (`PEAK_TFLOPS`) are NVIDIA's dense (no sparsity) datasheet figures, the ones REFERENCE.md
-uses: H100 SXM / H800 / H200 989 TFLOP/s bf16, 1979 fp8.
+Peaks are NVIDIA's dense (no sparsity) datasheet figures, from the trainer's table
+(`moe_lc.metrics.PEAK_TFLOPS`): H100 SXM / H800 / H200 989 TFLOP/s bf16, 1979 fp8; H100 PCIe 756;
+H100 / H200 NVL 835.
 
 Results: every measurement is one entry (a flat dict) with `status` "ok", "error" (OOM, unsupported
 kernel, ...: `error` holds the reason and the run goes on) or "skipped" (`reason`). `Recorder` prints
@@ -31,26 +32,16 @@ from typing import Callable
 
 import torch
 
+from moe_lc.metrics import peak_tflops_of
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-# (name fragment, dense TFLOP/s), most specific fragment first ("H100 PCIe" before "H100").
-PEAK_TFLOPS = (
-    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
-    ("H100 NVL", {"bf16": 835.0, "fp8": 1671.0}),
-    ("GH200", {"bf16": 989.0, "fp8": 1979.0}),
-    ("H200", {"bf16": 989.0, "fp8": 1979.0}),
-    ("H100", {"bf16": 989.0, "fp8": 1979.0}),  # SXM
-    ("H800", {"bf16": 989.0, "fp8": 1979.0}),
-)
-
-
 def peak_tflops(device_name: str) -> dict[str, float] | None:
-    """{"bf16": ..., "fp8": ...} dense TFLOP/s for a GPU name, None when unknown (CPU)."""
-    for fragment, table in PEAK_TFLOPS:
-        if fragment in device_name:
-            return dict(table)
-    return None
+    """{"bf16": ..., "fp8": ...} dense TFLOP/s for a GPU name (the trainer's MFU table,
+    moe_lc.metrics.PEAK_TFLOPS: SXM / PCIe / NVL told apart), None when unknown (CPU)."""
+    table = peak_tflops_of(device_name)
+    return None if table is None else {"bf16": table["bf16"], "fp8": table["fp8"]}
 
 
 @dataclass
@@ -153,12 +144,15 @@ def device_name(device: torch.device) -> str:
 
 
 def _importable(module: str) -> str | None:
-    """The module's version if it imports, else None."""
+    """The module's (or its top package's) version if it imports, else None."""
+    import importlib
+
     try:
-        mod = __import__(module)
+        mod = importlib.import_module(module)
     except Exception:  # noqa: BLE001 - a broken install counts as absent
         return None
-    return str(getattr(mod, "__version__", "present"))
+    top = importlib.import_module(module.split(".")[0])
+    return str(getattr(mod, "__version__", None) or getattr(top, "__version__", None) or "present")
 
 
 def device_facts(device: torch.device) -> dict:
@@ -175,7 +169,8 @@ def device_facts(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         facts.update(capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
                      memory_gib=round(props.total_memory / 2**30, 1))
-    facts["backends"] = {"attention": available_backends(device), "flash_attn": _importable("flash_attn"),
+    facts["backends"] = {"attention": available_backends(device), "flash_attn": _importable("flash_attn.flash_attn_interface"),
+                         "flash_attn4": _importable("flash_attn.cute"),
                          "transformer_engine": _importable("transformer_engine"),
                          "fp8_tensorwise": fp8.scaled_mm_backend(device, "tensorwise"),
                          "fp8_blockwise": fp8.scaled_mm_backend(device, "blockwise"),
@@ -299,8 +294,9 @@ def write_markdown(path: Path, results: dict, renderers: dict) -> None:
     lines = [f"# moe_lc benchmarks: {m['device']}", "", f"- device: {m['device']}{gpu}",
              f"- torch {m['torch']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}, Python {m['python']}",
              f"- date: {m['date']} (started {m['started']}){dry}",
-             f"- attention backends: {', '.join(b.get('attention', []))}; flash-attn: "
-             f"{b.get('flash_attn') or 'absent'}; Transformer Engine: {b.get('transformer_engine') or 'absent'}",
+             f"- attention backends: {', '.join(b.get('attention', []))}; flash-attn 2: "
+             f"{b.get('flash_attn') or 'absent'}; flash-attn-4: {b.get('flash_attn4') or 'absent'}; "
+             f"Transformer Engine: {b.get('transformer_engine') or 'absent'}",
              f"- fp8 tensorwise: {b.get('fp8_tensorwise')}; fp8 blockwise: {b.get('fp8_blockwise')}; "
              f"torch._grouped_mm: {b.get('torch._grouped_mm')}",
              f"- peak dense TFLOP/s used for %-of-peak and MFU: {m.get('peak_tflops')}", ""]
