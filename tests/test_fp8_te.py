@@ -140,6 +140,7 @@ def test_trainer_refuses_te_backend_before_any_step(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8_te.load_te() is not None),
                     reason="needs Transformer Engine on a CUDA GPU")
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])

@@ -17,13 +17,16 @@ Implementations, each timed forward (no grad) and forward + backward (autograd, 
                      torch.nn.functional.scaled_dot_product_attention forced onto one SDPA kernel
                      (enable_gqa=True for GQA): what torch's other fused kernels would give
   raw:flash_attn     flash_attn.flash_attn_func, when the package is importable
+  raw:flash_attn4    flash_attn.cute.flash_attn_func (PyPI flash-attn-4), when importable: the kernel
+                     wrapper:flash_attn4 calls, through its own autograd Function
 
 FLOPs (causal; half of the S x S score matrix, as in REFERENCE.md "causal FLOPs = half of 4*s^2*d*h"):
     forward          = 4 * B * H * S^2 * D / 2 = 2 * B * H * S^2 * D     (D_qk = D_v = D)
                        in general B * H * S^2 * (D_qk + D_v)
     backward         = 2.5 x forward;  forward + backward = 3.5 x forward
 H is the number of *query* heads (GQA shares k/v but does the same matmul work).
-`overhead_*` = wrapper time / raw time of the kernel it calls (the issue asks for <= 1.10).
+`overhead_*` = wrapper time / raw time of the kernel it calls; `speed_vs_raw` = raw / wrapper time
+(fwd + bwd), the target being >= 0.95 (the wrapper at least 95% as fast as the kernel it calls).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from tools.bench.common import Context, Recorder, memory_mark, peak_bytes_since,
 
 PART = "attention"
 TOKEN_BUDGET = 32768
+TARGET_SPEED_VS_RAW = 0.95
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536, 131072)
 HEADS = {"mha": (16, 16), "gqa": (16, 4)}
 HEAD_DIM = 128
@@ -49,6 +53,7 @@ COLUMNS = [("heads", "heads", None), ("seq", "S", "{:d}"), ("batch", "B", "{:d}"
            ("fwd_ms", "fwd ms", "{:.3f}"), ("fwd_tflops", "fwd TFLOP/s", "{:.1f}"),
            ("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"), ("fwd_bwd_tflops", "fwd+bwd TFLOP/s", "{:.1f}"),
            ("overhead_fwd", "wrapper/raw fwd", "{:.3f}"), ("overhead_fwd_bwd", "wrapper/raw f+b", "{:.3f}"),
+           ("speed_vs_raw", "raw/wrapper f+b", "{:.3f}"),
            ("peak_mem_gib", "peak GiB", "{:.2f}")]
 
 
@@ -127,6 +132,17 @@ def _raw_flash_attn(scale: float):
     return run
 
 
+def _raw_flash_attn4(scale: float):
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v, dout, backward):
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+        out = out[0] if isinstance(out, tuple) else out
+        if backward:
+            out.backward(dout)
+    return run
+
+
 def implementations(device, scale: float) -> list[tuple[str, object, str | None]]:
     """[(impl name, run, name of the wrapper it is the raw kernel of or None)]."""
     names = available_backends(device)
@@ -139,6 +155,8 @@ def implementations(device, scale: float) -> list[tuple[str, object, str | None]
         impls.append(("raw:sdpa", _raw_sdpa(None, scale), None))
     if "flash_attn" in names:
         impls.append(("raw:flash_attn", _raw_flash_attn(scale), "wrapper:flash_attn"))
+    if "flash_attn4" in names:
+        impls.append(("raw:flash_attn4", _raw_flash_attn4(scale), "wrapper:flash_attn4"))
     return impls
 
 
@@ -214,23 +232,28 @@ def run(ctx: Context, rec: Recorder) -> None:
 
 
 def _overhead(rec: Recorder, wrapper: dict | None, raw: dict) -> None:
-    """Write wrapper/raw time ratios onto the wrapper's entry (the issue: within 10%)."""
+    """Write wrapper/raw time ratios onto the wrapper's entry (target: raw/wrapper >= 0.95 fwd+bwd)."""
     if not wrapper or wrapper.get("status") != "ok" or raw.get("status") != "ok":
         return
     for key in ("fwd", "fwd_bwd"):
         wrapper[f"overhead_{key}"] = wrapper[f"{key}_ms"] / raw[f"{key}_ms"]
     wrapper["raw_impl"] = raw["impl"]
-    wrapper["within_10pct"] = max(wrapper["overhead_fwd"], wrapper["overhead_fwd_bwd"]) <= 1.10
+    wrapper["speed_vs_raw"] = raw["fwd_bwd_ms"] / wrapper["fwd_bwd_ms"]
+    wrapper["meets_target"] = wrapper["speed_vs_raw"] >= TARGET_SPEED_VS_RAW
     rec.note(f"  {wrapper['impl']} / {raw['impl']}: fwd x{wrapper['overhead_fwd']:.3f}, "
-             f"fwd+bwd x{wrapper['overhead_fwd_bwd']:.3f} ({'within' if wrapper['within_10pct'] else 'OVER'} 10%)")
+             f"fwd+bwd x{wrapper['overhead_fwd_bwd']:.3f} (speed {wrapper['speed_vs_raw']:.3f} of raw: "
+             f"{'meets' if wrapper['meets_target'] else 'MISSES'} {TARGET_SPEED_VS_RAW})")
 
 
 def extra_markdown(entries: list[dict]) -> list[str]:
-    rows = [e for e in entries if "overhead_fwd" in e]
+    rows = [e for e in entries if "speed_vs_raw" in e]
     if not rows:
         return []
-    worst = max(rows, key=lambda e: max(e["overhead_fwd"], e["overhead_fwd_bwd"]))
-    ok = all(e["within_10pct"] for e in rows)
-    return [f"Wrapper overhead vs the raw kernel: {'all within' if ok else 'NOT all within'} 10%; worst "
-            f"{worst['impl']} {worst['heads']} S={worst['seq']}: fwd x{worst['overhead_fwd']:.3f}, "
-            f"fwd+bwd x{worst['overhead_fwd_bwd']:.3f}."]
+    lines = [f"Wrapper speed vs the raw kernel it calls (fwd+bwd, target >= {TARGET_SPEED_VS_RAW}):"]
+    for impl in sorted({e["impl"] for e in rows}):
+        mine = [e for e in rows if e["impl"] == impl]
+        worst = min(mine, key=lambda e: e["speed_vs_raw"])
+        lines.append(f"- {impl}: {sum(e['meets_target'] for e in mine)}/{len(mine)} shapes meet it; worst "
+                     f"{worst['heads']} S={worst['seq']}: {worst['speed_vs_raw']:.3f} (fwd x{worst['overhead_fwd']:.3f} "
+                     f"slower)")
+    return lines

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from tools.bench.common import (  # noqa: E402
     RESULTS_DIR, Context, Recorder, Timing, device_facts, free_memory, slug, write_json, write_markdown)
 
-PARTS = ("attention", "gemm", "grouped_gemm", "model_step")
+PARTS = ("attention", "gemm", "grouped_gemm", "model_step", "layer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,7 +94,7 @@ def output_paths(args, facts: dict) -> tuple[Path, Path]:
 def part_key(part: str, args) -> str:
     """Where a part's results go: its name, plus the recipe / --set options that change what it measures
     (so e.g. a model_step re-run with another vocabulary sits beside the default one)."""
-    options = ([f"recipe={r}" for r in args.recipe] if part in ("gemm", "model_step") else []) + \
+    options = ([f"recipe={r}" for r in args.recipe] if part in ("gemm", "model_step", "layer") else []) + \
         ([f"set={s}" for s in args.set] if part == "model_step" else [])
     return f"{part}[{';'.join(options)}]" if options else part
 
