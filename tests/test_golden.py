@@ -1,0 +1,53 @@
+"""Golden runs: refactors must leave fp32 training bit-identical (losses, grad norms, final parameters).
+
+Each case trains the debug recipe for a few steps on one layout and compares with tests/golden/<case>.json
+exactly (==, not a tolerance): per-step losses and grad norms as Python floats, and a SHA-256 of every
+final parameter's bytes. A change that is meant to move the numbers re-records them, and says so:
+
+    MOE_LC_RECORD_GOLDEN=1 python -m pytest -q tests/test_golden.py
+
+Cases: one process, and a 5-D layout (pp 2 DualPipe x dp 2 x cp 2 x tp 2, ep 2 folded into dp*cp*tp)
+on 16 gloo processes (~25 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from tests.harness import RECIPES, run_layout
+
+GOLDEN = RECIPES.parent / "tests" / "golden"
+RECIPE = RECIPES / "debug_cpu.toml"
+BASE = ["train.steps=4", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2", "train.micro_batch=1"]
+CASES = {
+    "debug_fp32_1proc": (BASE, 1),
+    "debug_fp32_5d": (BASE + ["parallel.pp=2", "parallel.pp_schedule=dualpipe", "parallel.dp=2", "parallel.cp=2",
+                              "parallel.tp=2", "parallel.ep=2"], 16),
+}
+
+
+def _digest(final_state: dict) -> dict[str, str]:
+    return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:24]
+            for name, t in sorted(final_state.items())}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_training_is_bit_identical_to_golden(case):
+    overrides, world = CASES[case]
+    got = run_layout(RECIPE, overrides, world=world, timeout_s=1200)
+    result = {"overrides": overrides, "world": world, "losses": got.losses, "grad_norms": got.grad_norms,
+              "params": _digest(got.final_state)}
+    path = GOLDEN / f"{case}.json"
+    if os.environ.get("MOE_LC_RECORD_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        pytest.skip(f"recorded {path}")
+    want = json.loads(path.read_text())
+    assert result["losses"] == want["losses"]
+    assert result["grad_norms"] == want["grad_norms"]
+    changed = [n for n in want["params"] if result["params"].get(n) != want["params"][n]]
+    assert not changed and result["params"].keys() == want["params"].keys(), changed[:5]
