@@ -51,8 +51,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.config.choices import RecomputePolicy, names
 
-POLICIES = ("none", "selective", "full")
+POLICIES = names(RecomputePolicy)
 CHECKED = "checked against measurement (tests/test_plan.py)"
 UNCHECKED = "formula, not yet checked against measurement"
 
@@ -96,8 +97,8 @@ def _gqa_terms(m: ModelConfig, c: int, cp: int) -> list[Saved]:
 def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
     """MLA (moe_lc/model/mla.py), decompressed. The fused backends pad the head dim to max(Dqk, Dv)
     (CUDA: rounded up to 8), so out is stored padded and wo gets a contiguous copy when Dqk != Dv."""
-    H, Cq, Ckv, Dr = m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
-    Dqk, Dv = m.qk_nope_head_dim + Dr, m.v_head_dim
+    H, Cq, Ckv, Dr = m.n_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
+    Dqk, Dv = m.mla.qk_nope_head_dim + Dr, m.mla.v_head_dim
     latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full", "norm")]
               if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm")])
     terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent]
@@ -106,7 +107,7 @@ def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
             terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm"), Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm"),
                       Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm"),
                       Saved(f"mla {name}: output (up-projection input)", c * C, "full")]
-    terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.qk_nope_head_dim + Dv), "heads"),
+    terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.mla.qk_nope_head_dim + Dv), "heads"),
               Saved("mla: q with roped part", c * H * Dqk, "heads", "attention"),
               Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention"),
               Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads"),
@@ -120,9 +121,9 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
     D = m.dim
     attention = _mla_terms(m, c) if m.attention == "mla" else _gqa_terms(m, c, cp)
     terms = _norm("attn_norm", D, c) + attention + _norm("ffn_norm", D, c) + [Saved("ffn: normed input", c * D, "full")]
-    if not (m.n_routed_experts > 0 and layer_id >= m.n_dense_layers):
+    if not (m.moe.n_routed_experts > 0 and layer_id >= m.moe.n_dense_layers):
         return terms + _swiglu("dense ffn", m.ffn_dim, c, "heads")
-    k, E, Fe = m.topk, m.n_routed_experts, m.moe_ffn_dim
+    k, E, Fe = m.moe.topk, m.moe.n_routed_experts, m.moe.ffn_dim
     terms += [
         # in fp32 without TP the router's input is the normed input itself; else a copy / the shard
         Saved("router: fp32 input (sequence shard)", 4 * D if c != 4 or tp > 1 else 0),
@@ -137,9 +138,9 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
         Saved("combine: ids", 8 * k),
         Saved("combine: expert outputs in token order", c * k * D),
     ]
-    if m.n_shared_experts:
-        terms += _swiglu("shared experts", m.n_shared_experts * Fe, c, "heads")
-    if m.aux_loss_weight > 0:
+    if m.moe.n_shared_experts:
+        terms += _swiglu("shared experts", m.moe.n_shared_experts * Fe, c, "heads")
+    if m.moe.aux_loss_weight > 0:
         terms += [Saved("aux loss: affinity sums", 4), Saved("aux loss: f_e", per_seq=4 * E)]
     return terms
 
@@ -162,7 +163,7 @@ def model_terms(m: ModelConfig, c: int, micro_batch: int, seq_len: int, loss_mas
         embed = [Saved("token ids", 8, "full", per_seq=8 if cp == 1 else 0)]
     if loss_mask:
         head.append(Saved("loss: mask", 4, "full"))
-    for d in range(m.mtp_depth):
+    for d in range(m.mtp.depth):
         head += _mtp_terms(m, d, c, tp, cp)
     return {"embed": embed, "rope": [Saved("cos, sin tables", per_layer=4 * seq_len * m.rope_dim)], "head": head}
 
@@ -196,11 +197,11 @@ def _phase_inputs(m: ModelConfig, layer_id: int, c: int) -> list[Saved]:
     attention and before the FFN; for MoE also the normed input, the sorted token copies, the expert
     outputs and the fp32 gate weights that the experts and combine phases take."""
     kept = [Saved("full: attention-phase input", c * m.dim, "seq"), Saved("full: ffn-phase input", c * m.dim, "seq")]
-    if m.n_routed_experts > 0 and layer_id >= m.n_dense_layers:
+    if m.moe.n_routed_experts > 0 and layer_id >= m.moe.n_dense_layers:
         kept += [Saved("full: normed input (carried to the shared experts)", c * m.dim),
-                 Saved("full: sorted token copies (experts-phase input)", c * m.topk * m.dim),
-                 Saved("full: expert outputs (combine-phase input)", c * m.topk * m.dim),
-                 Saved("full: gate weights (fp32)", 4 * m.topk)]
+                 Saved("full: sorted token copies (experts-phase input)", c * m.moe.topk * m.dim),
+                 Saved("full: expert outputs (combine-phase input)", c * m.moe.topk * m.dim),
+                 Saved("full: gate weights (fp32)", 4 * m.moe.topk)]
     return kept
 
 
@@ -262,7 +263,7 @@ def estimate(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int,
     part = {k: _bytes(v, tokens, micro_batch, tp, sequence_parallel) for k, v in outside.items()}
     # measured (tests/test_plan.py): every policy on GQA blocks without MTP at tp = cp = 1; policy
     # "none" also with MLA + MTP at tp = cp = 1, and on GQA under tp2, cp2 and cp2 x tp2
-    gqa = m.attention != "mla" and not m.mtp_depth
+    gqa = m.attention != "mla" and not m.mtp.depth
     checked = (tp == 1 and cp == 1 and (policy == "none" or gqa)) or (policy == "none" and gqa)
     return ActivationEstimate(per_layer, part["embed"] if first_stage else 0.0, part["rope"],
                               part["head"] if last_stage else 0.0, working, CHECKED if checked else UNCHECKED,

@@ -70,6 +70,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def why_no_checkpoint(root: str | Path) -> str:
+    """Why `latest_checkpoint(root)` found nothing, in words (for the resume message)."""
+    root = Path(root)
+    if not root.exists():
+        return f"{root} does not exist"
+    if not root.is_dir():
+        return f"{root} is not a directory"
+    started = [p.name for p in root.iterdir() if _STEP_DIR.match(p.name) or p.name.startswith(".tmp")]
+    if not started:
+        return f"{root} holds no checkpoint"
+    return f"{root} holds only incomplete saves ({', '.join(sorted(started)[:3])})"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -150,9 +151,9 @@ class Trainer:
 
     def _mtp_metrics(self, n_tokens: float) -> dict:
         """Per-depth MTP loss per token, summed over this step (reduced like the main loss)."""
-        if not self.cfg.model.mtp_depth:
+        if not self.cfg.model.mtp.depth:
             return {"mtp_weighted_sum": 0.0}
-        sums = torch.zeros(self.cfg.model.mtp_depth, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(self.cfg.model.mtp.depth, dtype=torch.float64, device=self.device)
         for m in self._modules_with_mtp():
             if m.mtp_loss_sums is not None:
                 sums += m.mtp_loss_sums
@@ -160,7 +161,7 @@ class Trainer:
         comm.all_reduce(sums, self.dims["world"])
         sums /= self.dims.tp
         out = {f"mtp_loss/depth{d + 1}": (v / n_tokens).item() for d, v in enumerate(sums)}
-        out["mtp_weighted_sum"] = (self.cfg.model.mtp_loss_weight / len(sums) * sums.sum()).item()
+        out["mtp_weighted_sum"] = (self.cfg.model.mtp.loss_weight / len(sums) * sums.sum()).item()
         return out
 
     def train_step(self) -> tuple[float, float, bool]:
@@ -169,7 +170,7 @@ class Trainer:
         batches = []
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, self.cfg.model.mtp_depth))
+            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, self.cfg.model.mtp.depth))
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
@@ -255,6 +256,9 @@ class Trainer:
         out = Path(t.output_dir)
         resumed = self.try_resume() if cfg.checkpoint.resume else None
         logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=resumed is not None)
+        if cfg.checkpoint.resume and resumed is None:
+            logger.event(f"checkpoint.resume = true, but {ckpt.why_no_checkpoint(self.checkpoint_root())}: "
+                         "starting from step 0")
         if self.is_logger:
             (out / "config.toml").write_text(to_toml(cfg))
             self._banner(resumed)
@@ -325,14 +329,78 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def preflight(cfg: Config, world: int) -> None:
+    """Checks of this machine against the recipe, before any process group: ConfigError naming the problem.
+    (The recipe's own rules ran in load_config; these depend on the filesystem and the device.)"""
+    errors = []
+    for key, value in (("train.output_dir", cfg.train.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        clash = next((q for q in (Path(value), *Path(value).parents) if q.exists() and not q.is_dir()), None)
+        if value and clash is not None:
+            errors.append(f"{key}={value!r}: {clash} is a file, not a directory")
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        per_rank = torch.cuda.get_device_properties(device).total_memory
+    else:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_rank = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local_ranks, 1)
+    counts = param_counts(cfg.model)
+    n_params = counts["total"] + counts.get("mtp", 0)
+    need = n_params * (4 if cfg.precision.recipe == "fp32" else 2) / world  # parameters alone, perfectly sharded
+    if need > per_rank:
+        errors.append(f"the model has {n_params:.3g} parameters: even spread evenly over {world} rank(s) they need "
+                      f"{need / 2**30:,.1f} GiB per rank, more than the {per_rank / 2**30:,.1f} GiB this machine has per "
+                      f"rank ({device.type}); check model sizes or use more ranks")
+    if errors:
+        raise ConfigError(errors)
+
+
+def _recipe_error(exc: ConfigError, rank: int, world: int) -> int:
+    """Every rank found the same error before any process group: rank 0 prints it once, and every rank
+    leaves with status 2. torchrun stops the other ranks (SIGTERM) as soon as one exits, so under its
+    agent store the others first report that they wait with a SIGTERM handler that exits with 2, and
+    rank 0 prints and exits only then."""
+    store = _launcher_store(world)
+    if rank != 0:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+        if store is not None:
+            store.add("moe_lc/recipe_error_waiting", 1)
+        time.sleep(30.0 if store is not None else 3.0)  # ended by torchrun's SIGTERM once rank 0 has exited
+        return 2
+    if store is not None:
+        deadline = time.monotonic() + 60.0
+        while store.add("moe_lc/recipe_error_waiting", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _launcher_store(world: int):
+    """torchrun's agent TCPStore (a client of it), or None outside torchrun."""
+    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    try:
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                           is_master=False, timeout=timedelta(seconds=30))
+    except (KeyError, RuntimeError, ValueError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"moe_lc/attempt_{attempt}", store)
+
+
 def main(argv=None) -> int:
+    """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint, 3 stopped by the non-finite
+    guard. Every rank returns the same status; a recipe error (the same on every rank) is printed by rank 0."""
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.recipe, args.set, world_size=world)
+        if not args.print_config:
+            preflight(cfg, world)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _recipe_error(exc, rank, world)
     if args.print_config:
         print(to_toml(cfg, docs=args.docs))
         return 0
@@ -343,10 +411,10 @@ def main(argv=None) -> int:
             # rank that destroys its group while a peer still reads from it can abort the peer)
             torch.distributed.barrier()
     except (ConfigError, ckpt.CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {exc}", file=sys.stderr)
         return 2
     except FloatingPointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {exc}", file=sys.stderr)
         return 3
     finally:
         if torch.distributed.is_initialized():

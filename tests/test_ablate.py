@@ -16,12 +16,12 @@ TINY = ["train.steps=3", "train.seq_len=64", "train.global_batch=4", "train.micr
 
 
 def test_grid_parsing_and_run_names():
-    grid = parse_grid(["train.lr=1e-3,3e-3", "model.score_func=sigmoid,softmax"])
-    assert grid == [("train.lr", ["1e-3", "3e-3"]), ("model.score_func", ["sigmoid", "softmax"])]
+    grid = parse_grid(["train.lr=1e-3,3e-3", "model.moe.score_func=sigmoid,softmax"])
+    assert grid == [("train.lr", ["1e-3", "3e-3"]), ("model.moe.score_func", ["sigmoid", "softmax"])]
     combos = combinations(grid)
     assert [c.name for c in combos] == ["lr=1e-3__score_func=sigmoid", "lr=1e-3__score_func=softmax",
                                         "lr=3e-3__score_func=sigmoid", "lr=3e-3__score_func=softmax"]
-    assert combos[1].overrides() == ["train.lr=1e-3", "model.score_func=softmax"]
+    assert combos[1].overrides() == ["train.lr=1e-3", "model.moe.score_func=softmax"]
     assert split_values("[passkey],[passkey,variable_tracking]") == ["[passkey]", "[passkey,variable_tracking]"]
     # keys sharing their last component keep the full key in the name
     assert combinations(parse_grid(["model.dim=64", "x.dim=1"]))[0].name == "model.dim=64__x.dim=1"
@@ -40,7 +40,7 @@ def test_completeness_uses_the_last_record_of_each_step(tmp_path):
 def test_runs_every_combination_writes_reports_and_resumes(tmp_path):
     out = tmp_path / "abl"
     log = []
-    grid = parse_grid(["train.lr=1e-3,3e-3", "model.score_func=sigmoid,softmax"])
+    grid = parse_grid(["train.lr=1e-3,3e-3", "model.moe.score_func=sigmoid,softmax"])
     results = run_ablation(RECIPE, grid, TINY, out, echo=log.append)
     assert [r.status for r in results] == ["ok"] * 4, [r.error for r in results]
     assert all(r.steps == 3 and r.final_loss < r.losses[0][1] and r.tokens_per_s > 0 for r in results)
@@ -48,7 +48,7 @@ def test_runs_every_combination_writes_reports_and_resumes(tmp_path):
     assert [row["run"] for row in rows] == [r.combo.name for r in results]
     assert {row["train.lr"] for row in rows} == {"1e-3", "3e-3"} and all(row["status"] == "ok" for row in rows)
     md = (out / "results.md").read_text()
-    assert "| run | train.lr | model.score_func | status | steps | final_loss" in md
+    assert "| run | train.lr | model.moe.score_func | status | steps | final_loss" in md
     assert (out / "loss_curves.png").stat().st_size > 1000
     assert any(line.strip().startswith("step 3/3") for line in log)  # progress per run
     for r in results:  # each run had its own output directory

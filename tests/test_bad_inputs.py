@@ -45,37 +45,51 @@ CASES = [
      "parallel.pp_stage_layers=[1.5] must be a list of an integer"),
     # model rules
     ("kv-heads", lambda t: [RECIPE, *sets("model.n_kv_heads=3")], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
-    ("topk", lambda t: [RECIPE, *sets("model.topk=9")], 1, "model.topk=9 must lie in [1, n_routed_experts=8]"),
-    ("groups", lambda t: [RECIPE, *sets("model.n_groups=3")], 1, "model.n_groups=3 must divide model.n_routed_experts=8"),
-    ("topk-groups", lambda t: [RECIPE, *sets("model.topk_groups=5")], 1, "model.topk_groups=5 must lie in [1, n_groups=4]"),
+    ("topk", lambda t: [RECIPE, *sets("model.moe.topk=9")], 1, "model.moe.topk=9 must lie in [1, n_routed_experts=8]"),
+    ("groups", lambda t: [RECIPE, *sets("model.moe.n_groups=3")], 1, "model.moe.n_groups=3 must divide model.moe.n_routed_experts=8"),
+    ("topk-groups", lambda t: [RECIPE, *sets("model.moe.topk_groups=5")], 1, "model.moe.topk_groups=5 must lie in [1, n_groups=4]"),
     ("vocab-small", lambda t: [RECIPE, *sets("model.vocab_size=200")], 1, "model.vocab_size=200 must be >= 259"),
     ("rope-odd", lambda t: [RECIPE, *sets("model.n_heads=8", "model.n_kv_heads=8", "model.dim=120")], 1,
      "must be even for RoPE"),
-    ("yarn-factor", lambda t: [RECIPE, *sets("model.rope_scaling=yarn", "model.rope_factor=0.5")], 1,
-     "model.rope_factor=0.5 must be >= 1"),
-    ("mla-ranks", lambda t: [RECIPE, *sets("model.attention=mla")], 1, "model.kv_lora_rank=0 must be > 0"),
-    ("score-func", lambda t: [RECIPE, *sets("model.score_func=relu")], 1, "model.score_func='relu' must be one of"),
+    ("yarn-factor", lambda t: [RECIPE, *sets("model.rope.scaling=yarn", "model.rope.factor=0.5")], 1,
+     "model.rope.factor=0.5 must be >= 1"),
+    ("mla-ranks", lambda t: [RECIPE, *sets("model.attention=mla")], 1, "model.mla.kv_lora_rank=0 must be > 0"),
+    ("score-func", lambda t: [RECIPE, *sets("model.moe.score_func=relu")], 1, "model.moe.score_func='relu' must be one of"),
     # layouts
     ("world-mismatch", lambda t: [RECIPE, *sets("parallel.dp=3")], 4, "parallel.pp*dp*cp*tp=3 must equal the world size 4"),
     ("tp-heads", lambda t: [RECIPE, *sets("parallel.tp=3")], 3, "parallel.tp=3 must divide model.n_heads=4"),
     ("ep-divides", lambda t: [RECIPE, *sets("parallel.ep=3")], 4, "parallel.ep=3 must divide dp*cp*tp=4"),
-    ("ep-experts", lambda t: [RECIPE, *sets("parallel.ep=16")], 16, "parallel.ep=16 must divide model.n_routed_experts=8"),
+    ("ep-experts", lambda t: [RECIPE, *sets("parallel.ep=16")], 16, "parallel.ep=16 must divide model.moe.n_routed_experts=8"),
     ("cp-seq", lambda t: [RECIPE, *sets("parallel.cp=4", "train.seq_len=100")], 4, "train.seq_len=100 must be divisible by 8"),
     ("batch", lambda t: [RECIPE, *sets("train.global_batch=6")], 2, "train.global_batch=6 must be divisible by micro_batch*dp=8"),
     ("pp-layers", lambda t: [RECIPE, *sets("parallel.pp=8")], 8, "model.n_layers=4 is fewer than the 8 pipeline stages"),
     ("dualpipe-odd", lambda t: [RECIPE, *sets("parallel.pp=3", "parallel.pp_schedule=dualpipe", "model.n_layers=6")], 3,
      "dualpipe needs pp even"),
-    ("mtp-1f1b", lambda t: [RECIPE, *sets("parallel.pp=2", "model.mtp_depth=1")], 2, "needs pp_schedule 'dualpipe' or 'dualpipev'"),
+    ("mtp-1f1b", lambda t: [RECIPE, *sets("parallel.pp=2", "model.mtp.depth=1")], 2, "needs pp_schedule 'dualpipe' or 'dualpipev'"),
     ("ranks-per-node", lambda t: [RECIPE, *sets("parallel.ranks_per_node=3")], 4, "parallel.ranks_per_node=3 must divide the world size 4"),
     ("stage-layers", lambda t: [RECIPE, *sets("parallel.pp=2", "parallel.pp_stage_layers=[1,1]")], 2,
      "parallel.pp_stage_layers=[1, 1] must list 2 positive block counts summing to model.n_layers=4"),
-    ("node-groups", lambda t: [RECIPE, *sets("parallel.ep=4", "parallel.ranks_per_node=2", "model.n_groups=1",
-                                             "model.topk_groups=1")], 4, "must be a multiple of the 2 nodes"),
+    ("node-groups", lambda t: [RECIPE, *sets("parallel.ep=4", "parallel.ranks_per_node=2", "model.moe.n_groups=1",
+                                             "model.moe.topk_groups=1")], 4, "must be a multiple of the 2 nodes"),
     # training
     ("lr", lambda t: [RECIPE, *sets("train.lr=-1")], 1, "train.lr=-1.0 must be > 0"),
     ("warmup", lambda t: [RECIPE, *sets("train.warmup_steps=-1")], 1, "train.warmup_steps=-1 must be >= 0"),
     ("precision", lambda t: [RECIPE, *sets("precision.recipe=fp16")], 1, "precision.recipe='fp16' must be one of"),
     ("recompute", lambda t: [RECIPE, *sets("recompute.selective=norm,softmax")], 1, "recompute.selective='softmax' must be one of"),
+    ("zero-heads", lambda t: [RECIPE, *sets("model.n_heads=0")], 1, "model.n_heads=0 must be > 0"),
+    ("zero-dim", lambda t: [RECIPE, *sets("model.dim=0")], 1, "model.dim=0 must be > 0"),
+    ("zero-micro-batch", lambda t: [RECIPE, *sets("train.micro_batch=0")], 1, "train.micro_batch=0 must be > 0"),
+    ("negative-eps", lambda t: [RECIPE, *sets("train.eps=-1e-8")], 1, "train.eps=-1e-08 must be >= 0"),
+    ("nan-clip", lambda t: [RECIPE, *sets("train.grad_clip=nan")], 1, "train.grad_clip=nan must be a finite number"),
+    ("inf-lr", lambda t: [RECIPE, *sets("train.lr=inf")], 1, "train.lr=inf must be a finite number"),
+    ("inf-timeout", lambda t: [RECIPE, *sets("parallel.timeout_s=inf")], 1, "parallel.timeout_s=inf must be a finite"),
+    ("huge-int", lambda t: [RECIPE, *sets("model.dim=123456789012345678901")], 1, "is out of range"),
+    ("huge-model", lambda t: [RECIPE, *sets("model.dim=1000000000")], 1, "parameters: even spread evenly over 1 rank"),
+    ("recipe-is-dir", lambda t: [str(t)], 1, "is a directory, not a TOML file"),
+    ("recipe-not-utf8", lambda t: [_binary_file(t)], 1, "not UTF-8 text"),
+    ("output-dir-is-file", lambda t: [RECIPE, *sets(f"train.output_dir={_binary_file(t)}")], 1,
+     "is a file, not a directory"),
+    ("old-flat-key", lambda t: [RECIPE, *sets("model.rope_factor=4")], 1, "model.rope_factor moved to model.rope.factor"),
     # data
     ("tokens-no-path", lambda t: [RECIPE, *sets("data.source=tokens")], 1, "data.path is empty"),
     ("tokens-missing", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={t / 'none'}")], 1, "data:"),
@@ -94,6 +108,12 @@ CASES = [
     ("ckpt-missing-shard", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_checkpoint(t, drop_shard=True)}",
                                                            "checkpoint.resume=true")], 1, "cannot load"),
 ]
+
+
+def _binary_file(tmp: Path) -> str:
+    path = tmp / "binary.toml"
+    path.write_bytes(b"\xff\xfe[train]\n")
+    return str(path)
 
 
 def _token_file(tmp: Path, truncate: bool = False, tokenizer: str = "byte") -> Path:
@@ -133,7 +153,7 @@ def test_bad_input_gives_one_clear_error(case, tmp_path, capsys, monkeypatch):
     args = argv(tmp_path)
     capsys.readouterr()  # drop the output of fixtures that trained a model
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    code = main(args + ["--set", f"train.output_dir={tmp_path / 'out'}"])
+    code = main(args if any("output_dir" in a for a in args) else args + ["--set", f"train.output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: "), err

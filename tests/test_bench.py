@@ -173,7 +173,7 @@ def _matmul_params_by_hand(model_cfg) -> float:
     total = 0.0
     for name, m in model.named_modules():
         if isinstance(m, GroupedLinear):
-            total += m.weight.numel() * model_cfg.topk / model_cfg.n_routed_experts
+            total += m.weight.numel() * model_cfg.moe.topk / model_cfg.moe.n_routed_experts
         elif isinstance(m, Linear):
             total += m.weight.numel()
     return total
@@ -181,9 +181,9 @@ def _matmul_params_by_hand(model_cfg) -> float:
 
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_step_flops_by_hand(policy):
-    sets = ["model.dim=64", "model.n_layers=3", "model.n_dense_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.ffn_dim=96", "model.n_routed_experts=8", "model.topk=2", "model.n_groups=1",
-            "model.topk_groups=1", "model.moe_ffn_dim=32", "model.vocab_size=512", f"recompute.policy={policy}",
+    sets = ["model.dim=64", "model.n_layers=3", "model.moe.n_dense_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=96", "model.moe.n_routed_experts=8", "model.moe.topk=2", "model.moe.n_groups=1",
+            "model.moe.topk_groups=1", "model.moe.ffn_dim=32", "model.vocab_size=512", f"recompute.policy={policy}",
             "recompute.selective=norm,swiglu,attention"]
     cfg = load_config(ROOT / "recipes" / "debug_cpu.toml", sets)
     m, seq = cfg.model, 256

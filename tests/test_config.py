@@ -27,7 +27,7 @@ def test_every_shipped_recipe_validates(recipe):
 
 
 def test_printed_config_round_trips(tmp_path):
-    cfg = load_config(RECIPES / "debug_cpu.toml", ["train.lr=1e-3", "model.score_func=softmax"])
+    cfg = load_config(RECIPES / "debug_cpu.toml", ["train.lr=1e-3", "model.moe.score_func=softmax"])
     path = write(tmp_path, to_toml(cfg))
     assert load_config(path) == cfg
 
@@ -69,10 +69,10 @@ def test_unknown_keys_and_sections_suggest_the_right_name():
 
 def test_all_violations_reported_at_once_with_field_value_rule():
     errs = errors_of(RECIPES / "debug_cpu.toml", [
-        "parallel.tp=3", "model.topk=0", "train.lr=-1", "precision.recipe=fp16", "train.micro_batch=5"])
+        "parallel.tp=3", "model.moe.topk=0", "train.lr=-1", "precision.recipe=fp16", "train.micro_batch=5"])
     joined = "\n".join(errs)
     assert "parallel.tp=3 must divide model.n_heads=4" in joined
-    assert "model.topk=0 must lie in [1, n_routed_experts=8]" in joined
+    assert "model.moe.topk=0 must lie in [1, n_routed_experts=8]" in joined
     assert "train.lr=-1.0 must be > 0" in joined
     assert "precision.recipe='fp16' must be one of 'fp32', 'bf16', 'fp8'" in joined
     assert "train.micro_batch=5 must divide train.global_batch=16" in joined
@@ -83,16 +83,16 @@ def test_all_violations_reported_at_once_with_field_value_rule():
     (["parallel.dp=3"], 4, "parallel.pp*dp*cp*tp=3 must equal the world size 4"),
     (["parallel.tp=3"], 4, "parallel.pp*cp*tp=3 must divide the world size"),
     (["parallel.ep=3"], 4, "parallel.ep=3 must divide dp*cp*tp=4"),
-    (["parallel.ep=16"], 16, "parallel.ep=16 must divide model.n_routed_experts=8"),
+    (["parallel.ep=16"], 16, "parallel.ep=16 must divide model.moe.n_routed_experts=8"),
     (["parallel.cp=2", "train.seq_len=130"], 2, "train.seq_len=130 must be divisible by 4"),
     (["train.global_batch=12"], 8, "train.global_batch=12 must be divisible by micro_batch*dp=32"),
     (["parallel.pp=8"], 8, "model.n_layers=4 is fewer than the 8 pipeline stages"),
-    (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_groups=1", "model.topk_groups=1"], 4,
-     "model.n_groups=1 must be a multiple of the 2 nodes"),
+    (["parallel.ep=4", "parallel.ranks_per_node=2", "model.moe.n_groups=1", "model.moe.topk_groups=1"], 4,
+     "model.moe.n_groups=1 must be a multiple of the 2 nodes"),
     (["parallel.ranks_per_node=3"], 4, "parallel.ranks_per_node=3 must divide the world size 4"),
     (["parallel.microbatches=3"], 1, "parallel.microbatches=3 must equal global_batch/(micro_batch*dp)=4"),
     (["model.n_kv_heads=3"], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
-    (["model.n_groups=3"], 1, "model.n_groups=3 must divide model.n_routed_experts=8"),
+    (["model.moe.n_groups=3"], 1, "model.moe.n_groups=3 must divide model.moe.n_routed_experts=8"),
     (["model.vocab_size=200"], 1, "model.vocab_size=200 must be >= 259 for the byte tokenizer"),
 ])
 def test_layout_rules(overrides, world, message):
@@ -125,3 +125,37 @@ def test_bad_set_syntax():
 
 def test_default_config_is_valid():
     validate(Config())
+
+
+def test_registries_implement_exactly_the_recipe_choices():
+    """Each Literal choice type of moe_lc.config.choices is the key set of the registry that implements
+    it, so a name can be neither accepted without an implementation nor implemented without a name."""
+    from moe_lc.config import choices
+    from moe_lc.data.synthetic import TASKS
+    from moe_lc.lr_schedule import SCHEDULES
+    from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS
+    from moe_lc.ops import attention, fp8_linear
+    from moe_lc.parallel.expert import DISPATCHERS
+    from moe_lc.parallel.pipeline.schedules import BUILDERS
+
+    pairs = {
+        "AttnBackend": set(attention._BACKEND_CLASSES) | {"auto"},
+        "PPSchedule": set(BUILDERS),
+        "ExpertDispatch": set(DISPATCHERS),
+        "LrSchedule": set(SCHEDULES),
+        "SyntheticTask": set(TASKS),
+        "Fp8Scaling": set(fp8_linear.SCALINGS),
+        "Fp8Backend": set(fp8_linear.BACKENDS),
+        "RecomputePolicy": set(POLICIES),
+        "RecomputeItem": set(SELECTIVE_ITEMS),
+    }
+    for name, registry in pairs.items():
+        assert registry == set(choices.names(getattr(choices, name))), name
+
+
+def test_docs_list_every_choice_and_nested_table():
+    text = to_toml(load_config(RECIPES / "debug_cpu.toml"), docs=True)
+    for table in ("[model]", "[model.moe]", "[model.rope]", "[model.mla]", "[model.mtp]", "[parallel]", "[data]"):
+        assert table in text
+    assert "auto | reference | torch | flash_attn | flash_attn4" in text
+    assert "gpipe | 1f1b | interleaved_1f1b | zbh1 | dualpipe | dualpipev" in text

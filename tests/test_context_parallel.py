@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lc.config import ModelConfig, ParallelConfig, load_config
+from moe_lc.config import ConfigError, ParallelConfig, load_config, model_config
 from moe_lc.model.transformer import build_model
 from moe_lc.ops.attention import AttentionBackend, attention_with_lse, get_backend
 from moe_lc.parallel.comm import Group
@@ -93,17 +93,16 @@ def test_zigzag_balances_attention_work_and_contiguous_split_does_not(cp):
 
 
 def test_cp_refuses_sequence_aux_loss_and_swaps_every_attention_core():
-    model = build_model(ModelConfig(attn_backend="reference", aux_loss_weight=1e-4), seed=0)
-    with pytest.raises(NotImplementedError, match="aux_loss_weight"):
-        apply_context_parallel(model, fake_dims(2, 0))
-    model = apply_context_parallel(build_model(ModelConfig(attn_backend="reference"), seed=0), fake_dims(2, 0))
+    with pytest.raises(ConfigError, match="aux_loss_weight=0.0001 with parallel.cp=2 is not supported"):
+        load_config(RECIPES / "debug_cpu.toml", ["parallel.cp=2", "model.moe.aux_loss_weight=1e-4"], world_size=2)
+    model = apply_context_parallel(build_model(model_config(attn_backend="reference"), seed=0), fake_dims(2, 0))
     cores = [layer.attn.core for layer in model.layers.values()]
     assert all(type(c).__name__ == "RingAttention" and c.backend_name == "reference" for c in cores)
 
 
 def test_128k_recipe_validates():
     cfg = load_config(ROOT / "recipes" / "moe16b_128k.toml", world_size=64)
-    assert (cfg.parallel.cp, cfg.train.seq_len, cfg.model.rope_scaling) == (8, 131072, "yarn")
+    assert (cfg.parallel.cp, cfg.train.seq_len, cfg.model.rope.scaling) == (8, 131072, "yarn")
     assert cfg.train.seq_len % (2 * cfg.parallel.cp * cfg.parallel.tp) == 0
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lc.config import ModelConfig, ParallelConfig
+from moe_lc.config import model_config, ParallelConfig
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.expert import ExpertTopology
 from tests.harness import FAST, RECIPES, assert_equivalent, reference, run_layout, run_workers
@@ -43,7 +43,7 @@ def test_topology_nodes_forwarders_and_group_mapping():
 
 # -- dispatch + experts + combine vs one device ------------------------------------------------------
 def _model_cfg(E, K, G, TG, D=32, F=24):
-    return ModelConfig(dim=D, n_heads=2, n_kv_heads=1, n_layers=2, n_dense_layers=1, n_routed_experts=E,
+    return model_config(dim=D, n_heads=2, n_kv_heads=1, n_layers=2, n_dense_layers=1, n_routed_experts=E,
                        n_shared_experts=0, moe_ffn_dim=F, topk=K, n_groups=G, topk_groups=TG)
 
 
@@ -314,7 +314,7 @@ def _skewed_bias_worker(rank, world, overrides, embed_skew=0.15, gate_skew=0.15)
 def test_skewed_router_is_balanced_by_bias_and_every_replica_holds_the_same_bias(tmp_path):
     """ep=4 over 2 nodes, hierarchical dispatch, 2 micro-batches per rank, tiny lr (the bias does the work)."""
     steps = 12
-    overrides = BASE + [f"train.steps={steps}", "train.lr=1e-5", "model.bias_update_speed=0.02",
+    overrides = BASE + [f"train.steps={steps}", "train.lr=1e-5", "model.moe.bias_update_speed=0.02",
                         "parallel.ep=4", "parallel.expert_dispatch=hierarchical", f"train.output_dir={tmp_path}"]
     results = run_workers(_skewed_bias_worker, 4, overrides, ranks_per_node=2)
     biases = [r["biases"] for r in results]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_lc.config import ModelConfig, load_config
+from moe_lc.config import model_config, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.rope import RotaryEmbedding, apply_rope, yarn_mscale
@@ -20,7 +20,7 @@ def mla_cfg(**kw):
     base = dict(dim=64, n_heads=4, n_kv_heads=4, attention="mla", q_lora_rank=48, kv_lora_rank=32,
                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, attn_backend="reference")
     base.update(kw)
-    return ModelConfig(**base)
+    return model_config(**base)
 
 
 def init(module, seed=0):
@@ -65,7 +65,7 @@ def test_mla_matches_naive_reference_forward_and_backward(q_lora_rank):
     torch.manual_seed(0)
     cfg = mla_cfg(q_lora_rank=q_lora_rank)
     m = init(MLAttention(cfg))
-    rope = RotaryEmbedding(cfg.qk_rope_head_dim, 10000.0)
+    rope = RotaryEmbedding(cfg.mla.qk_rope_head_dim, 10000.0)
     cos, sin = rope(torch.arange(12))
     x = torch.randn(2, 12, cfg.dim, requires_grad=True)
     out = m(x, cos, sin)
@@ -86,13 +86,13 @@ def test_decompressed_equals_absorbed_latent_form():
     torch.manual_seed(0)
     cfg = mla_cfg()
     m = init(MLAttention(cfg))
-    S, H, Dn, Dr, Dv, C = 10, cfg.n_heads, 16, 8, 24, cfg.kv_lora_rank
+    S, H, Dn, Dr, Dv, C = 10, cfg.n_heads, 16, 8, 24, cfg.mla.kv_lora_rank
     cos, sin = RotaryEmbedding(Dr, 10000.0)(torch.arange(S))
     x = torch.randn(1, S, cfg.dim)
     with torch.no_grad():
         want = m(x, cos, sin)
         a = x @ m.wa.weight.t()
-        c_q, c_kv, k_r = a.split([cfg.q_lora_rank, C, Dr], -1)
+        c_q, c_kv, k_r = a.split([cfg.mla.q_lora_rank, C, Dr], -1)
         q = (rms(c_q, m.q_norm.weight) @ m.wq_b.weight.t()).view(1, S, H, Dn + Dr)
         q_nope, q_r = q[..., :Dn], apply_rope(q[..., Dn:], cos, sin)
         latent = rms(c_kv, m.kv_norm.weight)  # (1, S, C): the only thing an inference cache keeps
@@ -119,7 +119,7 @@ def deepseek(**kw):
     base = dict(attention="mla", n_kv_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                 kv_lora_rank=512, score_func="sigmoid")
     base.update(kw)
-    return ModelConfig(**base)
+    return model_config(**base)
 
 
 @pytest.mark.parametrize("name, cfg, total, activated, tol", [
@@ -141,8 +141,8 @@ def test_parameter_counts_match_published_figures(name, cfg, total, activated, t
     assert abs(counts["activated"] - activated) / activated < tol, counts["activated"]
 
 
-MLA = ["model.attention=mla", "model.q_lora_rank=48", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
-       "model.qk_rope_head_dim=8", "model.v_head_dim=24"]
+MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=24"]
 TRAIN = ["train.steps=5", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.warmup_steps=2"]
 
 
@@ -153,7 +153,7 @@ def test_mla_parallel_layouts_match_one_device(layout, world):
     (heads split, one latent gather), the zig-zag ring, and both together."""
     from tests.harness import assert_equivalent, reference, run_layout
 
-    overrides = TRAIN + MLA[:-1] + ["model.v_head_dim=20"]  # Dqk = 24, Dv = 20
+    overrides = TRAIN + MLA[:-1] + ["model.mla.v_head_dim=20"]  # Dqk = 24, Dv = 20
     ref = reference(RECIPES / "debug_cpu.toml", overrides)
     got = run_layout(RECIPES / "debug_cpu.toml", overrides + layout, world=world)
     report = assert_equivalent(ref, got, rtol=1e-5)
@@ -163,7 +163,7 @@ def test_mla_parallel_layouts_match_one_device(layout, world):
 def test_mla_and_mtp_under_tp():
     from tests.harness import assert_equivalent, reference, run_layout
 
-    overrides = TRAIN + MLA + ["model.mtp_depth=1"]
+    overrides = TRAIN + MLA + ["model.mtp.depth=1"]
     ref = reference(RECIPES / "debug_cpu.toml", overrides)
     got = run_layout(RECIPES / "debug_cpu.toml", overrides + ["parallel.tp=2"], world=2)
     assert_equivalent(ref, got, rtol=1e-5)

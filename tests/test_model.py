@@ -147,7 +147,7 @@ def test_param_counter_matches_meta_model(recipe):
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     assert counts["routed_experts"] == routed
     embedding = model.embed.weight.numel()
-    assert counts["activated"] == counts["total"] - embedding - routed + routed * cfg.topk // max(cfg.n_routed_experts, 1)
+    assert counts["activated"] == counts["total"] - embedding - routed + routed * cfg.moe.topk // max(cfg.moe.n_routed_experts, 1)
 
 
 def test_flops_counter_matches_traced_matmuls():

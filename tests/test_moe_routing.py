@@ -2,7 +2,7 @@
 
 import torch
 
-from moe_lc.config import ModelConfig
+from moe_lc.config import model_config
 from moe_lc.model.moe import MoE, LocalDispatcher, Router, route, sequence_aux_loss
 
 
@@ -10,7 +10,7 @@ def cfg(**kw):
     base = dict(dim=32, n_heads=2, n_kv_heads=1, n_layers=2, n_dense_layers=1, n_routed_experts=16,
                 n_shared_experts=1, moe_ffn_dim=24, topk=4, n_groups=4, topk_groups=2, bias_update_speed=0.01)
     base.update(kw)
-    return ModelConfig(**base)
+    return model_config(**base)
 
 
 def test_route_keeps_every_token_within_topk_groups():
@@ -115,7 +115,7 @@ def test_moe_matches_naive_expert_loop_and_backprops():
     ref = []
     for t in range(xt.shape[0]):
         acc = moe.shared(xt[t:t + 1])[0]
-        for k in range(c.topk):
+        for k in range(c.moe.topk):
             e = idx[t, k]
             h = xt[t] @ moe.experts.w13.weight[e].t()
             g, u = h.chunk(2)

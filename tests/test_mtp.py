@@ -28,14 +28,14 @@ def test_targets_on_a_hand_built_sequence():
 
 
 def tiny(depth=2, **kw):
-    overrides = [f"model.mtp_depth={depth}", "model.n_layers=2", "model.attn_backend=reference"]
+    overrides = [f"model.mtp.depth={depth}", "model.n_layers=2", "model.attn_backend=reference"]
     overrides += [f"model.{k}={v}" for k, v in kw.items()]
     return build_model(load_config(RECIPE, overrides).model, seed=0)
 
 
 def test_loss_is_main_plus_weighted_depth_losses():
     torch.manual_seed(0)
-    model = tiny(depth=2, mtp_loss_weight=0.5)
+    model = tiny(depth=2, **{"mtp.loss_weight": 0.5})
     tokens = torch.randint(0, 259, (2, 9))
     targets = mtp_targets(tokens, None, 2)
     main = model(tokens[:, :-1], labels=tokens[:, 1:])
@@ -86,7 +86,7 @@ def test_depth_losses_see_no_token_beyond_their_target():
 
 
 def test_mtp_trains_on_the_debug_recipe(tmp_path):
-    result = run(load_config(RECIPE, ["model.mtp_depth=1", "train.steps=12", "train.seq_len=64", "train.global_batch=8",
+    result = run(load_config(RECIPE, ["model.mtp.depth=1", "train.steps=12", "train.seq_len=64", "train.global_batch=8",
                                       "train.warmup_steps=3", f"train.output_dir={tmp_path}", "train.log_interval=100"]))
     assert result.losses[-1] < 0.8 * result.losses[0]
     import json
@@ -99,7 +99,7 @@ def test_mtp_trains_on_the_debug_recipe(tmp_path):
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
 def test_mtp_under_pp2_matches_one_device(schedule):
     base = ["train.steps=3", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
-            "train.micro_batch=1", "model.mtp_depth=1"]
+            "train.micro_batch=1", "model.mtp.depth=1"]
     ref = reference(RECIPE, base)
     got = run_layout(RECIPE, base + ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], world=2)
     assert_equivalent(ref, got, rtol=1e-5)
@@ -109,4 +109,4 @@ def test_mtp_with_1f1b_pipeline_is_refused():
     from moe_lc.config import ConfigError
 
     with pytest.raises(ConfigError, match="needs pp_schedule 'dualpipe' or 'dualpipev'"):
-        load_config(RECIPE, ["model.mtp_depth=1", "parallel.pp=2"], world_size=2)
+        load_config(RECIPE, ["model.mtp.depth=1", "parallel.pp=2"], world_size=2)

@@ -83,15 +83,15 @@ def test_zero_layout_matches_the_optimizer_built_in_process(n, bucket_mb, moment
     assert rank.memory["grads"] == sum(s.grad_buffer.numel() * 4 for s in opt.shards)
 
 
-MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
-       "model.v_head_dim=16"]
+MLA = ["model.attention=mla", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
+       "model.mla.v_head_dim=16"]
 FORMULA_CASES = {
     "gqa-fp32": [], "gqa-bf16": ["precision.recipe=bf16"],
-    "softmax-aux-B1": ["model.score_func=softmax", "model.aux_loss_weight=0.01", "train.micro_batch=1"],
+    "softmax-aux-B1": ["model.moe.score_func=softmax", "model.moe.aux_loss_weight=0.01", "train.micro_batch=1"],
     "masked-data": ["data.source=synthetic", "train.seq_len=128"],
-    "mla": MLA, "mla-qlora-bf16": MLA + ["model.q_lora_rank=48", "precision.recipe=bf16"],
-    "mla-dv-ne-dqk": MLA + ["model.qk_nope_head_dim=8"],
-    "mtp1": ["model.mtp_depth=1"], "mtp2-mla-bf16-B1": MLA + ["model.mtp_depth=2", "precision.recipe=bf16",
+    "mla": MLA, "mla-qlora-bf16": MLA + ["model.mla.q_lora_rank=48", "precision.recipe=bf16"],
+    "mla-dv-ne-dqk": MLA + ["model.mla.qk_nope_head_dim=8"],
+    "mtp1": ["model.mtp.depth=1"], "mtp2-mla-bf16-B1": MLA + ["model.mtp.depth=2", "precision.recipe=bf16",
                                                                "train.micro_batch=1"],
 }
 
@@ -103,7 +103,7 @@ def test_saved_activations_match_the_formula_in_process(overrides):
     B, S = cfg.train.micro_batch, cfg.train.seq_len
     tokens = torch.randint(0, 259, (B, S + 1))
     mask = torch.ones(B, S) if cfg.data.source == "synthetic" else None
-    mtp = mtp_targets(tokens, mask, cfg.model.mtp_depth) if cfg.model.mtp_depth else None
+    mtp = mtp_targets(tokens, mask, cfg.model.mtp.depth) if cfg.model.mtp.depth else None
     measured = measure_saved_bytes(model, lambda: model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mask, mtp=mtp))
     est = estimate(cfg.model, B, S, 4 if cfg.precision.recipe == "fp32" else 2, loss_mask=mask is not None)
     for i, predicted in est.layers.items():
@@ -144,7 +144,7 @@ def test_saved_activations_fall_per_layer_by_what_the_planner_predicts(policy, s
 # for that dim has been checked (today they are formulas; see tools/plan_layout.py).
 LAYOUTS = [
     ("single", 1, ["train.micro_batch=4"]),
-    ("dp2-mla-mtp", 2, ["parallel.dp=2", "train.micro_batch=2", *MLA, "model.mtp_depth=1"]),
+    ("dp2-mla-mtp", 2, ["parallel.dp=2", "train.micro_batch=2", *MLA, "model.mtp.depth=1"]),
     ("dp4", 4, ["parallel.dp=4", "train.micro_batch=1"]),
     ("dp3-padded-bf16-synthetic", 3, ["parallel.dp=3", "train.global_batch=6", "train.micro_batch=1",
                                       "parallel.zero_bucket_mb=0.05", "precision.recipe=bf16",
@@ -159,7 +159,7 @@ def _measure_activations(rank, world, recipe, overrides):
 
     trainer = Trainer(load_config(recipe, overrides, world_size=world))
     mb = trainer.loader.next_step()[0]
-    batch = prepare_batch(mb["tokens"], mb["loss_mask"], trainer.dims, trainer.cfg.model.mtp_depth)
+    batch = prepare_batch(mb["tokens"], mb["loss_mask"], trainer.dims, trainer.cfg.model.mtp.depth)
     model = trainer.model
     return measure_saved_bytes(model, lambda: model(batch["inputs"], positions=batch["positions"],
                                                     labels=batch["labels"], loss_mask=batch["loss_mask"],

@@ -96,7 +96,7 @@ def test_external_sigkill_during_save_never_damages_committed_checkpoints(tmp_pa
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_lc.train", str(RECIPE), "--set", f"train.output_dir={out}",
            "--set", "train.steps=40", "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=0",
-           "--set", "model.dim=256", "--set", "model.ffn_dim=1024", "--set", "model.moe_ffn_dim=256"]
+           "--set", "model.dim=256", "--set", "model.ffn_dim=1024", "--set", "model.moe.ffn_dim=256"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts = out / "checkpoints"
     deadline = time.monotonic() + 300
@@ -109,7 +109,7 @@ def test_external_sigkill_during_save_never_damages_committed_checkpoints(tmp_pa
     newest = latest_checkpoint(ckpts)
     assert newest is not None
     resumed = train_cli(out, "train.steps=40", "checkpoint.interval=2", "model.dim=256", "model.ffn_dim=1024",
-                        "model.moe_ffn_dim=256", "checkpoint.resume=true", "train.seq_len=128",
+                        "model.moe.ffn_dim=256", "checkpoint.resume=true", "train.seq_len=128",
                         "train.global_batch=16", "train.micro_batch=4", "train.warmup_steps=20")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {newest}" in resumed.stdout

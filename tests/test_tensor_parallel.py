@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moe_lc.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from moe_lc.config import ConfigError, model_config, ParallelConfig, load_config
 from moe_lc.parallel.comm import Group
 from tests.harness import RECIPES, compare, reference, run_layout, run_workers
 
@@ -82,7 +82,7 @@ def _unit_worker(rank, world):
     from moe_lc.parallel.parallelize import parallelize
     from moe_lc.parallel.placement import gather_full
 
-    cfg = ModelConfig(**SMALL)
+    cfg = model_config(**SMALL)
     dims = ParallelDims.from_config(ParallelConfig(tp=world), world, rank)
     dims.init_groups()
     out = {"layers": _layer_check(dims["tp"], rank, world)}
@@ -164,9 +164,9 @@ def test_counted_traffic_matches_formula(unit):
     plus the embedding (reduce-scatter fwd / all-gather bwd), the head (all-gather fwd /
     reduce-scatter bwd), the loss (2 all-reduces: max of B*S, sum of 2*B*S fp32) and, with the
     kv head replicated, one all-reduce of the kv rows' gradient per block in "tp_kv"."""
-    cfg, N = ModelConfig(**SMALL), 2
+    cfg, N = model_config(**SMALL), 2
     # column/row pairs per block: attention, plus the dense FFN or the MoE shared experts
-    pairs = sum(1 + (i < cfg.n_dense_layers or cfg.n_shared_experts > 0) for i in range(cfg.n_layers))
+    pairs = sum(1 + (i < cfg.moe.n_dense_layers or cfg.moe.n_shared_experts > 0) for i in range(cfg.n_layers))
     act = (N - 1) * B * S * cfg.dim * 8 // N  # ring bytes of one fp64 (B, S, D) gather / scatter
     loss_stats = 2 * (N - 1) * (B * S * 4 + 2 * B * S * 4) // N
     share = N // cfg.n_kv_heads
@@ -196,23 +196,12 @@ def test_vocab_parallel_loss_holds_only_a_vocab_shard_of_logits(unit):
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ConfigError) as info:
         load_config(RECIPES / "debug_cpu.toml", ["parallel.tp=3", "train.seq_len=66", "train.global_batch=3",
-                                                 "train.micro_batch=1"], world_size=3)
+                                                 "train.micro_batch=1", "model.n_kv_heads=2"], world_size=3)
     assert "parallel.tp=3 must divide model.n_heads=4" in str(info.value)
     assert "parallel.tp=3 must divide model.vocab_size=512" in str(info.value)
-
-    from moe_lc.model.transformer import build_model
-    from moe_lc.parallel.mesh import ParallelDims
-    from moe_lc.parallel.tensor import apply_tensor_parallel
-
-    dims = ParallelDims.from_config(ParallelConfig(tp=3), 3)  # checked before any group is used
-    model = build_model(ModelConfig(**{**SMALL, "n_kv_heads": 2}))
-    with pytest.raises(ValueError, match=r"tp=3 must divide model.n_heads=4.*one must divide the other.*"
-                                         r"tp=3 must divide model.vocab_size=128"):
-        apply_tensor_parallel(model, dims)
-    dims = ParallelDims.from_config(ParallelConfig(tp=2), 2)
-    model = build_model(ModelConfig(**{**SMALL, "aux_loss_weight": 1e-4}))
-    with pytest.raises(ValueError, match="aux_loss_weight=0.0001 with parallel.tp=2 is not supported"):
-        apply_tensor_parallel(model, dims)
+    assert "parallel.tp=3 and model.n_kv_heads=2: one must divide the other" in str(info.value)
+    with pytest.raises(ConfigError, match="aux_loss_weight=0.0001 with parallel.tp=2 is not supported"):
+        load_config(RECIPES / "debug_cpu.toml", ["parallel.tp=2", "model.moe.aux_loss_weight=1e-4"], world_size=2)
 
 
 def test_sequence_not_divisible_by_tp_is_a_clear_error():

@@ -70,11 +70,40 @@ def cli(*args, cwd=ROOT):
 def test_cli_print_config_and_errors(tmp_path):
     out = cli(str(RECIPE), "--print-config", "--set", "train.lr=0.01")
     assert out.returncode == 0 and "lr = 0.01" in out.stdout
-    bad = cli(str(RECIPE), "--set", "parallel.tp=3", "--set", "model.topk=99")
+    bad = cli(str(RECIPE), "--set", "parallel.tp=3", "--set", "model.moe.topk=99")
     assert bad.returncode == 2
     assert "parallel.tp=3 must divide model.n_heads=4" in bad.stderr
-    assert "model.topk=99 must lie in [1, n_routed_experts=8]" in bad.stderr
+    assert "model.moe.topk=99 must lie in [1, n_routed_experts=8]" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_bad_recipe_under_torchrun_is_reported_once(tmp_path):
+    """Every rank finds the same recipe error before any process group: rank 0 prints it, all exit with 2."""
+    out = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "moe_lc.train", str(RECIPE),
+                          "--set", "parallel.tp=3", "--set", f"train.output_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.count("parallel.tp=3 must divide model.n_heads=4") == 1, out.stderr[-3000:]
+    assert out.stderr.count("error: invalid recipe") == 1
+    assert out.stderr.count("exitcode  : 2") == 4, out.stderr[-3000:]  # torchrun's report: every rank left with 2
+
+
+def test_old_flat_model_keys_name_their_new_place(tmp_path):
+    recipe = tmp_path / "old.toml"
+    recipe.write_text('extends = "%s"\n[model]\nrope_factor = 4.0\nn_routed_experts = 8\n' % RECIPE.as_posix())
+    bad = cli(str(recipe), "--set", "model.topk=3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "model.rope_factor moved to model.rope.factor: write it as `factor = ...` under [model.rope]" in bad.stderr
+    assert "model.n_routed_experts moved to model.moe.n_routed_experts" in bad.stderr
+    assert "model.topk moved to model.moe.topk" in bad.stderr
+
+
+def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path):
+    out = cli(str(RECIPE), *sum((["--set", s] for s in SMALL), []), "--set", "train.steps=1",
+              "--set", "checkpoint.resume=true", "--set", f"checkpoint.dir={tmp_path}/typo",
+              "--set", f"train.output_dir={tmp_path}/run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"checkpoint.resume = true, but {tmp_path}/typo does not exist: starting from step 0" in out.stdout
 
 
 def test_debug_recipe_learns_within_budget(tmp_path):

@@ -81,7 +81,7 @@ def test_uneven_sharding_pads_each_bucket():
 
 def _overlap_worker(rank, world):
     """Record when gradient buckets are launched relative to the end of backward."""
-    from moe_lc.config import ModelConfig, ParallelConfig
+    from moe_lc.config import model_config, ParallelConfig
     from moe_lc.model.transformer import build_model
     from moe_lc.parallel import comm
     from moe_lc.parallel.mesh import ParallelDims
@@ -90,7 +90,7 @@ def _overlap_worker(rank, world):
 
     d = ParallelDims.from_config(ParallelConfig(), world, rank)
     d.init_groups()
-    model = parallelize(build_model(ModelConfig(attn_backend="reference"), seed=0), d)
+    model = parallelize(build_model(model_config(attn_backend="reference"), seed=0), d)
     opt = ZeroAdamW(zero_param_groups(model, d), d["world"], bucket_mb=0.05)
     events = []
     real = comm.reduce_scatter

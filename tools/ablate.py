@@ -166,7 +166,7 @@ def _error_line(log: str) -> str:
     torchrun's ChildFailedError summary), else the last line."""
     lines = [ln.rstrip() for ln in log.splitlines() if ln.strip()]
     for i, ln in enumerate(lines):
-        if ln.startswith("error:"):
+        if re.match(r"error( \(rank \d+\))?:", ln):  # "error (rank 3): ..." after the process group exists
             rules = [x.strip()[2:] for x in lines[i + 1:] if x.strip().startswith("- ")]
             return " / ".join(rules) if rules else ln
     for ln in lines:

@@ -70,26 +70,26 @@ def _attention_shapes(m: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]
     if m.attention != "mla":
         Dh, K = m.head_size, m.n_kv_heads
         return [(p + "attn.wqkv.weight", ((H + 2 * K) * Dh, D)), (p + "attn.wo.weight", (D, H * Dh))]
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    out = [(p + "attn.wa.weight", (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim, D))]
-    if m.q_lora_rank:
-        out += [(p + "attn.q_norm.weight", (m.q_lora_rank,)), (p + "attn.wq_b.weight", (H * qk, m.q_lora_rank))]
+    qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+    out = [(p + "attn.wa.weight", (m.mla.q_lora_rank + m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, D))]
+    if m.mla.q_lora_rank:
+        out += [(p + "attn.q_norm.weight", (m.mla.q_lora_rank,)), (p + "attn.wq_b.weight", (H * qk, m.mla.q_lora_rank))]
     else:
         out += [(p + "attn.wq.weight", (H * qk, D))]
-    return out + [(p + "attn.kv_norm.weight", (m.kv_lora_rank,)),
-                  (p + "attn.wkv_b.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
-                  (p + "attn.wo.weight", (D, H * m.v_head_dim))]
+    return out + [(p + "attn.kv_norm.weight", (m.mla.kv_lora_rank,)),
+                  (p + "attn.wkv_b.weight", (H * (m.mla.qk_nope_head_dim + m.mla.v_head_dim), m.mla.kv_lora_rank)),
+                  (p + "attn.wo.weight", (D, H * m.mla.v_head_dim))]
 
 
 def _block_shapes(m: ModelConfig, layer_id: int, p: str) -> list[tuple[str, tuple[int, ...]]]:
     D = m.dim
     out = [(p + "attn_norm.weight", (D,)), *_attention_shapes(m, p), (p + "ffn_norm.weight", (D,))]
-    if m.n_routed_experts > 0 and layer_id >= m.n_dense_layers:
-        E, F = m.n_routed_experts, m.moe_ffn_dim
+    if m.moe.n_routed_experts > 0 and layer_id >= m.moe.n_dense_layers:
+        E, F = m.moe.n_routed_experts, m.moe.ffn_dim
         out += [(p + "ffn.router.gate.weight", (E, D)), (p + "ffn.experts.w13.weight", (E, 2 * F, D)),
                 (p + "ffn.experts.w2.weight", (E, D, F))]
-        if m.n_shared_experts:
-            Fs = m.n_shared_experts * F
+        if m.moe.n_shared_experts:
+            Fs = m.moe.n_shared_experts * F
             out += [(p + "ffn.shared.w13.weight", (2 * Fs, D)), (p + "ffn.shared.w2.weight", (D, Fs))]
         return out
     return out + [(p + "ffn.w13.weight", (2 * m.ffn_dim, D)), (p + "ffn.w2.weight", (D, m.ffn_dim))]
@@ -104,7 +104,7 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(m.n_layers):
         out += _block_shapes(m, i, f"layers.{i}.")
     out += [("norm.weight", (D,)), ("head.weight", (m.vocab_size, D))]
-    for d in range(m.mtp_depth):
+    for d in range(m.mtp.depth):
         p = f"mtp.{d}."
         out += [(p + "hnorm.weight", (D,)), (p + "enorm.weight", (D,)), (p + "eh_proj.weight", (D, 2 * D)),
                 *_block_shapes(m, m.n_layers + d, p + "block."), (p + "norm.weight", (D,))]
@@ -207,18 +207,18 @@ def trainer_traffic(cfg: Config, deg: Degrees, stages: list[dict]) -> list[Traff
     if masked:
         out.append(Traffic("dp", "all_reduce", ring_bytes("all_reduce", 8, deg.dp), "step token count (fp64)"))
     m = cfg.model
-    if m.mtp_depth:
-        out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8 * m.mtp_depth, deg.world),
-                           f"MTP loss sums ({m.mtp_depth} fp64)"))
+    if m.mtp.depth:
+        out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8 * m.mtp.depth, deg.world),
+                           f"MTP loss sums ({m.mtp.depth} fp64)"))
     for what in ("loss sum (fp64)", "grad-norm square sum (fp64)"):
         out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8, deg.world), what))
-    n_moe = sum(1 for st in stages for i in st["layers"] if m.n_routed_experts and i >= m.n_dense_layers)
-    if m.n_routed_experts and any(st["last"] for st in stages):  # MTP blocks are MoE blocks too
-        n_moe += sum(1 for d in range(m.mtp_depth) if m.n_layers + d >= m.n_dense_layers)
+    n_moe = sum(1 for st in stages for i in st["layers"] if m.moe.n_routed_experts and i >= m.moe.n_dense_layers)
+    if m.moe.n_routed_experts and any(st["last"] for st in stages):  # MTP blocks are MoE blocks too
+        n_moe += sum(1 for d in range(m.mtp.depth) if m.n_layers + d >= m.moe.n_dense_layers)
     if n_moe:
-        loads = 4 * n_moe * m.n_routed_experts
+        loads = 4 * n_moe * m.moe.n_routed_experts
         out.append(Traffic("dp_cp_tp", "all_reduce", ring_bytes("all_reduce", loads, deg.group_size("dp_cp_tp")),
-                           f"expert loads ({n_moe} MoE layers x {m.n_routed_experts} fp32)"))
+                           f"expert loads ({n_moe} MoE layers x {m.moe.n_routed_experts} fp32)"))
     return [t for t in out if t.bytes]
 
 
@@ -270,17 +270,17 @@ def ep_traffic(cfg: Config, deg: Degrees, stages: list[dict], c: int) -> list[Tr
     plus one all-gather of every rank's per-expert counts. The real all-to-all volume follows the
     routing: within ~7% of this at ep=2 on the debug model early in training."""
     m = cfg.model
-    if deg.ep == 1 or not m.n_routed_experts:
+    if deg.ep == 1 or not m.moe.n_routed_experts:
         return []
-    n_moe = _per_microbatch(sum(1 for st in stages for i in st["layers"] if i >= m.n_dense_layers), deg)
-    copies = _tokens(cfg, deg) // deg.tp * m.topk
+    n_moe = _per_microbatch(sum(1 for st in stages for i in st["layers"] if i >= m.moe.n_dense_layers), deg)
+    copies = _tokens(cfg, deg) // deg.tp * m.moe.topk
     per_layer = 4 * copies * m.dim * c * (deg.ep - 1) / deg.ep
-    layout = ring_bytes("all_gather", deg.ep * m.n_routed_experts * 8, deg.ep)  # per-expert int64 counts
+    layout = ring_bytes("all_gather", deg.ep * m.moe.n_routed_experts * 8, deg.ep)  # per-expert int64 counts
     mb = microbatches(cfg, deg)
     rpn = cfg.parallel.ranks_per_node or deg.world
     nodes = deg.ep // rpn if deg.ep > rpn else 1
-    stats = 8 * (m.n_routed_experts + nodes + 1 + 3)  # fp64 load, nodes-per-token histogram, 3 counters
-    n_stats = sum(1 for st in stages for i in st["layers"] if i >= m.n_dense_layers)
+    stats = 8 * (m.moe.n_routed_experts + nodes + 1 + 3)  # fp64 load, nodes-per-token histogram, 3 counters
+    n_stats = sum(1 for st in stages for i in st["layers"] if i >= m.moe.n_dense_layers)
     return [Traffic("ep", "all_to_all", mb * n_moe * per_layer, "token dispatch + combine, fwd + bwd (balanced)",
                     ESTIMATE),
             Traffic("ep", "all_gather", mb * n_moe * layout, "dispatch layout (expert counts of every ep rank)"),

@@ -43,7 +43,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim)
-        mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) if cfg.rope_scaling == "yarn" else 1.0
+        mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
         self.softmax_scale = self.head_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
         self.recompute_core = False  # selective: keep q|k|v only, replay RoPE and the core in backward

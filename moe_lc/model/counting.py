@@ -14,11 +14,11 @@ def attention_params(cfg: ModelConfig) -> int:
     D, H = cfg.dim, cfg.n_heads
     if cfg.attention == "gqa":
         return D * (H + 2 * cfg.n_kv_heads) * cfg.head_size + H * cfg.head_size * D
-    qk, q_rank, kv_rank = cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
-    down = D * (q_rank + kv_rank + cfg.qk_rope_head_dim)
+    qk, q_rank, kv_rank = cfg.qk_head_dim, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
+    down = D * (q_rank + kv_rank + cfg.mla.qk_rope_head_dim)
     q_up = q_rank * H * qk + q_rank if q_rank else D * H * qk  # (+ q_norm weight)
-    kv_up = kv_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + kv_rank  # (+ kv_norm weight)
-    return down + q_up + kv_up + H * cfg.v_head_dim * D
+    kv_up = kv_rank * H * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim) + kv_rank  # (+ kv_norm weight)
+    return down + q_up + kv_up + H * cfg.mla.v_head_dim * D
 
 
 def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -41,15 +41,15 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "attention": L * attn,
         "norms": L * 2 * D + D,
         "dense_ffn": n_dense * 3 * D * cfg.ffn_dim,
-        "router": n_moe * cfg.n_routed_experts * D,
-        "shared_experts": n_moe * 3 * D * cfg.moe_ffn_dim * cfg.n_shared_experts,
-        "routed_experts": n_moe * 3 * D * cfg.moe_ffn_dim * cfg.n_routed_experts,
+        "router": n_moe * cfg.moe.n_routed_experts * D,
+        "shared_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_shared_experts,
+        "routed_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts,
         "head": cfg.vocab_size * D,
     }
     counts["total"] = sum(counts.values())
-    routed_active = n_moe * 3 * D * cfg.moe_ffn_dim * cfg.topk
+    routed_active = n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.topk
     counts["activated"] = counts["total"] - counts["embedding"] - counts["routed_experts"] + routed_active
-    counts["mtp"] = cfg.mtp_depth * mtp_module_params(cfg)
+    counts["mtp"] = cfg.mtp.depth * mtp_module_params(cfg)
     return counts
 
 
@@ -57,8 +57,8 @@ def mtp_module_params(cfg: ModelConfig) -> int:
     """One MTP module: two input norms, the 2D -> D projection, one block (MoE when the model has
     experts), and its output norm; the embedding and output head are shared with the main model."""
     D = cfg.dim
-    if cfg.n_routed_experts and cfg.n_dense_layers < cfg.n_layers:
-        ffn = 3 * D * cfg.moe_ffn_dim * (cfg.n_routed_experts + cfg.n_shared_experts) + cfg.n_routed_experts * D
+    if cfg.moe.n_routed_experts and cfg.moe.n_dense_layers < cfg.n_layers:
+        ffn = 3 * D * cfg.moe.ffn_dim * (cfg.moe.n_routed_experts + cfg.moe.n_shared_experts) + cfg.moe.n_routed_experts * D
     else:
         ffn = 3 * D * cfg.ffn_dim
     return 2 * D + 2 * D * D + attention_params(cfg) + 2 * D + ffn + D

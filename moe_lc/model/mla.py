@@ -36,8 +36,8 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
-        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.q_lora_rank, self.kv_lora_rank = cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
         qk_dim = self.nope_dim + self.rope_dim
         latent = (self.q_lora_rank or 0) + self.kv_lora_rank + self.rope_dim
         self.wa = Linear(cfg.dim, latent)
@@ -48,7 +48,7 @@ class MLAttention(nn.Module):
         self.wkv_b = Linear(self.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim))
         self.wo = Linear(cfg.n_heads * self.v_dim, cfg.dim)
         self.gather = nn.Identity()  # the sequence all-gather of the latents under TP + SP
-        mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) if cfg.rope_scaling == "yarn" else 1.0
+        mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
         self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
 

@@ -44,14 +44,14 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts, self.topk = cfg.n_routed_experts, cfg.topk
-        self.n_groups, self.topk_groups = cfg.n_groups, cfg.topk_groups
-        self.score_func, self.scaling = cfg.score_func, cfg.routed_scaling_factor
-        self.bias_update_speed = cfg.bias_update_speed
-        self.gate = Linear(cfg.dim, cfg.n_routed_experts)
+        self.n_experts, self.topk = cfg.moe.n_routed_experts, cfg.moe.topk
+        self.n_groups, self.topk_groups = cfg.moe.n_groups, cfg.moe.topk_groups
+        self.score_func, self.scaling = cfg.moe.score_func, cfg.moe.routed_scaling_factor
+        self.bias_update_speed = cfg.moe.bias_update_speed
+        self.gate = Linear(cfg.dim, cfg.moe.n_routed_experts)
         self.gate.fp8_eligible = False
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-        self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.count_loads = True  # switched off while a recomputed forward replays this router
 
     def forward(self, x_TD: torch.Tensor):
@@ -152,12 +152,12 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts = cfg.n_routed_experts
+        self.n_experts = cfg.moe.n_routed_experts
         self.router = Router(cfg)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_ffn_dim)
-        self.shared = SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim) if cfg.n_shared_experts else None
+        self.experts = RoutedExperts(cfg.moe.n_routed_experts, cfg.dim, cfg.moe.ffn_dim)
+        self.shared = SwiGLU(cfg.dim, cfg.moe.n_shared_experts * cfg.moe.ffn_dim) if cfg.moe.n_shared_experts else None
         self.dispatcher: TokenDispatcher = LocalDispatcher()
-        self.aux_loss_weight = cfg.aux_loss_weight
+        self.aux_loss_weight = cfg.moe.aux_loss_weight
         self.aux_loss_scale = 1.0  # share of this micro-batch in the step's loss (set by the trainer)
         self.last_aux_loss: torch.Tensor | None = None  # detached, for metrics
 

@@ -22,8 +22,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-POLICIES = ("none", "selective", "full")
-SELECTIVE_ITEMS = ("norm", "swiglu", "attention")
+from moe_lc.config.choices import RecomputeItem, RecomputePolicy, names
+
+POLICIES = names(RecomputePolicy)
+SELECTIVE_ITEMS = names(RecomputeItem)
 
 
 @contextmanager

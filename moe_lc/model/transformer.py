@@ -35,7 +35,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        is_moe = cfg.n_routed_experts > 0 and layer_id >= cfg.n_dense_layers
+        is_moe = cfg.moe.n_routed_experts > 0 and layer_id >= cfg.moe.n_dense_layers
         self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
         self.recompute_block = False  # full recomputation: keep the block input, replay in backward
 
@@ -99,11 +99,11 @@ class Transformer(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size)
         self.head.fp8_eligible = False  # DeepSeek keeps the output head in bf16
         self.loss_fn = CrossEntropySum()
-        self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
-        self.mtp_loss_weight = cfg.mtp_loss_weight
+        self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
+        self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_loss_sums: torch.Tensor | None = None  # (D,) detached sums since the trainer's last reset
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
-                                    cfg.rope_original_seq_len, cfg.rope_beta_fast, cfg.rope_beta_slow)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor,
+                                    cfg.rope.original_seq_len, cfg.rope.beta_fast, cfg.rope.beta_slow)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,

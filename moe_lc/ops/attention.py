@@ -38,9 +38,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from moe_lc.config.choices import AttnBackend, names
+
 aten = torch.ops.aten
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flash_attn", "flash_attn4")
+BACKEND_NAMES = names(AttnBackend)  # the recipe's choices: "auto" plus every class of _BACKEND_CLASSES
 # "auto" takes the first of these that is usable on the device: fastest first by the published
 # figures (flash-attn-4 on Hopper/Blackwell ahead of FlashAttention-2, which torch's own CUDA kernel
 # also is). Not yet measured here: tools/bench's attention part times every backend against each other.

@@ -21,11 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_lc.config.choices import Fp8Backend, Fp8Scaling, names
 from moe_lc.ops import fp8, fp8_te
 from moe_lc.ops.linear import GroupedLinear, Linear
 
-SCALINGS = ("blockwise", "tensorwise", "delayed")
-BACKENDS = ("auto", "emulate", "scaled_mm", "te")
+SCALINGS = names(Fp8Scaling)
+BACKENDS = names(Fp8Backend)
 
 
 def _gemm_recipe(scaling: str) -> str:

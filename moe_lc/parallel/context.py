@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from moe_lc.model.attention import LocalAttention
-from moe_lc.model.moe import MoE
 from moe_lc.ops.attention import AttentionBackend, get_backend
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
@@ -305,12 +304,8 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Swap every LocalAttention core for zig-zag ring attention over the "cp" group.
 
     Everything else is per token and needs no change: prepare_batch shards tokens, labels, mask and
-    positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp)."""
-    with_aux = [name for name, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_weight > 0]
-    if with_aux:
-        raise NotImplementedError(
-            f"model.aux_loss_weight > 0 with parallel.cp={dims.cp}: the sequence-wise balance loss would be "
-            f"computed per zig-zag shard, not per sequence (layers {', '.join(with_aux)}); not implemented yet")
+    positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp).
+    The sequence-wise aux loss is refused by the recipe's rules (it would see zig-zag chunks only)."""
     group = dims["cp"]
     owners = [m for m in model.modules() if isinstance(getattr(m, "core", None), LocalAttention)]
     for module in owners:

@@ -126,7 +126,7 @@ class ExpertTopology:
                 raise ValueError(
                     f"expert group {g} (experts {g * per_group}..{(g + 1) * per_group - 1}) lies on ep nodes "
                     f"{sorted(nodes)}: node-limited routing needs every group inside one node; make "
-                    f"model.n_groups={n_groups} a multiple of the {self.n_nodes} nodes parallel.ep={self.size} "
+                    f"model.moe.n_groups={n_groups} a multiple of the {self.n_nodes} nodes parallel.ep={self.size} "
                     f"spans and let ep blocks start at node boundaries (parallel.ranks_per_node)")
 
 

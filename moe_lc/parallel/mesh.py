@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moe_lc.config import ConfigError, ParallelConfig, resolve_degrees
+from moe_lc.config import ConfigError, ParallelConfig, layout_errors
 from moe_lc.parallel.comm import CommCounter, Group
 
 GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "dp_cp_tp", "ep", "edp", "world")
@@ -53,19 +53,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0, device_type: str = "cpu") -> "ParallelDims":
-        """Degrees from [parallel] for this world size; ConfigError lists every violated layout rule.
-        (Model-dependent rules, such as tp dividing the heads, are `config.validate`'s job.)"""
-        d, errors = resolve_degrees(p, world_size)
-        if min(p.pp, p.cp, p.tp, p.ep) <= 0:
-            errors.append("parallel degrees must be >= 1 (dp >= 0)")
-        elif (d["dp"] * p.cp * p.tp) % p.ep:
-            errors.append(f"parallel.ep={p.ep} must divide dp*cp*tp={d['dp'] * p.cp * p.tp}")
-        rpn = d["ranks_per_node"]
-        if rpn <= 0 or (world_size % rpn and rpn < world_size):
-            errors.append(f"parallel.ranks_per_node={rpn} must divide the world size {world_size}")
+        """Degrees from [parallel] for this world size; ConfigError lists every violated layout rule (the
+        recipe's own rules, `moe_lc.config.layout_errors`; model-dependent ones are checked there too)."""
+        d, errors = layout_errors(p, world_size)
         if errors:
             raise ConfigError(errors)
-        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(rpn, world_size), rank,
+        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(d["ranks_per_node"], world_size), rank,
                    pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type)
 
     # -- coordinates ----------------------------------------------------------------------------

@@ -287,23 +287,6 @@ def sum_replicated_rows_grad(param: nn.Parameter, start: int, group: Group) -> N
 
 
 # -- applying TP to a model ---------------------------------------------------------------------------
-def tensor_parallel_errors(cfg, tp: int) -> list[str]:
-    """What TP cannot split or does not support. The shape rules repeat config.cross_section_errors
-    (which reports them before any process group exists) for models built outside a recipe."""
-    e = []
-    if cfg.n_heads % tp:
-        e.append(f"parallel.tp={tp} must divide model.n_heads={cfg.n_heads}")
-    if cfg.attention == "gqa" and cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        e.append(f"parallel.tp={tp} and model.n_kv_heads={cfg.n_kv_heads}: one must divide the other")
-    for name in ("vocab_size", "ffn_dim", "moe_ffn_dim"):
-        if getattr(cfg, name) % tp:
-            e.append(f"parallel.tp={tp} must divide model.{name}={getattr(cfg, name)}")
-    if cfg.n_routed_experts and cfg.aux_loss_weight > 0:
-        e.append(f"model.aux_loss_weight={cfg.aux_loss_weight} with parallel.tp={tp} is not supported yet "
-                 "(the sequence-wise balance loss would see only each rank's sequence shard)")
-    return e
-
-
 def _shard_linear(linear: Linear, shard: Shard, role, group: Group) -> None:
     if linear.bias is not None:
         if isinstance(role, RowParallel):
@@ -371,9 +354,8 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Shard a fully initialized single-device Transformer (or pipeline stage) over dims["tp"] with
     sequence parallelism, in place. Every rank passes the same values; each keeps its slices."""
-    errors = tensor_parallel_errors(model.cfg, dims.tp)
-    if errors:
-        raise ValueError("cannot apply tensor parallelism: " + "; ".join(errors))
+    # the shapes were checked by the recipe's rules (moe_lc.config.rules.tensor_parallel_errors)
+    assert model.cfg.n_heads % dims.tp == 0 and model.cfg.vocab_size % dims.tp == 0, "unchecked TP layout"
     tp = dims["tp"]
     column, row = ColumnParallel(tp), RowParallel(tp)
     if model.cfg.attention == "gqa" and model.cfg.n_kv_heads < dims.tp:

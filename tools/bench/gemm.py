@@ -44,8 +44,8 @@ PART = "gemm"
 DEFAULT_RECIPES = ("recipes/moe16b_128k.toml", "recipes/deepseek_v3_671b.toml")
 TOKENS = (4096, 8192, 16384)
 DRY_OVERRIDES = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=32",
-                 "model.ffn_dim=160", "model.moe_ffn_dim=32", "model.n_routed_experts=4", "model.n_shared_experts=1",
-                 "model.topk=2", "model.n_groups=1", "model.topk_groups=1", "model.vocab_size=512"]
+                 "model.ffn_dim=160", "model.moe.ffn_dim=32", "model.moe.n_routed_experts=4", "model.moe.n_shared_experts=1",
+                 "model.moe.topk=2", "model.moe.n_groups=1", "model.moe.topk_groups=1", "model.vocab_size=512"]
 
 COLUMNS = [("recipe", "recipe", None), ("layers", "layers", None), ("M", "M", "{:d}"), ("K", "K", "{:d}"),
            ("N", "N", "{:d}"), ("variant", "variant", None), ("backend", "backend", None), ("ms", "ms", "{:.3f}"),

@@ -33,8 +33,8 @@ PART = "layer"
 DEFAULT_RECIPE = "recipes/moe16b_128k.toml"
 SEQS = (32768, 131072)
 DRY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=32",
-             "model.ffn_dim=128", "model.moe_ffn_dim=32", "model.n_routed_experts=4", "model.n_shared_experts=1",
-             "model.topk=2", "model.n_groups=1", "model.topk_groups=1", "model.vocab_size=512"]
+             "model.ffn_dim=128", "model.moe.ffn_dim=32", "model.moe.n_routed_experts=4", "model.moe.n_shared_experts=1",
+             "model.moe.topk=2", "model.moe.n_groups=1", "model.moe.topk_groups=1", "model.vocab_size=512"]
 
 COLUMNS = [("seq", "S", "{:d}"), ("policy", "recompute", None), ("fwd_ms", "fwd ms", "{:.1f}"),
            ("fwd_bwd_ms", "fwd+bwd ms", "{:.1f}"), ("saved_gib", "saved GiB", "{:.2f}"),
@@ -47,14 +47,14 @@ def build(ctx: Context):
     recipe = ctx.recipes[0] if ctx.recipes else DEFAULT_RECIPE
     cfg = load_config(ROOT / recipe, DRY_MODEL if ctx.dry_run else [], check=False)
     m = cfg.model
-    layer_id = m.n_dense_layers if m.n_routed_experts else 0
+    layer_id = m.moe.n_dense_layers if m.moe.n_routed_experts else 0
     block = Block(m, layer_id)
     with torch.no_grad():
         init_weights(block, 0, 0.02, m.n_layers)
     block = block.to(device=ctx.device, dtype=torch.bfloat16)
     apply_recompute(block, cfg.recompute.policy, cfg.recompute.selective)
-    rope = RotaryEmbedding(m.rope_dim, m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_original_seq_len,
-                           m.rope_beta_fast, m.rope_beta_slow).to(ctx.device)
+    rope = RotaryEmbedding(m.rope_dim, m.rope.theta, m.rope.scaling, m.rope.factor, m.rope.original_seq_len,
+                           m.rope.beta_fast, m.rope.beta_slow).to(ctx.device)
     return block, rope, m, cfg.recompute
 
 

@@ -49,10 +49,10 @@ LAYOUT = ["parallel.pp=1", "parallel.dp=1", "parallel.cp=1", "parallel.tp=1", "p
           "parallel.ranks_per_node=1", "train.global_batch=1", "train.micro_batch=1", "checkpoint.interval=0",
           "data.source=synthetic", "data.synthetic_weight=0.0", "precision.recipe=bf16",
           "recompute.policy=selective"]
-MODEL = ["model.n_layers=3", "model.n_dense_layers=1"]
+MODEL = ["model.n_layers=3", "model.moe.n_dense_layers=1"]
 DRY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=32",
-             "model.ffn_dim=128", "model.moe_ffn_dim=32", "model.n_routed_experts=4", "model.n_shared_experts=1",
-             "model.topk=2", "model.n_groups=1", "model.topk_groups=1", "model.vocab_size=512"]
+             "model.ffn_dim=128", "model.moe.ffn_dim=32", "model.moe.n_routed_experts=4", "model.moe.n_shared_experts=1",
+             "model.moe.topk=2", "model.moe.n_groups=1", "model.moe.topk_groups=1", "model.vocab_size=512"]
 CATEGORIES = (  # first match wins; kernel names (CUDA) or aten op names (CPU)
     ("attention", r"flash|fmha|sdpa|attention|mha_|cudnn_generated"),
     ("grouped_gemm", r"GroupProblemShape|grouped|group_?gemm|PtrArray|ptr_array"),  # not "warpgroup"
@@ -140,9 +140,9 @@ def _build(ctx: Context, built: dict) -> dict:
     c = param_counts(cfg.model)
     static = torch.cuda.memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
     return {"build_s": time.perf_counter() - t0, "params": c, "static_mem_gib": static,
-            "model": {k: getattr(cfg.model, k) for k in ("dim", "n_layers", "n_dense_layers", "n_heads", "n_kv_heads",
-                                                       "head_size", "n_routed_experts", "n_shared_experts",
-                                                       "moe_ffn_dim", "topk", "vocab_size")},
+            "model": {**{k: getattr(cfg.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_size",
+                                                          "vocab_size")},
+                      "moe": dataclasses.asdict(cfg.model.moe)},
             "recompute": dataclasses.asdict(cfg.recompute), "precision": cfg.precision.recipe,
             "summary": f"{c['total'] / 1e6:,.1f}M params, {c['activated'] / 1e6:,.1f}M activated "
                        f"(embedding {c['embedding'] / 1e6:,.1f}M, routed experts {c['routed_experts'] / 1e6:,.1f}M), "

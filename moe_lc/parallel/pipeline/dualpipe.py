@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from moe_lc.config.rules import schedule_shape_errors
 from moe_lc.parallel.pipeline.comm_insertion import assemble
 from moe_lc.parallel.pipeline.schedule_ir import B, FB, Compute, F, Route, Schedule, W
 
@@ -144,16 +145,20 @@ def _dualpipe_phases(p: _RankProgram, n: int, i: int, m: int) -> list[Compute]:
     return p.actions
 
 
+def check_shape(name: str, pp: int, m: int, v: int | None = None) -> None:
+    """ValueError with the recipe rule's words (moe_lc.config.rules) when a schedule cannot run this shape."""
+    errors = schedule_shape_errors(name, pp, m, v)
+    if errors:
+        raise ValueError(errors[0])
+
+
 def dualpipe(pp: int, m: int) -> Schedule:
     """DualPipe: two pipelines in opposite directions over the same pp ranks (2x parameters).
 
     Bubble (pp/2-1)(F&B+B-3W) when F = B-W >= W, peak activations pp+1 micro-batch-chunks
     (see simulator.py and the tests for what holds otherwise).
     """
-    if pp < 2 or pp % 2 or m % 2:
-        raise ValueError(f"dualpipe needs pp even and microbatches even, got pp={pp}, microbatches={m}")
-    if m < 2 * pp:
-        raise ValueError(f"dualpipe needs microbatches >= 2*pp, got microbatches={m}, pp={pp}")
+    check_shape("dualpipe", pp, m)
     half = m // 2
     down, up = list(range(half)), list(range(half, m))
     routes: list[Route] = ([tuple((s, 0) for s in range(pp))] * half
@@ -172,10 +177,7 @@ def dualpipev(pp: int, m: int) -> Schedule:
     The published figures use PP = number of stages = 2pp: bubble (PP/2-1)(F&B+B-3W) =
     (pp-1)(F&B+B-3W), peak activations PP+1 = 2pp+1 micro-batch-chunks.
     """
-    if pp < 1:
-        raise ValueError(f"dualpipev needs pp >= 1, got pp={pp}")
-    if m < 2 * pp:
-        raise ValueError(f"dualpipev needs microbatches >= 2*pp, got microbatches={m}, pp={pp}")
+    check_shape("dualpipev", pp, m)
     mbs = list(range(m))
     routes: list[Route] = [tuple([(s, 0) for s in range(pp)] + [(pp - 1 - s, 1) for s in range(pp)])] * m
     compute = [_dualpipe_phases(_RankProgram((0, 1), (mbs, mbs)), pp, rank, m) for rank in range(pp)]

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moe_lc.parallel.pipeline.dualpipe import dualpipe, dualpipev
+from moe_lc.config.choices import PPSchedule, names
+from moe_lc.parallel.pipeline.dualpipe import check_shape, dualpipe, dualpipev
 from moe_lc.parallel.pipeline.comm_insertion import assemble
 from moe_lc.parallel.pipeline.schedule_ir import B, Compute, F, Route, Schedule, W
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev")
-
-
-def _check_sizes(name: str, pp: int, m: int) -> None:
-    if pp < 1 or m < 1:
-        raise ValueError(f"{name} needs pp >= 1 and microbatches >= 1, got pp={pp}, microbatches={m}")
+SCHEDULE_NAMES = names(PPSchedule)
 
 
 def straight_routes(pp: int, m: int) -> list[Route]:
@@ -33,7 +29,7 @@ def gpipe(pp: int, m: int) -> Schedule:
 
     Same bubble as 1F1B, (pp-1)(F+B), but every rank keeps m micro-batches of activations.
     """
-    _check_sizes("gpipe", pp, m)
+    check_shape("gpipe", pp, m)
     compute = [[F(0, i) for i in range(m)] + [B(0, i) for i in range(m)] for _ in range(pp)]
     return assemble("gpipe", pp, m, pp, 1, straight_routes(pp, m), compute)
 
@@ -73,7 +69,7 @@ def _one_f_one_b_rank(pp: int, m: int, rank: int, split: bool) -> list[Compute]:
 
 def one_f_one_b(pp: int, m: int) -> Schedule:
     """1F1B (PipeDream-flush): bubble (pp-1)(F+B), at most pp micro-batches in flight on rank 0."""
-    _check_sizes("1f1b", pp, m)
+    check_shape("1f1b", pp, m)
     compute = [_one_f_one_b_rank(pp, m, r, split=False) for r in range(pp)]
     return assemble("1f1b", pp, m, pp, 1, straight_routes(pp, m), compute)
 
@@ -84,7 +80,7 @@ def zb_h1(pp: int, m: int) -> Schedule:
     Bubble (pp-1)(F+B-2W) in DualPipe notation (B = full backward) when m >= pp and
     W <= min(F, B-W) (tests/test_pipeline_schedules.py gives the general value); peak activations pp.
     """
-    _check_sizes("zbh1", pp, m)
+    check_shape("zbh1", pp, m)
     compute = [_one_f_one_b_rank(pp, m, r, split=True) for r in range(pp)]
     return assemble("zbh1", pp, m, pp, 1, straight_routes(pp, m), compute)
 
@@ -106,11 +102,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     Rank r warms up with 2(pp-1-r) + (v-1)pp forwards, then alternates one forward and one
     backward, then drains. Bubble fraction (1/v)(pp-1)/m; needs m divisible by pp (as Megatron).
     """
-    if v is None or v < 2:
-        raise ValueError(f"interleaved_1f1b needs v >= 2 chunks per rank, got v={v} (v=1 is '1f1b')")
-    _check_sizes("interleaved_1f1b", pp, m)
-    if m % pp:
-        raise ValueError(f"interleaved_1f1b needs microbatches divisible by pp, got microbatches={m}, pp={pp}")
+    check_shape("interleaved_1f1b", pp, m, v)
     total = m * v
     compute = []
     for rank in range(pp):
@@ -125,13 +117,15 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     return assemble("interleaved_1f1b", pp, m, v * pp, v, routes, compute)
 
 
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zbh1": zb_h1,
+            "dualpipe": dualpipe, "dualpipev": dualpipev}
+
+
 def build_schedule(name: str, pp: int, m: int, v: Optional[int] = None) -> Schedule:
     """Build the schedule called `name` (one of SCHEDULE_NAMES); `v` only for interleaved_1f1b."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(pp, m, v)
-    if v is not None and v != 1:
-        raise ValueError(f"v={v} chunks per rank only applies to interleaved_1f1b, not {name}")
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1, "dualpipe": dualpipe, "dualpipev": dualpipev}
-    if name not in builders:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return builders[name](pp, m)
+    check_shape(name, pp, m, v)
+    return BUILDERS[name](pp, m)

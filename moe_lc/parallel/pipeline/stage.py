@@ -27,8 +27,8 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     D, Dh = cfg.dim, cfg.head_size
     attn = 2 * (D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D) + 2 * cfg.n_heads * seq_len * Dh
     dense = 2 * 3 * D * cfg.ffn_dim
-    moe = 2 * 3 * D * cfg.moe_ffn_dim * (cfg.topk + cfg.n_shared_experts) + 2 * D * cfg.n_routed_experts
-    return [3.0 * (attn + (moe if cfg.n_routed_experts and i >= cfg.n_dense_layers else dense))
+    moe = 2 * 3 * D * cfg.moe.ffn_dim * (cfg.moe.topk + cfg.moe.n_shared_experts) + 2 * D * cfg.moe.n_routed_experts
+    return [3.0 * (attn + (moe if cfg.moe.n_routed_experts and i >= cfg.moe.n_dense_layers else dense))
             for i in range(cfg.n_layers)]
 
 

@@ -1,0 +1,32 @@
+"""The closed sets of names a recipe may choose from, as `Literal` types.
+
+Validation, `--print-config --docs` and the registries that implement each choice all read these
+(tests/test_config.py asserts every registry's keys equal its Literal), so adding an attention
+backend or a pipeline schedule means adding it here and to its registry, nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+AttnBackend = Literal["auto", "reference", "torch", "flash_attn", "flash_attn4"]
+AttentionKind = Literal["gqa", "mla"]
+RopeScaling = Literal["none", "yarn"]
+ScoreFunc = Literal["sigmoid", "softmax"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev"]
+ExpertDispatch = Literal["flat", "hierarchical"]
+PrecisionRecipe = Literal["fp32", "bf16", "fp8"]
+Fp8Scaling = Literal["blockwise", "tensorwise", "delayed"]
+Fp8Backend = Literal["auto", "emulate", "scaled_mm", "te"]
+AdamMoments = Literal["fp32", "bf16"]
+RecomputePolicy = Literal["none", "selective", "full"]
+RecomputeItem = Literal["norm", "swiglu", "attention"]
+LrSchedule = Literal["cosine", "wsd", "constant"]
+Device = Literal["auto", "cpu", "cuda"]
+DataSource = Literal["stdlib", "tokens", "synthetic"]
+SyntheticTask = Literal["passkey", "multikey_needle", "variable_tracking", "associative_recall"]
+
+
+def names(choice) -> tuple[str, ...]:
+    """The names of a Literal choice type, in declaration order."""
+    return get_args(choice)

@@ -1,0 +1,255 @@
+"""Recipes: TOML files with `extends`, `--set` overrides, typed frozen dataclasses, and printing.
+
+A recipe is a TOML file with one table per section (`sections.py`). `extends = "base.toml"` (relative
+to the file) merges the base first, so ablation variants only state what differs. `--set a.b=c`
+overrides any key, nested ones too (`--set model.moe.topk=6`), with type checking. Every problem is
+collected and reported at once, each naming its field, its value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from moe_lc.config.rules import ConfigError, validate
+from moe_lc.config.sections import SECTIONS, Config, ModelConfig
+
+# [model] keys that moved into sub-tables: old flat name -> new dotted name under model.
+MOVED_MODEL_KEYS = {
+    **{f"rope_{k}": f"rope.{k}" for k in ("theta", "scaling", "factor", "original_seq_len", "beta_fast", "beta_slow",
+                                          "mscale")},
+    **{k: f"mla.{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+    "mtp_depth": "mtp.depth", "mtp_loss_weight": "mtp.loss_weight", "moe_ffn_dim": "moe.ffn_dim",
+    **{k: f"moe.{k}" for k in ("n_dense_layers", "n_routed_experts", "n_shared_experts", "topk", "n_groups",
+                               "topk_groups", "score_func", "routed_scaling_factor", "bias_update_speed",
+                               "aux_loss_weight")},
+}
+INT_LIMIT = 2**62  # sizes and counts beyond this are typos; refusing them beats hanging in an allocation
+
+
+def model_config(**keys) -> ModelConfig:
+    """A ModelConfig from keyword arguments in the flat spelling (`topk=2, rope_factor=4.0`, the names of
+    MOVED_MODEL_KEYS) or the nested one (`moe=MoEConfig(...)`): a shorthand for code and tests."""
+    table: dict = {}
+    for key, value in keys.items():
+        sub, _, leaf = MOVED_MODEL_KEYS.get(key, key).rpartition(".")
+        (table.setdefault(sub, {}) if sub else table)[leaf] = value
+    nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+    return ModelConfig(**{k: v for k, v in table.items() if k not in nested},
+                       **{k: dataclasses.replace(getattr(ModelConfig(), k), **v) for k, v in nested.items()})
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_recipe(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
+    """The recipe's raw tables with `extends` chains merged (base first, then this file)."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ConfigError([f"extends cycle: {chain}"])
+    if path.is_dir():
+        raise ConfigError([f"recipe {path} is a directory, not a TOML file"])
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError([f"recipe file not found: {path}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start}): a recipe is a TOML file"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: malformed TOML: {exc}"]) from None
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError([f"{path}: extends={base!r} must be a path string"])
+    merged = read_recipe(path.parent / base, (*_seen, path.resolve()))
+    return _deep_merge(merged, raw)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> tuple[dict, list[str]]:
+    """Apply `section.key=value` (or `section.sub.key=value`) strings; values parse as TOML (bare
+    words count as strings)."""
+    raw = _deep_merge({}, raw)
+    errors = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        path = [part.strip() for part in key.split(".")]
+        if not sep or len(path) < 2 or not all(path):
+            errors.append(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. train.lr=1e-3")
+            continue
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()  # a bare word such as `bf16` or `runs/x`
+        table = raw
+        for i, part in enumerate(path[:-1]):
+            table.setdefault(part, {})
+            if not isinstance(table[part], dict):
+                errors.append(f"--set {item!r}: {'.'.join(path[:i + 1])!r} is not a section")
+                break
+            table = table[part]
+        else:
+            table[path[-1]] = value
+    return raw, errors
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def _build(cls, table: dict, path: str, errors: list[str]):
+    """cls(**typed values of table); unknown keys, wrong types and sub-tables reported into errors."""
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in table.items():
+        where = f"{path}.{key}"
+        if key not in hints:
+            if path == "model" and key in MOVED_MODEL_KEYS:
+                new = MOVED_MODEL_KEYS[key]
+                sub, _, leaf = new.partition(".")
+                errors.append(f"{where} moved to model.{new}: write it as `{leaf} = ...` under [model.{sub}] "
+                              f"(or --set model.{new}=...)")
+            else:
+                options = {**{k: k for k in hints}, **(MOVED_MODEL_KEYS if path == "model" else {})}
+                errors.append(f"unknown key {where}{_did_you_mean(key, options)}")
+            continue
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if isinstance(value, dict):
+                kwargs[key] = _build(typ, value, where, errors)
+            else:
+                errors.append(f"[{where}] must be a table, got {type(value).__name__}")
+            continue
+        if get_origin(typ) is list and isinstance(value, str):  # --set data.synthetic_tasks=passkey,multikey_needle
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        problem = _check(value, typ)
+        if problem is None:
+            kwargs[key] = float(value) if typ is float else value
+        else:
+            errors.append(f"{where}={value!r} {problem}")
+    return cls(**kwargs)
+
+
+def build_config(raw: dict) -> Config:
+    """Typed, frozen Config from raw tables; unknown sections/keys and wrong types are errors."""
+    errors, sections = [], {}
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            errors.append(f"unknown section [{section}]{_did_you_mean(section, list(SECTIONS))}")
+        elif not isinstance(table, dict):
+            errors.append(f"[{section}] must be a table, got {type(table).__name__}")
+    for section, cls in SECTIONS.items():
+        table = raw.get(section, {})
+        if isinstance(table, dict):
+            sections[section] = _build(cls, table, section, errors)
+    if errors:
+        raise ConfigError(errors)
+    return Config(**sections)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: int | None = None,
+                check: bool = True) -> Config:
+    """Recipe file + overrides -> validated Config (ConfigError lists every problem)."""
+    raw, errors = apply_overrides(read_recipe(path), list(overrides))
+    if errors:
+        raise ConfigError(errors)
+    cfg = build_config(raw)
+    return validate(cfg, world_size) if check else cfg
+
+
+def _check(value, typ) -> str | None:
+    """Why `value` does not fit the field type `typ` (None when it does)."""
+    if typ is bool:
+        return None if isinstance(value, bool) else f"must be true/false, got {type(value).__name__}"
+    if typ is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"must be an integer, got {type(value).__name__}"
+        return None if abs(value) < INT_LIMIT else "is out of range (|value| must be < 2**62)"
+    if typ is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"must be a number, got {type(value).__name__}"
+        return None if math.isfinite(value) else "must be a finite number"
+    if typ is str:
+        return None if isinstance(value, str) else f"must be a string, got {type(value).__name__}"
+    if get_origin(typ) is Literal:  # which name is `validate`'s to check, with every other rule
+        return None if isinstance(value, str) else f"must be a string, got {type(value).__name__}"
+    if get_origin(typ) is list:
+        (item,) = get_args(typ)
+        if not isinstance(value, list):
+            return f"must be a list of {_type_name(item)}, got {type(value).__name__}"
+        ok = all(_check(v, item) is None for v in value)
+        return None if ok else f"must be a list of {_type_name(item)}"
+    return f"has an unsupported type {typ}"
+
+
+def _type_name(typ) -> str:
+    if get_origin(typ) is Literal:
+        return "one of " + ", ".join(map(repr, get_args(typ)))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(typ, str(typ))
+
+
+def _did_you_mean(word: str, options) -> str:
+    """options: names, or {name: what to suggest for it}."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {(options[close[0]] if isinstance(options, dict) else close[0])!r}?)"
+
+
+# ------------------------------------------------------------------------------------------ printing
+
+
+def to_toml(cfg: Config, docs: bool = False) -> str:
+    """The resolved recipe as TOML (written to every run directory; `--print-config` shows it)."""
+    lines: list[str] = []
+    for section in SECTIONS:
+        _table(getattr(cfg, section), section, docs, lines)
+    return "\n".join(lines)
+
+
+def _table(obj, path: str, docs: bool, lines: list[str]) -> None:
+    hints = get_type_hints(type(obj))
+    lines.append(f"[{path}]")
+    nested = []
+    for fl in dataclasses.fields(obj):
+        value = getattr(obj, fl.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((value, f"{path}.{fl.name}"))
+            continue
+        doc = fl.metadata.get("doc", "")
+        typ = hints[fl.name]
+        item = get_args(typ)[0] if get_origin(typ) is list else typ
+        if get_origin(item) is Literal:
+            doc = f"{' | '.join(get_args(item))}: {doc}" if doc else " | ".join(get_args(item))
+        comment = f"  # {doc}" if docs and doc else ""
+        lines.append(f"{fl.name} = {_toml_value(value)}{comment}")
+    lines.append("")
+    for value, sub in nested:
+        _table(value, sub, docs, lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf" if v < 0 else "nan")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)

@@ -1,0 +1,189 @@
+"""Every rule a recipe must satisfy, in one place, checked by `load_config` against the world size
+before any process group or model exists. Section-local rules live on the section dataclasses
+(`errors()`); this file adds the choice checks and the rules that tie sections together. Code that
+applies a layout later (parallel/, pipeline/) asserts what is checked here instead of re-checking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, get_args, get_origin, get_type_hints
+
+from moe_lc.config.sections import SECTIONS, Config, ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run. `errors` holds every violated rule, one line each."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        n = len(self.errors)
+        head = f"invalid recipe ({n} problem{'s' if n != 1 else ''}):"
+        super().__init__("\n  - ".join([head, *self.errors]))
+
+
+def choice_errors(obj, path: str) -> list[str]:
+    """Literal-typed fields (and lists of them) whose value is not among the choices, recursively."""
+    e = []
+    hints = get_type_hints(type(obj))
+    for fl in dataclasses.fields(obj):
+        value, typ = getattr(obj, fl.name), hints[fl.name]
+        if dataclasses.is_dataclass(value):
+            e += choice_errors(value, f"{path}.{fl.name}")
+            continue
+        item_type, items = (get_args(typ)[0], value) if get_origin(typ) is list else (typ, [value])
+        if get_origin(item_type) is Literal:
+            allowed = get_args(item_type)
+            e += [f"{path}.{fl.name}={v!r} must be one of {', '.join(map(repr, allowed))}"
+                  for v in items if v not in allowed]
+    return e
+
+
+def resolve_degrees(p: ParallelConfig, world_size: int | None) -> tuple[dict[str, int], list[str]]:
+    """Degrees with dp = 0 resolved against the world; returns (degrees, errors)."""
+    fixed = p.pp * p.cp * p.tp
+    dp, e = p.dp, []
+    if world_size is None:
+        dp = dp or 1
+        world_size = fixed * dp
+    elif dp == 0:
+        if fixed <= 0 or world_size % fixed:
+            e.append(f"parallel.pp*cp*tp={fixed} must divide the world size {world_size} (dp = 0 takes the rest)")
+        dp = max(world_size // max(fixed, 1), 1)
+    elif fixed * dp != world_size:
+        e.append(f"parallel.pp*dp*cp*tp={fixed * dp} must equal the world size {world_size} "
+                 f"(pp={p.pp}, dp={dp}, cp={p.cp}, tp={p.tp}; set dp = 0 to take the rest)")
+    rpn = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    degrees = dict(world=world_size, pp=p.pp, dp=dp, cp=p.cp, tp=p.tp, ep=p.ep, ranks_per_node=rpn)
+    return degrees, e
+
+
+def layout_errors(p: ParallelConfig, world_size: int | None) -> tuple[dict[str, int], list[str]]:
+    """(degrees, errors) of the mesh alone: world, ep folding, nodes. ParallelDims builds on this."""
+    d, e = resolve_degrees(p, world_size)
+    if min(p.pp, p.cp, p.tp, p.ep, d["dp"]) <= 0:
+        return d, e + ["parallel degrees must be >= 1 (dp >= 0)"]
+    world, rpn = d["world"], d["ranks_per_node"]
+    if rpn <= 0 or world % rpn and rpn % world:
+        e.append(f"parallel.ranks_per_node={rpn} must divide the world size {world}")
+    if (d["dp"] * p.cp * p.tp) % p.ep:
+        e.append(f"parallel.ep={p.ep} must divide dp*cp*tp={d['dp'] * p.cp * p.tp} (experts are folded into those ranks)")
+    return d, e
+
+
+def pipeline_stages(p: ParallelConfig) -> int:
+    """Model stages of a pipeline layout (interleaved: pp_chunks per rank; DualPipeV: 2 per rank)."""
+    if p.pp == 1:
+        return 1
+    return p.pp * {"interleaved_1f1b": p.pp_chunks, "dualpipev": 2}.get(p.pp_schedule, 1)
+
+
+def schedule_shape_errors(name: str, pp: int, m: int, v: int | None = None) -> list[str]:
+    """What the pipeline schedule `name` needs of pp ranks, m micro-batches and v chunks per rank (the
+    schedule builders in parallel/pipeline raise these too, for direct callers such as the simulator)."""
+    if pp < 1 or m < 1:
+        return [f"{name} needs pp >= 1 and microbatches >= 1, got pp={pp}, microbatches={m}"]
+    if name == "interleaved_1f1b":
+        if v is None or v < 2:
+            return [f"interleaved_1f1b needs v >= 2 chunks per rank, got v={v} (v=1 is '1f1b')"]
+        return [] if m % pp == 0 else [f"interleaved_1f1b needs microbatches divisible by pp, got microbatches={m}, "
+                                       f"pp={pp}"]
+    if v is not None and v != 1:
+        return [f"v={v} chunks per rank only applies to interleaved_1f1b, not {name}"]
+    if name == "dualpipe" and (pp < 2 or pp % 2 or m % 2):
+        return [f"dualpipe needs pp even and microbatches even, got pp={pp}, microbatches={m}"]
+    if name in ("dualpipe", "dualpipev") and m < 2 * pp:
+        return [f"{name} needs microbatches >= 2*pp, got microbatches={m}, pp={pp}"]
+    return []
+
+
+def _expert_rules(cfg: Config, d: dict) -> list[str]:
+    m, p, e = cfg.model, cfg.parallel, []
+    E, rpn = m.moe.n_routed_experts, d["ranks_per_node"]
+    if m.has_moe and E % p.ep:
+        e.append(f"parallel.ep={p.ep} must divide model.moe.n_routed_experts={E}")
+    if not m.has_moe and p.ep > 1:
+        e.append(f"parallel.ep={p.ep} needs MoE layers (model has none)")
+    if m.has_moe and p.ep > rpn > 0:  # EP crosses nodes: each expert group must live inside one node
+        if p.ep % rpn:
+            e.append(f"parallel.ep={p.ep} must be a multiple of ranks_per_node={rpn} when it spans nodes")
+        elif m.moe.n_groups % (p.ep // rpn):
+            e.append(f"model.moe.n_groups={m.moe.n_groups} must be a multiple of the {p.ep // rpn} nodes that "
+                     f"parallel.ep={p.ep} spans (groups map to nodes for node-limited routing)")
+    if m.has_moe and m.moe.aux_loss_weight > 0:
+        for name in ("tp", "cp"):
+            if getattr(p, name) > 1:
+                e.append(f"model.moe.aux_loss_weight={m.moe.aux_loss_weight} with parallel.{name}={getattr(p, name)} "
+                         "is not supported: the sequence-wise balance loss would see only this rank's "
+                         f"{'sequence shard' if name == 'tp' else 'zig-zag chunks'}, not whole sequences")
+    return e
+
+
+def tensor_parallel_errors(cfg: Config) -> list[str]:
+    """What TP (with sequence parallelism) cannot split."""
+    m, tp, e = cfg.model, cfg.parallel.tp, []
+    if tp == 1:
+        return e
+    if m.n_heads % tp:
+        e.append(f"parallel.tp={tp} must divide model.n_heads={m.n_heads}")
+    if m.attention == "gqa" and m.n_kv_heads > 0 and m.n_kv_heads % tp and tp % m.n_kv_heads:
+        e.append(f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other")
+    sizes = [("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)]
+    sizes += [("model.moe.ffn_dim", m.moe.ffn_dim)] if m.has_moe else []
+    e += [f"parallel.tp={tp} must divide {name}={value}" for name, value in sizes if value % tp]
+    return e
+
+
+def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
+    m, p, t, e = cfg.model, cfg.parallel, cfg.train, []
+    seq_shards = p.tp * (2 * p.cp if p.cp > 1 else 1)
+    if t.seq_len % seq_shards:
+        e.append(f"train.seq_len={t.seq_len} must be divisible by {seq_shards} (tp * 2*cp: sequence shards)")
+    per_step = t.micro_batch * d["dp"]
+    if per_step > 0 and t.global_batch % per_step:
+        e.append(f"train.global_batch={t.global_batch} must be divisible by micro_batch*dp={per_step} "
+                 f"(micro_batch={t.micro_batch}, dp={d['dp']})")
+    elif per_step > 0 and p.microbatches and p.microbatches != t.global_batch // per_step:
+        e.append(f"parallel.microbatches={p.microbatches} must equal global_batch/(micro_batch*dp)="
+                 f"{t.global_batch // per_step} (or 0 to derive it)")
+    if p.pp > 1 and per_step > 0 and t.global_batch % per_step == 0:
+        chunks = p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None
+        e += [f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {t.global_batch // per_step} micro-batches: "
+              f"{err}" for err in schedule_shape_errors(p.pp_schedule, p.pp, t.global_batch // per_step, chunks)]
+    stages = pipeline_stages(p)
+    if p.pp > 1 and m.n_layers < stages:
+        e.append(f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages of "
+                 f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule!r}")
+    if p.pp_stage_layers and (len(p.pp_stage_layers) != stages or sum(p.pp_stage_layers) != m.n_layers
+                              or min(p.pp_stage_layers) < 1):
+        e.append(f"parallel.pp_stage_layers={p.pp_stage_layers} must list {stages} positive block counts "
+                 f"summing to model.n_layers={m.n_layers}")
+    if m.mtp.depth and p.pp > 1 and p.pp_schedule not in ("dualpipe", "dualpipev"):
+        e.append(f"model.mtp.depth={m.mtp.depth} with parallel.pp={p.pp} needs pp_schedule 'dualpipe' or "
+                 f"'dualpipev' (the MTP modules share the embedding, which must sit on the last stage's rank)")
+    return e
+
+
+def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Rules that tie sections together. `world_size` None = the recipe's own."""
+    d, e = layout_errors(cfg.parallel, world_size)
+    if e and "parallel degrees must be >= 1 (dp >= 0)" in e:
+        return e[:-1]  # the section rules already name the bad degree
+    e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
+    m, data, t = cfg.model, cfg.data, cfg.train
+    if m.vocab_size < 259 and data.tokenizer == "byte":
+        e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
+    if (data.source == "synthetic" or data.synthetic_weight > 0) and t.seq_len < 64:
+        e.append(f"train.seq_len={t.seq_len} must be >= 64 for synthetic long-context tasks")
+    return e
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise ConfigError listing every violated rule (choices, section rules, cross-section rules)."""
+    errors = [err for name in SECTIONS for err in choice_errors(getattr(cfg, name), name)]
+    errors += [err for name in SECTIONS for err in getattr(cfg, name).errors()]
+    errors += cross_section_errors(cfg, world_size)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
