@@ -66,6 +66,7 @@ class Saved:
     per_token: float = 0.0
     tp: str = "seq"  # "seq" | "heads" | "full" (see the module docstring)
     dropped_by: str = ""  # the selective-recompute item that stops saving it: norm | swiglu | attention
+    kept_by: str = ""  # the selective-recompute item that makes it saved (a replay's input); else none
     per_seq: float = 0.0
     per_layer: float = 0.0
 
@@ -74,7 +75,8 @@ def _norm(name: str, D: int, c: int) -> list[Saved]:
     return [Saved(f"{name}: fp32 input", 4 * D, "seq", "norm"),
             Saved(f"{name}: rsqrt", 4, "seq", "norm"),
             Saved(f"{name}: x*rsqrt", 4 * D, "seq", "norm"),
-            Saved(f"{name}: fp32 weight copy", per_layer=4 * D if c != 4 else 0, dropped_by="norm")]
+            Saved(f"{name}: fp32 weight copy", per_layer=4 * D if c != 4 else 0, dropped_by="norm"),
+            Saved(f"{name}: input (the replay's input)", c * D, "seq", kept_by="norm")]
 
 
 def _swiglu(name: str, hidden: float, c: int, tp: str) -> list[Saved]:
@@ -101,18 +103,25 @@ def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
     Dqk, Dv = m.mla.qk_nope_head_dim + Dr, m.mla.v_head_dim
     latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full", "norm")]
               if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm")])
-    terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent]
+    # recomputed latent norms keep their inputs, views of the latent [c_q | c_kv | k_r]: one storage
+    terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent,
+             Saved("mla: latents (the latent norms' replay input)", c * (Cq + Ckv + Dr), "full", kept_by="norm")]
     for name, C in (("q_norm", Cq), ("kv_norm", Ckv)):
         if C:
             terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm"), Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm"),
                       Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm"),
                       Saved(f"mla {name}: output (up-projection input)", c * C, "full")]
+    # Under selective "attention" the replay (mla.py `_rope_and_core`) keeps its inputs: q before RoPE
+    # and the roped k_r; kv it keeps either way. The core's padded out goes unless it is wo's input too.
     terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.mla.qk_nope_head_dim + Dv), "heads"),
               Saved("mla: q with roped part", c * H * Dqk, "heads", "attention"),
               Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention"),
-              Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads"),
+              Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads",
+                    "attention" if Dqk != Dv else ""),
               Saved("mla: wo input (contiguous copy)", c * H * Dv if Dqk != Dv else 0, "heads"),
-              Saved("attn: lse", 4 * H, "heads", "attention")]
+              Saved("attn: lse", 4 * H, "heads", "attention"),
+              Saved("mla: q before RoPE (replay input)", c * H * Dqk, "heads", kept_by="attention"),
+              Saved("mla: roped k_r (replay input)", c * Dr, "full", kept_by="attention")]
     return terms
 
 
@@ -207,15 +216,13 @@ def _phase_inputs(m: ModelConfig, layer_id: int, c: int) -> list[Saved]:
 
 def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selective, layer_id=None) -> list[Saved]:
     """Terms kept under a recompute policy (`layer_id` None: the terms outside the blocks)."""
+    if policy != "selective":
+        terms = [t for t in terms if not t.kept_by]
     if policy == "none":
         return terms
     if policy == "full":
         return terms if layer_id is None else _phase_inputs(m, layer_id, c)
-    kept = [t for t in terms if t.dropped_by not in selective]
-    n_norms = sum(1 for t in terms if t.dropped_by == "norm" and t.what.endswith(": rsqrt"))
-    if "norm" in selective and n_norms:  # a recomputed norm keeps its input instead
-        kept += [Saved("norm inputs (kept for recompute)", n_norms * c * m.dim, "seq")]
-    return kept
+    return [t for t in terms if t.dropped_by not in selective and (not t.kept_by or t.kept_by in selective)]
 
 
 def _bytes(terms: list[Saved], tokens: int, seqs: int, tp: int, sp: bool) -> float:

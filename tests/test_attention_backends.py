@@ -27,7 +27,6 @@ import torch
 
 from moe_lc.ops.attention import (
     AUTO_ORDER,
-    _flash_attn4_interface,
     BACKEND_NAMES,
     AttentionBackend,
     attention,
@@ -35,6 +34,7 @@ from moe_lc.ops.attention import (
     available_backends,
     get_backend,
 )
+from moe_lc.ops.flash_attention import flash_attn4_interface
 
 BACKENDS = available_backends("cpu")
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug_cpu.toml"
@@ -239,7 +239,7 @@ def test_flash_attn_unavailable_gives_clear_error():
         get_backend("flash_attn", "cpu")
 
 
-@pytest.mark.skipif(_flash_attn4_interface() is not None, reason="flash-attn-4 is importable here")
+@pytest.mark.skipif(flash_attn4_interface() is not None, reason="flash-attn-4 is importable here")
 def test_flash_attn4_unavailable_gives_clear_error():
     with pytest.raises(ImportError, match="flash-attn-4"):
         get_backend("flash_attn4", "cpu")
@@ -302,12 +302,12 @@ class _StandInFlashAttn4:
 def test_flash_attn4_backend_glue_against_a_stand_in(monkeypatch):
     """Padding of head dims to multiples of 8 (D_qk != D_v kept apart), argument order of the private API
     (out before dout in its backward) and lse passing, on CPU with a stand-in for the CUDA kernels."""
-    import moe_lc.ops.attention as attn
+    import moe_lc.ops.flash_attention as flash
 
     stand_in = _StandInFlashAttn4()
-    monkeypatch.setattr(attn, "_flash_attn4_interface", lambda: stand_in)
-    monkeypatch.setattr(attn, "_flash_attn4_device_ok", lambda device: True)
-    backend = attn.FlashAttn4Backend()
+    monkeypatch.setattr(flash, "flash_attn4_interface", lambda: stand_in)
+    monkeypatch.setattr(flash, "flash_attn4_device_ok", lambda device: True)
+    backend = flash.FlashAttn4Backend()
     q, k, v, dout = make_inputs(torch.bfloat16, 8, 8, 2, 20, 12)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = attention_with_lse(*leaves, causal=True, scale=SCALE, backend=backend)

@@ -3,7 +3,8 @@
 Legend: B batch, S sequence (local: the full sequence on one device, a zig-zag shard under CP),
 H query heads, K key/value heads (H % K == 0), Dh head dim, D model dim. Under TP the heads of this
 module are the local ones (set by `moe_lc.parallel.tensor`), and the core is swapped for ring
-attention under CP (`moe_lc.parallel.context`); this file stays single-device code.
+attention under CP (`moe_lc.parallel.context`); this file stays single-device code. Seams (see
+moe_lc/model/seams.py): `core`, and `replay` around RoPE + core (selective recomputation keeps q|k|v).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.recompute import checkpointed
 from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.model.seams import run_now
 from moe_lc.ops.attention import attention, get_backend
 from moe_lc.ops.linear import Linear
 
@@ -46,14 +47,11 @@ class Attention(nn.Module):
         mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
         self.softmax_scale = self.head_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
-        self.recompute_core = False  # selective: keep q|k|v only, replay RoPE and the core in backward
+        self.replay = run_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
-        if self.recompute_core and torch.is_grad_enabled():
-            out_BSHD = checkpointed(self._rope_and_core, qkv, cos, sin)
-        else:
-            out_BSHD = self._rope_and_core(qkv, cos, sin)
+        out_BSHD = self.replay(self._rope_and_core, qkv, cos, sin)
         B, S = qkv.shape[:2]
         return self.wo(out_BSHD.reshape(B, S, -1))
 

@@ -12,6 +12,9 @@ backend and the ring handle that.
     k      = [k_nope, rope(k_r) for every head](B, S, H, Dn + Dr)
     out    = wo(attention(q, k, v))            (B, S_x, D)
 
+Seams (moe_lc/model/seams.py): `core`, and `replay` around the queries' RoPE, the key assembly and the
+core (selective recomputation of "attention" keeps q, [k_nope | v] and the roped k_r, like GQA's q|k|v).
+
 With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-Lite). The softmax
 scale is (Dn + Dr)^-0.5 times YaRN's mscale squared, as DeepSeek-V3 applies it. Under tensor
 parallelism `wq_b`, `wkv_b` are column-parallel (heads split), `wo` row-parallel, the latent
@@ -27,6 +30,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.attention import LocalAttention
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.model.seams import run_now
 from moe_lc.ops.linear import Linear
 
 
@@ -51,23 +55,29 @@ class MLAttention(nn.Module):
         mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
         self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
+        self.replay = run_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.gather(self.wa(x_BSD))
         B, S, _ = a.shape
-        H = self.n_heads  # local heads under TP
         if self.q_lora_rank:
             c_q, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
             q = self.wq_b(self.q_norm(c_q))
         else:
             c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q = self.wq(x_BSD)
+        kv = self.wkv_b(self.kv_norm(c_kv))
+        k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin)  # one rotated key for every head
+        out_BSHV = self.replay(self._rope_and_core, q, kv, k_r, cos, sin)
+        return self.wo(out_BSHV.reshape(B, S, -1))
+
+    def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
+        """q (B, S, H*(Dn+Dr)), kv (B, S, H*(Dn+Dv)), roped k_r (B, S, 1, Dr) -> (B, S, H, Dv)."""
+        B, S, _ = q.shape
+        H = self.n_heads  # local heads under TP
         q = q.view(B, S, H, self.nope_dim + self.rope_dim)
         q_nope, q_r = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
-        kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, H, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin).expand(B, S, H, self.rope_dim)
-        k = torch.cat([k_nope, k_r], dim=-1)
-        out_BSHV = self.core(q, k, v, self.softmax_scale)
-        return self.wo(out_BSHV.reshape(B, S, H * self.v_dim))
+        k_nope, v = kv.view(B, S, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_r.expand(B, S, H, self.rope_dim)], dim=-1)
+        return self.core(q, k, v, self.softmax_scale)

@@ -80,17 +80,18 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP."""
+    """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP.
+    Seam `activation` as SwiGLU's (moe_lc/model/seams.py)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
-        self.recompute = False  # selective: replay the SwiGLU output from gate|up in backward
+        self.activation = swiglu_then
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,) -> (T, D)."""
-        return swiglu_then(self.w2, self.w13(x_TD, counts_E), self.recompute, counts_E)
+        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E)
 
 
 class TokenDispatcher:

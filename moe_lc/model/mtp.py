@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.block import Block
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.linear import Linear
 
@@ -46,8 +47,6 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        from moe_lc.model.transformer import Block  # a block of the same kind as the main model's
-
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim)

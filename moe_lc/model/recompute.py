@@ -1,6 +1,7 @@
 """Activation recomputation: trade compute for activation memory, on torch.utils.checkpoint.
 
-Policies (`[recompute] policy`, applied from outside by `apply_recompute`):
+Policies (`[recompute] policy`), applied from outside by `apply_recompute` through the model's seams
+(moe_lc/model/seams.py: `replay` and `activation`; the model never imports this file):
     none       every activation autograd wants is kept
     full       each block keeps only its input; its forward is replayed in backward (a pipeline that
                runs blocks phase by phase keeps each phase's inputs instead)
@@ -8,7 +9,8 @@ Policies (`[recompute] policy`, applied from outside by `apply_recompute`):
                  norm       RMSNorm's fp32 intermediates
                  swiglu     the SwiGLU output: kept neither by the activation nor by the down
                             projection, recomputed from the cached gate|up (DeepSeek-V3's trick)
-                 attention  RoPE and the attention core: only the fused q|k|v projection output is kept
+                 attention  RoPE and the attention core: GQA keeps the fused q|k|v projection output;
+                            MLA keeps q, [k_nope | v] and the one roped key k_r
 
 Recomputed forwards must not count expert loads twice: `checkpointed` switches the routers of the
 replayed region off while it replays.
@@ -17,12 +19,20 @@ replayed region off while it replays.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_lc.config.choices import RecomputeItem, RecomputePolicy, names
+from moe_lc.model.attention import Attention
+from moe_lc.model.block import Block
+from moe_lc.model.ffn import SwiGLU, swiglu, swiglu_then
+from moe_lc.model.mla import MLAttention
+from moe_lc.model.moe import RoutedExperts
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.seams import run_now
 
 POLICIES = names(RecomputePolicy)
 SELECTIVE_ITEMS = names(RecomputeItem)
@@ -43,7 +53,9 @@ def _routers_muted(module: nn.Module | None):
 
 def checkpointed(fn, *args, owner: nn.Module | None = None):
     """fn(*args) whose activations are recomputed in backward (non-reentrant checkpoint). The replay
-    runs with `owner`'s routers muted so expert loads are counted once."""
+    runs with `owner`'s routers muted so expert loads are counted once. Without grad: fn(*args)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
     calls = [0]
 
     def run(*a):
@@ -77,26 +89,27 @@ def recompute_from(source: torch.Tensor, output: torch.Tensor, remake, consumer,
         return consumer(output, *args)
 
 
-def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[str, ...] = ("norm", "swiglu")) -> None:
-    """Set the recompute switches the model's modules read (blocks, norms, SwiGLUs, attention)."""
-    from moe_lc.model.attention import Attention
-    from moe_lc.model.ffn import SwiGLU
-    from moe_lc.model.moe import RoutedExperts
-    from moe_lc.model.norm import RMSNorm
-    from moe_lc.model.transformer import Block
+def swiglu_replayed(down, gate_up: torch.Tensor, *args) -> torch.Tensor:
+    """The `activation` seam under selective "swiglu": down(swiglu(gate_up), *args) keeping only gate_up
+    for backward: the activation is checkpointed and the copy `down` would save is rebuilt from gate_up."""
+    if not torch.is_grad_enabled():
+        return swiglu_then(down, gate_up, *args)
+    h = checkpointed(swiglu, gate_up)
+    return recompute_from(gate_up, h, swiglu, down, *args)
 
-    if policy not in POLICIES:
-        raise ValueError(f"recompute policy {policy!r} must be one of {POLICIES}")
-    bad = [item for item in selective if item not in SELECTIVE_ITEMS]
-    if bad:
-        raise ValueError(f"recompute.selective items {bad} must be among {SELECTIVE_ITEMS}")
+
+def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[str, ...] = ("norm", "swiglu")) -> None:
+    """Plug recomputation into the model's seams: `replay` of blocks (full), norms ("norm") and attention
+    modules ("attention", GQA and MLA); `activation` of SwiGLUs and routed experts ("swiglu").
+    Policy "none" puts the plain defaults back."""
+    assert policy in POLICIES and set(selective) <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
     items = set(selective) if policy == "selective" else set()
     for module in model.modules():
         if isinstance(module, Block):
-            module.recompute_block = policy == "full"
+            module.replay = partial(checkpointed, owner=module) if policy == "full" else run_now
         elif isinstance(module, RMSNorm):
-            module.recompute = "norm" in items
+            module.replay = checkpointed if "norm" in items else run_now
         elif isinstance(module, (SwiGLU, RoutedExperts)):
-            module.recompute = "swiglu" in items
-        elif isinstance(module, Attention):
-            module.recompute_core = "attention" in items
+            module.activation = swiglu_replayed if "swiglu" in items else swiglu_then
+        elif isinstance(module, (Attention, MLAttention)):
+            module.replay = checkpointed if "attention" in items else run_now

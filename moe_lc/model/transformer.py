@@ -15,64 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.attention import Attention
-from moe_lc.model.ffn import SwiGLU
-from moe_lc.model.mla import MLAttention
+from moe_lc.model.block import Block, run_phases
 from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.recompute import checkpointed
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.linear import GroupedLinear, Linear
-
-
-class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is dense SwiGLU or MoE."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        is_moe = cfg.moe.n_routed_experts > 0 and layer_id >= cfg.moe.n_dense_layers
-        self.ffn = MoE(cfg) if is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
-        self.recompute_block = False  # full recomputation: keep the block input, replay in backward
-
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.recompute_block and torch.is_grad_enabled():
-            return checkpointed(lambda x: run_phases(self._phases(cos, sin), x), x_BSD, owner=self)
-        return run_phases(self._phases(cos, sin), x_BSD)
-
-    def phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
-        """The block as a chain of phases, each taking and returning a tuple of tensors:
-        [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
-        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
-        recomputation each phase keeps only its inputs."""
-        phases = self._phases(cos, sin)
-        if not self.recompute_block:
-            return phases
-        return [lambda *state, fn=fn: checkpointed(fn, *state, owner=self) for fn in phases]
-
-    def _phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
-
-        def attention(h):
-            return (h + self.attn(self.attn_norm(h), cos, sin),)
-
-        if not isinstance(self.ffn, MoE):
-            return [attention, lambda h: (h + self.ffn(self.ffn_norm(h)),)]
-        moe, ctx = self.ffn, {}
-
-        def dispatch(h):
-            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h)))
-
-        def experts(h, *state):
-            return (h, *moe.expert_phase(ctx, *state))
-
-        def combine(h, *state):
-            return (h + moe.combine_phase(ctx, *state),)
-
-        return [attention, dispatch, experts, combine]
 
 
 class CrossEntropySum(nn.Module):
@@ -148,14 +96,6 @@ class Transformer(nn.Module):
             if isinstance(module.block.ffn, MoE):
                 out[f"mtp{d}"] = module.block.ffn
         return out
-
-
-def run_phases(phases: list, x):
-    """Run a chain of phases (each maps a tuple of tensors to the next) from the single input x."""
-    state = (x,)
-    for phase in phases:
-        state = phase(*state)
-    return state[0]
 
 
 def param_seed(seed: int, name: str) -> int:

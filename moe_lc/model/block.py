@@ -1,0 +1,69 @@
+"""One transformer block (pre-norm attention + FFN or MoE), and its forward as a chain of phases.
+
+Legend: B batch, S sequence (local), D model dim. Used by the main model and by each MTP module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.attention import Attention
+from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.mla import MLAttention
+from moe_lc.model.moe import MoE
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.seams import run_now
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is dense SwiGLU or MoE.
+    Seam `replay` runs the whole block, or each of its phases (moe_lc/model/seams.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.replay = run_now
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.replay(lambda x: run_phases(self._phases(cos, sin), x), x_BSD)
+
+    def phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
+        """The block as a chain of phases, each taking and returning a tuple of tensors:
+        [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
+        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
+        recomputation (the `replay` seam) each phase keeps only its inputs."""
+        return [lambda *state, fn=fn: self.replay(fn, *state) for fn in self._phases(cos, sin)]
+
+    def _phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
+
+        def attention(h):
+            return (h + self.attn(self.attn_norm(h), cos, sin),)
+
+        if not isinstance(self.ffn, MoE):
+            return [attention, lambda h: (h + self.ffn(self.ffn_norm(h)),)]
+        moe, ctx = self.ffn, {}
+
+        def dispatch(h):
+            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h)))
+
+        def experts(h, *state):
+            return (h, *moe.expert_phase(ctx, *state))
+
+        def combine(h, *state):
+            return (h + moe.combine_phase(ctx, *state),)
+
+        return [attention, dispatch, experts, combine]
+
+
+def run_phases(phases: list, x):
+    """Run a chain of phases (each maps a tuple of tensors to the next) from the single input x."""
+    state = (x,)
+    for phase in phases:
+        state = phase(*state)
+    return state[0]

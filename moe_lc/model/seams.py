@@ -1,0 +1,20 @@
+"""Seams: the places where code outside the model changes how a module runs, as context parallelism
+swaps an attention module's `.core` for ring attention. The model defines the seams and their plain
+defaults and never imports what plugs into them.
+
+  replay      `module.replay(fn, *args)` runs one piece of the module's forward. The default runs it
+              now and lets autograd keep what that piece saves; recomputation (moe_lc/model/
+              recompute.py) plugs in a replay that keeps only the piece's inputs and runs it again in
+              backward. Pieces: an RMSNorm's fp32 math, attention's RoPE and core, a whole block.
+  activation  `module.activation(down, gate_up, *args)` is a SwiGLU's down(silu(gate) * up, *args);
+              recomputation plugs in one that keeps only gate|up for backward.
+  core        an attention module's kernel call (LocalAttention; ring attention under CP).
+  gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
+"""
+
+from __future__ import annotations
+
+
+def run_now(fn, *args):
+    """The default replay seam: fn(*args), nothing special."""
+    return fn(*args)

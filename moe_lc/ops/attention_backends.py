@@ -1,0 +1,209 @@
+"""Attention backends on one device: the interface, the reference math and torch's fused kernels.
+
+Layouts, the forward/backward contract and the backend list are in moe_lc/ops/attention.py (the
+public entry); the flash-attn packages' backends are in moe_lc/ops/flash_attention.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+aten = torch.ops.aten
+
+CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_FLASH_MAX_HEAD_DIM = 256
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """Raise ValueError unless q, k, v follow the layout in the module docstring."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, S, H, D); got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    (B, Q, H, D_qk), (B_k, K, J, D_k), (B_v, K_v, J_v, _) = q.shape, k.shape, v.shape
+    if not (B == B_k == B_v) or K != K_v or J != J_v or D_qk != D_k:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         "need equal batch, equal k/v length and heads, and equal q/k head dim")
+    if J == 0 or H % J != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={J}")
+    if causal and Q != K:
+        raise ValueError(f"causal=True needs S_q == S_k (top-left aligned mask); got S_q={Q}, S_k={K}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def pad_head_dim(x: Tensor, head_dim: int) -> Tensor:
+    """Zero-pad the last dim to `head_dim`; no copy when it already fits."""
+    return x if x.shape[-1] == head_dim else F.pad(x, (0, head_dim - x.shape[-1]))
+
+
+def trim_head_dim(x: Tensor, head_dim: int) -> Tensor:
+    """Undo pad_head_dim (a view; free when nothing was padded)."""
+    return x if x.shape[-1] == head_dim else x.narrow(-1, 0, head_dim)
+
+
+def unit_last_stride(x: Tensor) -> Tensor:
+    # CUDA flash kernels take any row/head strides but need a unit stride in the head dim.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+class AttentionBackend:
+    """Interface; see the module docstring for layouts. Backends hold no state."""
+
+    name = "abstract"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        """-> out (B, Q, H, D_v) in q.dtype, lse (B, H, Q) float32."""
+        raise NotImplementedError
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """dout like out, lse (B, H, Q) -> (dq, dk, dv) with the shapes and dtypes of q, k, v."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# --------------------------------------------------------------------------- reference
+
+
+class ReferenceBackend(AttentionBackend):
+    """Plain torch math in float32 (float64 stays float64), grouped over kv heads without copies."""
+
+    name = "reference"
+
+    @staticmethod
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """-> scaled masked scores (B, J, G, Q, K), q as (B, Q, J, G, D), k as (B, K, J, D)."""
+        compute_dtype = torch.promote_types(q.dtype, torch.float32)
+        J = k.shape[2]
+        q_BQJGD = q.to(compute_dtype).unflatten(2, (J, q.shape[2] // J))
+        k_BKJD = k.to(compute_dtype)
+        scores_BJGQK = torch.einsum("bqjgd,bkjd->bjgqk", q_BQJGD, k_BKJD) * scale
+        if causal:
+            Q, K = scores_BJGQK.shape[-2:]
+            future_QK = torch.ones(Q, K, dtype=torch.bool, device=q.device).triu_(1)
+            scores_BJGQK = scores_BJGQK.masked_fill(future_QK, float("-inf"))
+        return scores_BJGQK, q_BQJGD, k_BKJD
+
+    def forward(self, q, k, v, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        scores_BJGQK, _, _ = self._scores(q, k, causal, scale)
+        lse_BJGQ = torch.logsumexp(scores_BJGQK, dim=-1)
+        probs_BJGQK = torch.exp(scores_BJGQK - lse_BJGQ.unsqueeze(-1))
+        out_BQJGD = torch.einsum("bjgqk,bkjd->bqjgd", probs_BJGQK, v.to(probs_BJGQK.dtype))
+        return out_BQJGD.flatten(2, 3).to(q.dtype), lse_BJGQ.flatten(1, 2).float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        scores_BJGQK, q_BQJGD, k_BKJD = self._scores(q, k, causal, scale)
+        J, G = scores_BJGQK.shape[1:3]
+        dt = scores_BJGQK.dtype
+        # Probabilities from the lse we are given (the merged one under ring attention).
+        lse_BJGQ = lse.to(dt).unflatten(1, (J, G))
+        probs_BJGQK = torch.exp(scores_BJGQK - lse_BJGQ.unsqueeze(-1))
+        dout_BQJGD = dout.to(dt).unflatten(2, (J, G))
+        v_BKJD = v.to(dt)
+        dprobs_BJGQK = torch.einsum("bqjgd,bkjd->bjgqk", dout_BQJGD, v_BKJD)
+        delta_BJGQ = (dout_BQJGD * out.to(dt).unflatten(2, (J, G))).sum(-1).permute(0, 2, 3, 1)
+        dscores_BJGQK = probs_BJGQK * (dprobs_BJGQK - delta_BJGQ.unsqueeze(-1))
+        dq = torch.einsum("bjgqk,bkjd->bqjgd", dscores_BJGQK, k_BKJD).flatten(2, 3) * scale
+        dk = torch.einsum("bjgqk,bqjgd->bkjd", dscores_BJGQK, q_BQJGD) * scale
+        dv = torch.einsum("bjgqk,bqjgd->bkjd", probs_BJGQK, dout_BQJGD)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+REFERENCE = ReferenceBackend()
+
+
+def fallback_reason(q: Tensor, v: Tensor, dtypes: tuple[torch.dtype, ...] | None) -> str | None:
+    """Why a CUDA flash kernel cannot take these inputs (None when it can)."""
+    if dtypes is not None and q.dtype not in dtypes:
+        return f"dtype {q.dtype} (kernel takes {dtypes})"
+    if round_up(max(q.shape[-1], v.shape[-1]), 8) > CUDA_FLASH_MAX_HEAD_DIM:
+        return f"head dims D_qk={q.shape[-1]}, D_v={v.shape[-1]} (kernel takes <= {CUDA_FLASH_MAX_HEAD_DIM})"
+    return None
+
+
+def warn_fallback(backend: str, reason: str) -> None:
+    warnings.warn(f"attention backend {backend!r} cannot take {reason}; using the reference math "
+                  "(O(S^2) memory)", RuntimeWarning, stacklevel=4)
+
+
+# --------------------------------------------------------------------------- torch (aten)
+
+
+class TorchBackend(AttentionBackend):
+    """aten's fused flash kernels; the (B, H, S, D) views they take are transposes of BSHD."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        if q.is_cuda:
+            return self._cuda_forward(q, k, v, causal, scale)
+        head_dim = max(q.shape[-1], v.shape[-1])
+        q_, k_, v_ = (pad_head_dim(x, head_dim).transpose(1, 2) for x in (q, k, v))
+        out_BHQD, lse_BHQ = aten._scaled_dot_product_flash_attention_for_cpu(
+            q_, k_, v_, 0.0, causal, attn_mask=None, scale=scale)
+        # lse is float32 for fp32/bf16/fp16 (float() is then a no-op) and float64 for fp64 inputs.
+        return trim_head_dim(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        check_attention_inputs(q, k, v, causal)
+        if q.is_cuda:
+            return self._cuda_backward(dout, q, k, v, out, lse, causal, scale)
+        head_dim = max(q.shape[-1], v.shape[-1])
+        q_, k_, v_, dout_, out_ = (pad_head_dim(x, head_dim).transpose(1, 2) for x in (q, k, v, dout, out))
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's accumulator
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_, q_, k_, v_, out_, lse.to(lse_dtype), 0.0, causal, attn_mask=None, scale=scale)
+        return unpad_grads(dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), q, v)
+
+    # CUDA: schemas as of torch 2.5-2.13 (native_functions.yaml); untested on this CPU-only machine.
+    #   _scaled_dot_product_flash_attention(Tensor query, Tensor key, Tensor value, float dropout_p=0.,
+    #     bool is_causal=False, bool return_debug_mask=False, *, float? scale=None)
+    #     -> (output, logsumexp, cum_seq_q, cum_seq_k, SymInt max_q, SymInt max_k, rng_state, unused, debug_attn_mask)
+    #   _scaled_dot_product_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
+    #     Tensor out, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k,
+    #     float dropout_p, bool is_causal, Tensor philox_seed, Tensor philox_offset, *, float? scale=None)
+    # Dense (non-nested) inputs give cum_seq_q/k = None, and with dropout_p = 0 the philox tensors are
+    # never read (flash_api.cpp mha_bwd), so the backward needs nothing from the forward but (out, lse).
+    # The kernel (flash_api.cpp mha_fwd/mha_bwd) takes H_kv < H natively and sums dk/dv over groups.
+
+    def _cuda_forward(self, q, k, v, causal, scale):
+        reason = fallback_reason(q, v, CUDA_FLASH_DTYPES)
+        if reason is not None:
+            warn_fallback(self.name, reason)
+            return REFERENCE.forward(q, k, v, causal, scale)
+        head_dim = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        q_, k_, v_ = (unit_last_stride(pad_head_dim(x, head_dim)).transpose(1, 2) for x in (q, k, v))
+        out_BHQD, lse_BHQ, *_ = aten._scaled_dot_product_flash_attention(
+            q_, k_, v_, 0.0, causal, False, scale=scale)
+        return trim_head_dim(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ
+
+    def _cuda_backward(self, dout, q, k, v, out, lse, causal, scale):
+        if fallback_reason(q, v, CUDA_FLASH_DTYPES) is not None:
+            return REFERENCE.backward(dout, q, k, v, out, lse, causal, scale)
+        head_dim = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        q_, k_, v_, dout_, out_ = (unit_last_stride(pad_head_dim(x, head_dim)).transpose(1, 2)
+                                   for x in (q, k, v, dout, out))
+        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout_, q_, k_, v_, out_, lse.float().contiguous(), None, None, q.shape[1], k.shape[1],
+            0.0, causal, no_rng, no_rng, scale=scale)
+        return unpad_grads(dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), q, v)
+
+
+def unpad_grads(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Slice padded (B, S, H, D) grads back to the head dims of q/k and v (views, no copies)."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    return trim_head_dim(dq, d_qk), trim_head_dim(dk, d_qk), trim_head_dim(dv, d_v)
