@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from moe_lc.checkpoint import MARKER, CheckpointError, committed_checkpoints, load_checkpoint
 from moe_lc.config import Config, ConfigError, load_config
@@ -76,10 +77,29 @@ def eval_dims(cfg: Config, device: torch.device) -> ParallelDims | None:
     return dims
 
 
+class ContextParallelLM(nn.Module):
+    """A model whose attention runs the zig-zag ring over `dims["cp"]`: tokens (B, S) -> logits (B, S, V),
+    the same full tensors on every cp rank (each runs its zig-zag chunks; odd lengths are padded)."""
+
+    def __init__(self, model: Transformer, dims: ParallelDims):
+        super().__init__()
+        self.model, self.dims = model, dims
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        from moe_lc.parallel.context import zigzag_shard, zigzag_unshard
+
+        group, S = self.dims["cp"], tokens_BS.shape[1]
+        padded = -(-S // (2 * group.size)) * 2 * group.size
+        tokens_BS = torch.nn.functional.pad(tokens_BS, (0, padded - S))
+        positions = torch.arange(padded, device=tokens_BS.device)
+        logits = self.model(zigzag_shard(tokens_BS, group, dim=1), positions=zigzag_shard(positions, group, dim=0))
+        return zigzag_unshard(logits.float().contiguous(), group, dim=1)[:, :S]
+
+
 def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, dims: ParallelDims | None = None) -> Transformer:
-    """The checkpoint's weights in a full model (eval mode, `dtype` parameters); with `dims` (cp > 1)
-    its attention runs the zig-zag ring over the cp group."""
+               dtype: torch.dtype = torch.float32, dims: ParallelDims | None = None) -> nn.Module:
+    """The checkpoint's weights in a full model (eval mode, `dtype` parameters): tokens -> logits; with
+    `dims` (cp > 1) its attention runs the zig-zag ring over the cp group (`ContextParallelLM`)."""
     model = Transformer(cfg.model)
     state = model.state_dict()
     _check_shapes(step_dir, state)
@@ -90,8 +110,7 @@ def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
     if dims is not None and dims.cp > 1:
         from moe_lc.parallel.parallelize import parallelize
 
-        model = parallelize(model, dims)
-        model.__dict__["eval_dims"] = dims
+        return ContextParallelLM(parallelize(model, dims).module, dims).to(device).eval()
     return model.to(device).eval()
 
 
@@ -111,22 +130,10 @@ def _check_shapes(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def forward_logits(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """Logits (B, S, V) in fp32 for token ids (B, S), on the model's device; under context
-    parallelism every rank passes the same full tokens and gets the same full logits."""
+def forward_logits(model: nn.Module, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """Logits (B, S, V) in fp32 for token ids (B, S), on the model's device (`load_model`'s model)."""
     device = next(model.parameters()).device
-    tokens_BS = tokens_BS.to(device)
-    dims = model.__dict__.get("eval_dims")
-    if dims is None:
-        return model(tokens_BS).float()
-    from moe_lc.parallel.context import zigzag_shard, zigzag_unshard
-
-    group, S = dims["cp"], tokens_BS.shape[1]
-    padded = -(-S // (2 * group.size)) * 2 * group.size
-    tokens_BS = torch.nn.functional.pad(tokens_BS, (0, padded - S))
-    positions = torch.arange(padded, device=device)
-    logits = model(zigzag_shard(tokens_BS, group, dim=1), positions=zigzag_shard(positions, group, dim=0))
-    return zigzag_unshard(logits.float().contiguous(), group, dim=1)[:, :S]
+    return model(tokens_BS.to(device)).float()
 
 
 def checkpoint_step(step_dir: Path) -> int:

@@ -170,19 +170,20 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier()
 
-    def state(self, model, optimizer, train: dict) -> dict:
+    def state(self, parallel, optimizer, train: dict) -> dict:
+        """parallel: the trainer's `Parallelized` model (its placements say how to box each tensor)."""
         from moe_lc.parallel.checkpoint_state import model_state, optimizer_state
 
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        return {"model": model_state(model, self.dims), "optim": optimizer_state(optimizer, model, self.dims),
+        return {"model": model_state(parallel, self.dims), "optim": optimizer_state(optimizer, parallel, self.dims),
                 "train": dict(train, world=self.dims.world), "rng": {f"rank{self.dims.rank}": rng}}
 
-    def save(self, step: int, model, optimizer, train: dict) -> Path:
+    def save(self, step: int, parallel, optimizer, train: dict) -> Path:
         """Save (or, with async_save, start saving) the state after `step` optimizer steps."""
         self.wait()
-        state = self.state(model, optimizer, train)
+        state = self.state(parallel, optimizer, train)
         if not self.async_save:
             return save_checkpoint(self.root, step, state, is_writer=self.is_writer, barrier=self._barrier,
                                    keep=self.keep, rank=self.dims.rank)
@@ -217,14 +218,14 @@ class Checkpointer:
             error, self._error = self._error, None
             raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
 
-    def resume(self, model, optimizer, train_template: dict) -> tuple[Path | None, dict]:
+    def resume(self, parallel, optimizer, train_template: dict) -> tuple[Path | None, dict]:
         """Load the newest committed checkpoint into model and optimizer; returns (path, train state)."""
         path = latest_checkpoint(self.root)
         if path is None:
             return None, train_template
         keys = checkpoint_keys(path)
         train = load_checkpoint(path, {"train": dict(train_template, world=0)})["train"]
-        state = self.state(model, optimizer, train_template)
+        state = self.state(parallel, optimizer, train_template)
         state.pop("train")
         if train["world"] != self.dims.world or f"rng.rank{self.dims.rank}.torch" not in keys:
             state.pop("rng")  # another layout: generator states do not map rank to rank

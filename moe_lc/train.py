@@ -25,17 +25,15 @@ from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token
-from moe_lc.model.recompute import apply_recompute
-from moe_lc.model.transformer import build_model
-from moe_lc.ops.fp8_linear import apply_fp8
+from moe_lc.ops import fp8_te
+from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.parallel import comm
+from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
-from moe_lc.parallel.pipeline import build_schedule
+from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
-from moe_lc.parallel.pipeline.stage import stage_layers
-from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, parallelize, prepare_batch,
-                                         zero_param_groups)
 from moe_lc.parallel.zero import ZeroAdamW
+from moe_lc.train_step import StepResult, balance_routers, forward_backward, mtp_losses, step_token_count
 
 
 @dataclass
@@ -45,22 +43,6 @@ class TrainResult:
     final_state: dict | None = None  # unsharded parameters (rank 0, when asked for)
     comm_per_step: list[dict] = field(default_factory=list)
     optimizer_state_bytes: int = 0
-
-
-def pipeline_plan(cfg: Config, microbatches: int):
-    """(schedule, layers per stage) for pp > 1, else (None, None); ConfigError on impossible plans,
-    before any process group exists."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return None, None
-    try:
-        schedule = build_schedule(p.pp_schedule, p.pp, microbatches,
-                                  p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
-        layers = stage_layers(cfg.model, schedule.n_stages, cfg.train.seq_len, p.pp_stage_layers or None)
-    except ValueError as exc:
-        raise ConfigError([f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {microbatches} "
-                           f"micro-batches: {exc}"]) from None
-    return schedule, layers
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,27 +81,21 @@ class Trainer:
             raise ConfigError([f"data: {exc}"]) from None
         self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
-        model = build_model(cfg.model, t.seed, dtype=p.compute_dtype)
-        self.model = parallelize(model, self.dims, cfg.parallel.expert_dispatch, self.schedule,
-                                 self.stage_layers).to(self.device)
-        if p.recipe == "fp8":
-            try:
-                apply_fp8(self.model, p.fp8_scaling, p.fp8_backend, self.device)
-            except ValueError as exc:  # e.g. fp8_backend = "te" where Transformer Engine cannot run
-                raise ConfigError([f"precision.fp8_backend={p.fp8_backend!r}: {exc}"]) from None
-        apply_recompute(self.model, cfg.recompute.policy, cfg.recompute.selective)
-        self.model.train()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
+        if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
+            reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
+            if reason is not None:
+                raise ConfigError([f"precision.fp8_backend='te': {reason}"])
+        self.parallel = build_rank_model(cfg, self.dims, self.device, plan=(self.schedule, self.stage_layers))
+        self.model = self.parallel.module.train()
         self.runtime = None
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
-            self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.model.pipeline_chunks,
+            self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.parallel.stages,
                                            self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
                                            p.compute_dtype, self.device)
-        for moe in self.model.moe_layers().values():
-            moe.aux_loss_scale = 1.0 / (self.microbatches * self.dims.dp)
         self.optimizer = ZeroAdamW(
-            zero_param_groups(self.model, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
+            zero_param_groups(self.parallel, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
             eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             moments_dtype=torch.bfloat16 if p.adam_moments == "bf16" else torch.float32,
             no_decay=no_weight_decay_names(self.model))
@@ -131,102 +107,38 @@ class Trainer:
         self.peak = peak_flops(self.device, p.recipe, t.peak_tflops)
 
     # -- one optimizer step ---------------------------------------------------------------------------
-    def _step_token_count(self, micro: list[dict]) -> float:
-        if all(mb["loss_mask"] is None for mb in micro):
-            return float(self.cfg.train.global_batch * self.cfg.train.seq_len)
-        local = sum(float(mb["loss_mask"].sum()) if mb["loss_mask"] is not None else mb["tokens"][:, 1:].numel()
-                    for mb in micro)
-        count = torch.tensor(local, dtype=torch.float64, device=self.device)
-        comm.all_reduce(count, self.dims["dp"])
-        return max(count.item(), 1.0)
-
     @staticmethod
     def microbatches_per_pipeline(cfg: Config) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
         return cfg.train.global_batch // (cfg.train.micro_batch * dp)
 
-    def _modules_with_mtp(self) -> list:
-        return [m for m in [self.model, *getattr(self.model, "pipeline_chunks", [])] if getattr(m, "mtp", None) is not None]
-
-    def _mtp_metrics(self, n_tokens: float) -> dict:
-        """Per-depth MTP loss per token, summed over this step (reduced like the main loss)."""
-        if not self.cfg.model.mtp.depth:
-            return {"mtp_weighted_sum": 0.0}
-        sums = torch.zeros(self.cfg.model.mtp.depth, dtype=torch.float64, device=self.device)
-        for m in self._modules_with_mtp():
-            if m.mtp_loss_sums is not None:
-                sums += m.mtp_loss_sums
-            m.mtp_loss_sums = None
-        comm.all_reduce(sums, self.dims["world"])
-        sums /= self.dims.tp
-        out = {f"mtp_loss/depth{d + 1}": (v / n_tokens).item() for d, v in enumerate(sums)}
-        out["mtp_weighted_sum"] = (self.cfg.model.mtp.loss_weight / len(sums) * sums.sum()).item()
-        return out
-
-    def train_step(self) -> tuple[float, float, bool]:
+    def train_step(self) -> StepResult:
+        t, m = self.cfg.train, self.cfg.model
         micro = self.loader.next_step()
-        n_tokens = self._step_token_count(micro)
+        n_tokens = step_token_count(micro, t.global_batch * t.seq_len, self.dims, self.device)
         batches = []
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, self.cfg.model.mtp.depth))
+            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, m.mtp.depth))
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
-        if self.runtime is not None:
-            self.optimizer.begin_step(self.runtime.grad_arrivals())
-            loss_sum = self.runtime.step(batches, scale) * (scale * n_tokens)
-        else:
-            self.optimizer.begin_step(len(batches))
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for batch in batches:
-                loss = self.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                                  loss_mask=batch["loss_mask"], mtp=batch["mtp"])
-                (loss * scale).backward()
-                loss_sum += loss.detach().double() * (scale * n_tokens)
+        loss_sum = forward_backward(self, batches, scale, n_tokens)
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
-        self._step_extra = self._mtp_metrics(n_tokens)
-        mtp_sum = self._step_extra.pop("mtp_weighted_sum")
+        metrics, mtp_sum = mtp_losses(self.parallel.chunks(), m.mtp.depth, m.mtp.loss_weight, self.dims, n_tokens,
+                                      self.device)
         if mtp_sum:  # log the next-token loss (comparable with MTP off) and the objective apart
-            self._step_extra["loss_objective"] = loss_sum.item() / n_tokens
+            metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
-        grad_norm, applied = self.optimizer.step(lr_at(self.step, self.cfg.train))
-        self._update_router_biases()
-        return loss_sum.item() / n_tokens, grad_norm, applied
+        grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
+        metrics.update(self._update_router_biases())
+        return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)
 
-    @torch.no_grad()
     def _update_router_biases(self) -> dict:
-        """Sum expert loads over every router replica (one all-reduce), then nudge each bias."""
-        moes = self.model.moe_layers()
-        if not moes:
-            return {}
-        stats = {}
-        if self.dims.ep > 1:  # dispatcher counters: load per expert and ep rank, nodes per token
-            from moe_lc.parallel.expert import expert_parallel_metrics
-
-            stats.update(expert_parallel_metrics(self.model, self.dims))
-        loads = torch.stack([m.router.expert_load for m in moes.values()])
-        comm.all_reduce(loads, self.dims["dp_cp_tp"])
-        scalars = {}  # metric -> 0-dim device tensor, brought to the host in one transfer (one sync per step)
-        for (name, moe), load in zip(moes.items(), loads):
-            scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
-            moe.router.update_bias(load)
-            bias = moe.router.expert_bias
-            scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
-            if moe.last_aux_loss is not None:
-                scalars[f"moe/aux_loss/layer{name}"] = moe.last_aux_loss
-        host = torch.cat([torch.stack([v.float() for v in scalars.values()]), loads.float().flatten()]).tolist()
-        stats.update(zip(scalars, host))
-        n_experts = loads.shape[1]
-        for i, name in enumerate(moes):
-            start = len(scalars) + i * n_experts
-            stats.setdefault(f"moe/load/layer{name}", host[start:start + n_experts])
-        stats["moe/imbalance_max"] = max(v for k, v in stats.items() if k.startswith("moe/imbalance/"))
-        self._moe_stats = stats
-        return stats
+        return balance_routers(self.model, self.dims)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _train_state(self) -> dict:
@@ -240,10 +152,10 @@ class Trainer:
         bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:  # the non-finite guard skips such updates; never write them
             raise FloatingPointError(f"refusing to save non-finite parameters: {bad[:5]}")
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self._train_state())
+        return self.checkpointer.save(self.step, self.parallel, self.optimizer, self._train_state())
 
     def try_resume(self) -> Path | None:
-        path, train = self.checkpointer.resume(self.model, self.optimizer, self._train_state())
+        path, train = self.checkpointer.resume(self.parallel, self.optimizer, self._train_state())
         if path is not None:
             self.step = int(train["step"])
             self.nonfinite_skipped = int(train["nonfinite_skipped"])
@@ -268,11 +180,12 @@ class Trainer:
             self.dims.counter.reset()
             start = time.perf_counter()
             lr = lr_at(self.step, t)
-            loss, grad_norm, applied = self.train_step()
+            step = self.train_step()
+            loss, grad_norm = step.loss, step.grad_norm
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            if not applied:
+            if not step.applied:
                 self.nonfinite_skipped += 1
                 logger.event(f"step {self.step + 1}: non-finite loss/grad norm ({loss}, {grad_norm}); update "
                              f"skipped ({self.nonfinite_skipped}/{t.max_nonfinite_steps})")
@@ -285,8 +198,7 @@ class Trainer:
                        "step_time": elapsed, "skipped_steps": self.nonfinite_skipped}
             if self.peak:
                 metrics["mfu"] = self.flops_per_token * tokens_per_step / elapsed / (self.peak * self.dims.world)
-            metrics.update(getattr(self, "_moe_stats", {}))
-            metrics.update(getattr(self, "_step_extra", {}))
+            metrics.update(step.metrics)
             comm_bytes = self.dims.counter.as_dict()
             metrics.update(comm_bytes)
             logger.log(self.step, metrics)
@@ -300,7 +212,7 @@ class Trainer:
             faults.maybe_exit(self.step, self.dims.rank)
         self.checkpointer.wait()
         if keep_final_state:
-            result.final_state = full_state_dict(self.model, self.dims)
+            result.final_state = full_state_dict(self.parallel, self.dims)
         logger.close()
         return result
 

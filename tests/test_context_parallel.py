@@ -230,7 +230,7 @@ def _model_grads(recipe, groups, seed):
     out = {}
     for cp, group in groups.items():
         dims = ParallelDims(1, 1, cp, 1, 1, cp, cp, group.rank, groups={"cp": group})
-        loss, got = loss_and_grads(parallelize(build_model(cfg, seed=0), dims), dims)
+        loss, got = loss_and_grads(parallelize(build_model(cfg, seed=0), dims).module, dims)
         out[cp] = ((loss - want_loss).abs().item() / want_loss.item(),
                    {n: ((g - w).norm() / w.norm().clamp_min(1e-30)).item() for n, g, w in zip(names, got, want)})
     return out

@@ -68,7 +68,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     inter-node bytes per phase, and which token ids arrived at this rank."""
     from moe_lc.model.moe import LocalDispatcher, RoutedExperts
     from moe_lc.parallel.expert import DISPATCHERS, ExpertTopology
-    from moe_lc.parallel.placement import Shard, shard_param_
+    from moe_lc.parallel.placement import Placements, Shard
 
     E, K, G, TG, D, F = shape
     x_all, idx_all, w_all = _problem(sizes, E, K, G, TG, D, hot)
@@ -90,7 +90,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     # expert parallel, this rank's tokens
     ep, experts = dims["ep"], ep_experts
     for lin in (experts.w13, experts.w2):
-        shard_param_(lin.weight, Shard("ep", 0), ep)
+        Placements().shard_(lin.weight, Shard("ep", 0), ep)
     mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
     d = DISPATCHERS[mode](ep, ExpertTopology.of(ep, E))
@@ -278,22 +278,24 @@ def test_ep_over_dp_and_tp_trains_like_one_device():
 def _skewed_bias_worker(rank, world, overrides, embed_skew=0.15, gate_skew=0.15):
     """Train with every token pulled toward experts 0 and 1 (a shared direction u in the embeddings and
     in those experts' gate rows); record per-step metrics and every rank's router biases."""
+    import moe_lc.parallel.build as build
     import moe_lc.train as train
     from moe_lc.config import load_config
     from moe_lc.parallel.expert import expert_parallel_metrics
 
-    build = train.build_model
+    materialize = build.materialize
 
-    def skewed(cfg, seed, **kw):
-        model = build(cfg, seed, **kw)
-        u = torch.nn.functional.normalize(torch.randn(cfg.dim, generator=torch.Generator().manual_seed(7)), dim=0)
+    def skewed(parallel, *args, **kw):  # the initialized model, before the optimizer copies it
+        materialize(parallel, *args, **kw)
+        model = parallel.module
+        u = torch.nn.functional.normalize(torch.randn(model.cfg.dim, generator=torch.Generator().manual_seed(7)), dim=0)
         with torch.no_grad():
             model.embed.weight += embed_skew * u
             for moe in model.moe_layers().values():
                 moe.router.gate.weight[:2] += gate_skew * u
-        return model
+        return parallel
 
-    train.build_model = skewed
+    build.materialize = skewed
     trainer = train.Trainer(load_config(RECIPE, FAST + overrides, world_size=world))
     update, per_step = trainer._update_router_biases, []
 

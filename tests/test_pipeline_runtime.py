@@ -113,7 +113,7 @@ def test_balanced_split_prefers_cheap_stages_for_expensive_layers():
 
 
 def test_bad_pipeline_layouts_are_reported_before_launch():
-    from moe_lc.train import pipeline_plan
+    from moe_lc.parallel.build import pipeline_plan
 
     with pytest.raises(ConfigError, match="dualpipe needs pp even"):
         load_config(RECIPE, ["parallel.pp=3", "parallel.pp_schedule=dualpipe", "model.n_layers=6"], world_size=3)

@@ -18,6 +18,7 @@ from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.parallelize import prepare_batch
+from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.parallel.zero import ZeroAdamW
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
 from tools.placement_semantics import zero_comm, zero_memory
@@ -73,7 +74,7 @@ def test_zero_layout_matches_the_optimizer_built_in_process(n, bucket_mb, moment
     model = Transformer(cfg.model)
     groups = {"dp_cp": [], "edp": []}
     for name, p in model.named_parameters():
-        groups["edp" if ".experts." in name else "dp_cp"].append((name, p))
+        groups["edp" if ".experts." in name else "dp_cp"].append((name, p, ParamPlacement()))
     opt = ZeroAdamW([(g, ps, _fake_group(g, n)) for g, ps in groups.items()], _fake_group("world", n),
                     bucket_mb=bucket_mb, moments_dtype=torch.bfloat16 if moments == "bf16" else torch.float32)
     rank = plan(cfg, n).ranks[0]

@@ -176,13 +176,13 @@ def test_async_save_snapshots_before_training_continues(tmp_path):
     trainer = Trainer(cfg)
     saved = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     ckpt = Checkpointer(tmp_path / "ckpt", trainer.dims, async_save=True)
-    ckpt.save(1, trainer.model, trainer.optimizer, trainer._train_state())
+    ckpt.save(1, trainer.parallel, trainer.optimizer, trainer._train_state())
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(1.0)  # "the next training step"
     ckpt.wait()
     fresh = Trainer(cfg)
-    state = {"model": model_state(fresh.model, fresh.dims)}
+    state = {"model": model_state(fresh.parallel, fresh.dims)}
     load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), state)
     for name, p in fresh.model.named_parameters():
         assert torch.equal(p, saved[name]), name

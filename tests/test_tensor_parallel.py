@@ -88,7 +88,8 @@ def _unit_worker(rank, world):
     out = {"layers": _layer_check(dims["tp"], rank, world)}
 
     ref = build_model(cfg, seed=0, dtype=torch.float64)
-    model = parallelize(copy.deepcopy(ref), dims)
+    parallel = parallelize(copy.deepcopy(ref), dims)
+    model = parallel.module
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
     mask = (torch.rand(B, S, generator=g) > 0.2).double()
@@ -111,9 +112,10 @@ def _unit_worker(rank, world):
     out["grad_rel"] = {}
     for name, p in model.named_parameters():
         grad = p.grad.clone()
-        if p._grad_group in ("dp_cp_tp", "edp"):  # edp = dp*cp*tp here (ep = 1): includes tp
+        place = parallel.placements[name]
+        if place.grad_group in ("dp_cp_tp", "edp"):  # edp = dp*cp*tp here (ep = 1): includes tp
             comm.all_reduce(grad, dims["tp"])
-        full = gather_full(grad, p._placement, dims.groups)
+        full = gather_full(grad, place.shards, dims.groups)
         want = ref_grads[name].grad
         out["grad_rel"][name] = ((full - want).norm() / want.norm()).item()
 

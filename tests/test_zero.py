@@ -90,8 +90,9 @@ def _overlap_worker(rank, world):
 
     d = ParallelDims.from_config(ParallelConfig(), world, rank)
     d.init_groups()
-    model = parallelize(build_model(model_config(attn_backend="reference"), seed=0), d)
-    opt = ZeroAdamW(zero_param_groups(model, d), d["world"], bucket_mb=0.05)
+    parallel = parallelize(build_model(model_config(attn_backend="reference"), seed=0), d)
+    model = parallel.module
+    opt = ZeroAdamW(zero_param_groups(parallel, d), d["world"], bucket_mb=0.05)
     events = []
     real = comm.reduce_scatter
     comm.reduce_scatter = lambda *a, **k: (events.append("launch"), real(*a, **k))[1]

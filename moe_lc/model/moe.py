@@ -54,6 +54,11 @@ class Router(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.count_loads = True  # switched off while a recomputed forward replays this router
 
+    def init_buffers(self) -> None:
+        """Zero the balancing state (after the model was built on the meta device)."""
+        self.expert_bias.zero_()
+        self.expert_load.zero_()
+
     def forward(self, x_TD: torch.Tensor):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         logits_TE = self.gate(x_TD.float())

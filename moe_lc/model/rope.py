@@ -41,8 +41,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
                  original_seq_len: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0):
         super().__init__()
-        inv_freq = rope_inv_freq(rot_dim, theta, scaling, factor, original_seq_len, beta_fast, beta_slow)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.args = (rot_dim, theta, scaling, factor, original_seq_len, beta_fast, beta_slow)
+        self.register_buffer("inv_freq", rope_inv_freq(*self.args), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Recompute the table in place (after the model was built on the meta device)."""
+        self.inv_freq = rope_inv_freq(*self.args).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]

@@ -10,6 +10,8 @@ defaults and never imports what plugs into them.
               recomputation plugs in one that keeps only gate|up for backward.
   core        an attention module's kernel call (LocalAttention; ring attention under CP).
   gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
+  mtp_embed   the embedding the MTP modules use on a pipeline stage that holds none: a `Borrowed`
+              reference to the one of the rank's first stage (DualPipe keeps both ends on one rank).
 """
 
 from __future__ import annotations
@@ -18,3 +20,19 @@ from __future__ import annotations
 def run_now(fn, *args):
     """The default replay seam: fn(*args), nothing special."""
     return fn(*args)
+
+
+class Borrowed:
+    """Calls `owner.<name>` without owning it: a plain object, so the module it reaches is not
+    registered twice (its parameters stay where they are) and a later swap of `owner.<name>` (e.g. a
+    vocab-parallel embedding) is what gets called."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    @property
+    def module(self):
+        return getattr(self.owner, self.name)
+
+    def __call__(self, *args):
+        return self.module(*args)

@@ -8,19 +8,18 @@ checkpoints stay layout-independent). A stage without `embed` takes hidden state
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.block import Block, run_phases
+from moe_lc.model.init import cast_params_, init_weights
 from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
-from moe_lc.ops.linear import GroupedLinear, Linear
+from moe_lc.ops.linear import Linear
 
 
 class CrossEntropySum(nn.Module):
@@ -50,6 +49,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_loss_sums: torch.Tensor | None = None  # (D,) detached sums since the trainer's last reset
+        self.mtp_embed = None  # seam: a Borrowed embedding for MTP on a stage without one (moe_lc/model/seams.py)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor,
                                     cfg.rope.original_seq_len, cfg.rope.beta_fast, cfg.rope.beta_slow)
 
@@ -82,7 +82,7 @@ class Transformer(nn.Module):
             return logits
         loss = self.loss_fn(logits, labels, loss_mask)
         if self.mtp is not None and mtp is not None:
-            embed = self.embed if self.embed is not None else self.__dict__["mtp_embed"]
+            embed = self.embed if self.embed is not None else self.mtp_embed
             losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin)
             sums = torch.stack([x.detach().double() for x in losses])
             self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
@@ -98,30 +98,6 @@ class Transformer(nn.Module):
         return out
 
 
-def param_seed(seed: int, name: str) -> int:
-    """Each parameter's init stream depends only on (seed, its name): layout-independent init."""
-    return zlib.crc32(f"{seed}:{name}".encode())
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std: float, n_layers: int) -> None:
-    """Normal(0, std) for embeddings and linears (output projections wo / w2 scaled by 1/sqrt(2L),
-    GPT-2 style), ones for norms, zeros for biases. Values are drawn on CPU in fp32 from a generator
-    seeded by (seed, parameter name), so they are the same on any device, dtype and layout."""
-    out_std = std / (2 * n_layers) ** 0.5
-    for mod_name, module in model.named_modules():
-        for p_name, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(module, RMSNorm):
-                param.fill_(1.0)
-            elif p_name == "bias":
-                param.zero_()
-            else:
-                is_out = isinstance(module, (Linear, GroupedLinear)) and mod_name.rsplit(".", 1)[-1] in ("wo", "w2")
-                g = torch.Generator().manual_seed(param_seed(seed, name))
-                param.copy_(torch.randn(param.shape, generator=g) * (out_std if is_out else std))
-
-
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """A fully initialized single-device model; parameters in `dtype`, buffers keep their own dtypes."""
@@ -129,10 +105,3 @@ def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "c
     init_weights(model, seed, cfg.init_std, cfg.n_layers)
     cast_params_(model, dtype)
     return model.to(device)
-
-
-def cast_params_(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast parameters only (model.to(dtype) would also cast the fp32 router bias and RoPE tables)."""
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    return model

@@ -29,7 +29,7 @@ SCALINGS = names(Fp8Scaling)
 BACKENDS = names(Fp8Backend)
 
 
-def _gemm_recipe(scaling: str) -> str:
+def gemm_recipe(scaling: str) -> str:
     """The `moe_lc.ops.fp8` recipe a scaling runs: delayed is tensorwise with a history's amax."""
     return "blockwise" if scaling == "blockwise" else "tensorwise"
 
@@ -41,7 +41,7 @@ class Fp8Gemms:
         if scaling not in SCALINGS or backend not in BACKENDS:
             raise ValueError(f"fp8 scaling {scaling!r} / backend {backend!r}: expected one of {SCALINGS} / {BACKENDS}")
         self.scaling, self.backend = scaling, backend
-        self.recipe = _gemm_recipe(scaling)
+        self.recipe = gemm_recipe(scaling)
         self.name = f"fp8-{scaling}"
         # delayed scaling keeps an amax history per operand role
         self.history = {role: fp8.DelayedScaling() for role in ("x", "w", "dy")} if scaling == "delayed" else None
@@ -112,7 +112,7 @@ def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto
     With ``device`` given, backend "te" is checked up front: ValueError with the reason if it cannot run."""
     shared = Fp8Gemms(scaling, backend) if scaling != "delayed" else None
     if backend == "te" and device is not None:
-        reason = fp8_te.unsupported_reason(device, _gemm_recipe(scaling))
+        reason = fp8_te.unsupported_reason(device, gemm_recipe(scaling))
         if reason is not None:
             raise ValueError(reason)
     n = 0

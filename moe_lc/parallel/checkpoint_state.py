@@ -18,10 +18,9 @@ import math
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch import nn
 
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.placement import Shard
+from moe_lc.parallel.placement import Parallelized, Shard
 from moe_lc.parallel.zero import ZeroAdamW
 
 Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the full tensor, the piece)
@@ -68,13 +67,6 @@ class Chunks(torch.Tensor):
 
 
 # -- geometry -------------------------------------------------------------------------------------
-
-def _full_shape(local: torch.Tensor, placement: list[Shard], dims: ParallelDims) -> list[int]:
-    shape = list(local.shape)
-    for shard in placement:
-        shape = shard.full_shape(torch.Size(shape), dims[shard.group].size)
-    return shape
-
 
 def _place(offsets: list[int], sizes: list[int], placement: list[Shard], dims: ParallelDims,
            local_extent: int) -> list[tuple]:
@@ -144,36 +136,35 @@ def flat_range_boxes(shape: list[int], a: int, b: int) -> list[tuple[list[int], 
 
 # -- model and optimizer state ------------------------------------------------------------------
 
-def model_state(model: nn.Module, dims: ParallelDims) -> dict:
+def model_state(result: Parallelized, dims: ParallelDims) -> dict:
     """{name: Chunks} for parameters (by their placement), plain tensors for persistent buffers."""
-    params = dict(model.named_parameters())
     out = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        p = params.get(name)
-        if p is None:
+    for name, value in result.module.state_dict(keep_vars=True).items():
+        place = result.placements.get(name)
+        if place is None:
             out[name] = value.detach()
             continue
-        placement = getattr(p, "_placement", [])
-        out[name] = Chunks(_full_shape(p, placement, dims), tensor_boxes(p.data, placement, dims), p.dtype)
+        out[name] = Chunks(place.full_shape(value.shape, dims.groups), tensor_boxes(value.data, place.shards, dims),
+                           value.dtype)
     return out
 
 
-def optimizer_state(opt: ZeroAdamW, model: nn.Module, dims: ParallelDims) -> dict:
+def optimizer_state(opt: ZeroAdamW, result: Parallelized, dims: ParallelDims) -> dict:
     """{"step": n, "params": {name: {"master" | "exp_avg" | "exp_avg_sq": Chunks}}}: each rank's ZeRO-1
     slices, as boxes of the full parameters."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): (n, place) for n, p, place in result.named_parameters()}
     states: dict[str, dict] = {}
     for shard in opt.shards:
         for key, buf in (("master", shard.master), ("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq)):
-            for p, boxes in _zero_boxes(shard, buf, dims).items():
-                states.setdefault(names[id(p)], {})[key] = Chunks(
-                    _full_shape(p, getattr(p, "_placement", []), dims), boxes, buf.dtype)
+            for p, boxes in _zero_boxes(shard, buf, dims, names).items():
+                name, place = names[id(p)]
+                states.setdefault(name, {})[key] = Chunks(place.full_shape(p.shape, dims.groups), boxes, buf.dtype)
     # parameters whose ZeRO slice on this rank is empty still need an entry on some rank: DCP only
     # needs every box on one rank, and every element of every parameter is owned by one ZeRO rank.
     return {"step": opt.step_count, "params": states}
 
 
-def _zero_boxes(shard, buf: torch.Tensor, dims: ParallelDims) -> dict:
+def _zero_boxes(shard, buf: torch.Tensor, dims: ParallelDims, names: dict) -> dict:
     """{param: [boxes]} of this rank's slice of a (P/N,) optimizer buffer."""
     out: dict = {}
     for b in shard.buckets:
@@ -184,9 +175,9 @@ def _zero_boxes(shard, buf: torch.Tensor, dims: ParallelDims) -> dict:
             lo, hi = max(off, own_lo), min(off + p.numel(), own_hi)
             if lo >= hi:
                 continue
-            placement = getattr(p, "_placement", [])
+            shards = names[id(p)][1].shards
             for l_off, l_size, flat_start in flat_range_boxes(list(p.shape), lo - off, hi - off):
                 start = shard_base + off + flat_start
                 data = buf[start:start + math.prod(l_size)].view(l_size)
-                out.setdefault(p, []).extend(_boxes_of(data, l_off, l_size, p, placement, dims))
+                out.setdefault(p, []).extend(_boxes_of(data, l_off, l_size, p, shards, dims))
     return out

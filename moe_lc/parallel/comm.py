@@ -60,6 +60,9 @@ class _Work:
 
 
 def _issue(op: str, group: "Group", call, async_op: bool):
+    if group.virtual:
+        raise RuntimeError(f"collective {op} on virtual group '{group.name}': a virtual mesh builds one rank's "
+                           "layout in one process and cannot communicate")
     try:
         work = call()
     except Exception as exc:
@@ -110,6 +113,7 @@ class Group:
     node_size: int = 1 << 30
     counter: CommCounter = field(default_factory=CommCounter)
     device_type: str | None = None
+    virtual: bool = False  # no process group behind it (a one-process build of one rank's layout)
 
     def check_device(self, op: str, *tensors: torch.Tensor) -> None:
         """ValueError unless every tensor lives on this group's device type (see the module docstring)."""

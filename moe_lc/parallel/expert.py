@@ -35,7 +35,7 @@ from moe_lc.model.moe import MoE, TokenDispatcher
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.placement import Shard, shard_param_
+from moe_lc.parallel.placement import Placements, Shard
 
 
 # -- the collective -------------------------------------------------------------------------------
@@ -304,11 +304,9 @@ DISPATCHERS = {"flat": AllToAllDispatcher, "hierarchical": HierarchicalDispatche
 
 
 # -- the parallelize step -------------------------------------------------------------------------
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "flat") -> nn.Module:
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch: str, placements: Placements) -> nn.Module:
     """Shard every MoE layer's routed experts over ep (contiguous blocks of E/ep) and swap in an
-    all-to-all dispatcher. Expert gradients are summed over edp (`_grad_group`)."""
-    if expert_dispatch not in DISPATCHERS:
-        raise ValueError(f"parallel.expert_dispatch={expert_dispatch!r} must be one of {sorted(DISPATCHERS)}")
+    all-to-all dispatcher. Expert gradients are summed over edp (their placement's grad group)."""
     group = dims["ep"]
     for moe in model.modules():
         if not isinstance(moe, MoE):
@@ -316,8 +314,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch:
         topo = ExpertTopology.of(group, moe.n_experts)
         topo.check_groups_map_to_nodes(moe.router.n_groups, moe.router.topk_groups)
         for linear in (moe.experts.w13, moe.experts.w2):
-            shard_param_(linear.weight, Shard("ep", 0), group)
-            linear.weight._grad_group = "edp"
+            placements.shard_(linear.weight, Shard("ep", 0), group)
             linear.n_experts = topo.per_rank
         router = moe.router
         moe.dispatcher = DISPATCHERS[expert_dispatch](

@@ -49,6 +49,7 @@ class ParallelDims:
     pp_mirror: bool = False
     device_type: str = "cpu"  # what the groups' backend moves: "cuda" (NCCL) or "cpu" (gloo); comm checks it
     groups: dict[str, Group] = field(default_factory=dict)
+    virtual: bool = False  # groups without process groups (init_groups(virtual=True))
     counter: CommCounter = field(default_factory=CommCounter)
 
     @classmethod
@@ -117,8 +118,11 @@ class ParallelDims:
         return out
 
     # -- process groups -----------------------------------------------------------------------------
-    def init_groups(self) -> dict[str, Group]:
-        """Create every named group (collective: all ranks call it in the same order)."""
+    def init_groups(self, virtual: bool = False) -> dict[str, Group]:
+        """Create every named group (collective: all ranks call it in the same order). `virtual`: no
+        process groups, for building this rank's layout in one process (the planner); a collective on
+        such a group raises."""
+        self.virtual = virtual
         for name in GROUP_NAMES:
             self.add_group(name, self.group_ranks(name))
         return self.groups
@@ -130,12 +134,12 @@ class ParallelDims:
         mine, pg = None, None
         for ranks in partition:
             new = None
-            if self.world > 1 and len(ranks) > 1:
+            if self.world > 1 and len(ranks) > 1 and not self.virtual:
                 new = dist.group.WORLD if len(ranks) == self.world else dist.new_group(ranks)
             if self.rank in ranks:
                 mine, pg = ranks, new
         self.groups[name] = Group(name, mine, mine.index(self.rank), pg, self.ranks_per_node, self.counter,
-                                  self.device_type)
+                                  self.device_type, virtual=self.virtual)
         return self.groups[name]
 
     def __getitem__(self, name: str) -> Group:

@@ -1,20 +1,16 @@
-"""Apply parallelism to a plain single-device model, in one documented order:
+"""Apply parallelism to a plain single-device model, in one documented order (the order of the code):
 
-    PP split -> TP/SP -> EP -> CP -> recompute -> (ZeRO-1 lives in the optimizer)
+    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs -> recomputation    (ZeRO-1 lives in the optimizer)
 
-The model arrives fully initialized on every rank (same seed, so the same values everywhere); each
-step swaps parallel-aware pieces into it (the one Linear's TP role, vocab-parallel embedding and
-loss, an all-to-all token dispatcher, ring attention) and shards parameters with
-`moe_lc.parallel.placement`. Every parameter ends up with two attributes:
-
-    param._grad_group : the group its gradient is summed over, which ZeRO-1 also shards it over:
-                        "dp_cp"    dense, unique per tp rank (sharded or tp = 1)
-                        "dp_cp_tp" replicated over tp, each tp rank saw different tokens
-                                   (norms and the router under sequence parallelism)
-                        "edp"      routed experts (replicated over the expert-data-parallel group)
-    param._placement  : [Shard, ...] to rebuild the full tensor (empty = not sharded)
-
-The model code never imports this package.
+The model arrives either fully initialized (tests; every rank holds the same values and keeps its
+slices) or built on the meta device (the trainer): each step swaps parallel-aware pieces into the
+model (the one Linear's TP role and GEMMs, vocab-parallel embedding and loss, an all-to-all token
+dispatcher, ring attention, recomputation seams) and records how it cut each parameter in a
+`Placements` table; then `materialize` allocates and initializes only this rank's slices, with the
+same name-seeded values a single device would have. The result, `Parallelized`, carries the model,
+its pipeline stages and a placement per parameter (grad group, shards, grad-norm weight), which the
+optimizer, checkpoints, final-state gathering and the planner read. The model code never imports
+this package.
 """
 
 from __future__ import annotations
@@ -22,52 +18,102 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_lc.model.moe import RoutedExperts
+from moe_lc.config import PrecisionConfig, RecomputeConfig
+from moe_lc.model.init import init_buffers, init_rules, normal_rows
+from moe_lc.model.moe import MoE, RoutedExperts
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.recompute import apply_recompute
+from moe_lc.ops.fp8_linear import apply_fp8
 from moe_lc.parallel import comm
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.placement import gather_full
+from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, expert_dispatch: str = "flat",
-                schedule=None, stage_layers: list[list[int]] | None = None) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", schedule=None,
+                stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
+                recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
+                device: torch.device | None = None) -> Parallelized:
     """Shard `model` for this rank's coordinates (see the module docstring for the order).
 
-    Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the
-    returned module holds only this rank's stages, and `model.pipeline_chunks` lists the chunk
-    modules the pipeline runtime executes (they share the returned module's submodules).
+    Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
+    module holds only this rank's stages, and `stages` lists the chunk modules the runtime executes.
+    `aux_loss_scale`: each micro-batch's share of the step's loss (1 / (micro-batches * dp)), by which
+    the MoE layers scale their sequence-wise balance loss. `device` is where FP8 kernels will run.
     """
-    for i, p in enumerate(model.parameters()):
-        p._canonical_index = i  # single-device order: the same flat ZeRO layout on DualPipe mirrors
+    single_device_order = [name for name, _ in model.named_parameters()]
+    placements = Placements()
+    stages, stage_ids = [], [0]
     if schedule is not None:
         from moe_lc.parallel.pipeline.stage import split_for_rank
 
-        model, chunks = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
-        model.pipeline_chunks = chunks
+        model, stages, stage_ids = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
     if dims.tp > 1:
-        from moe_lc.parallel.tensor import apply_tensor_parallel
+        from moe_lc.parallel.tensor_plan import apply_tensor_parallel
 
-        apply_tensor_parallel(model, dims)
-    if dims.ep > 1 and any(isinstance(m, RoutedExperts) for m in model.modules()):
+        apply_tensor_parallel(model, dims, placements, stages)
+    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        placements.set_group(experts.parameters(), "edp")
+    if dims.ep > 1 and any(isinstance(m, MoE) for m in model.modules()):
         from moe_lc.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, dims, expert_dispatch)
+        apply_expert_parallel(model, dims, expert_dispatch, placements)
     if dims.cp > 1:
         from moe_lc.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, dims)
-    for chunk in getattr(model, "pipeline_chunks", []):
-        if chunk.mtp is not None and chunk.embed is None:  # MTP shares the (parallelized) embedding
-            chunk.__dict__["mtp_embed"] = model.embed
-    for module in model.modules():
-        is_expert = isinstance(module, RoutedExperts)
-        for p in module.parameters(recurse=is_expert):
-            if not hasattr(p, "_grad_group"):
-                p._grad_group = "edp" if is_expert else "dp_cp"
-            if not hasattr(p, "_placement"):
-                p._placement = []
-    return model
+    if precision is not None and precision.recipe == "fp8":
+        apply_fp8(model, precision.fp8_scaling, precision.fp8_backend, device)
+    if recompute is not None:
+        apply_recompute(model, recompute.policy, recompute.selective)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.aux_loss_scale = aux_loss_scale
+    local = dict(model.named_parameters())
+    named = [(name, local[name]) for name in single_device_order if name in local]
+    result = Parallelized(model, placements.by_name(named), stages, stage_ids)
+    if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
+        install_grad_hooks(model, result.placements)
+    return result
+
+
+@torch.no_grad()
+def materialize(result: Parallelized, dims: ParallelDims, seed: int, std: float, n_layers: int,
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Parallelized:
+    """Allocate this rank's parameters of a model built on the meta device and fill them with its slice
+    of the single-device init (moe_lc/model/init.py), drawn in row chunks: no full tensor of a sharded
+    parameter is ever held. Buffers are allocated on `device` and recomputed."""
+    module = result.module
+    rules = init_rules(module, std, n_layers)
+    module.to_empty(device=device)  # new Parameter objects (look them up after), buffers allocated
+    init_buffers(module)
+    params = dict(module.named_parameters())
+    for name, place in result.placements.items():
+        param, rule = params[name], rules[name]
+        if rule.kind != "normal":
+            local = torch.full(param.shape, 1.0 if rule.kind == "ones" else 0.0)
+        else:
+            local = _local_normal(place.full_shape(param.shape, dims.groups), place.shards, dims, seed, name) * rule.std
+        param.data = local.to(dtype).to(device)
+    install_grad_hooks(module, result.placements)
+    return result
+
+
+def _local_normal(full_shape, shards, dims: ParallelDims, seed: int, name: str) -> torch.Tensor:
+    """This rank's slice of the seeded standard-normal full tensor, assembled chunk by chunk."""
+    if not shards:
+        return torch.cat([rows for _, rows in normal_rows(full_shape, seed, name)])
+    (shard,) = shards  # every parallel technique shards a parameter at most once
+    group = dims[shard.group]
+    if shard.dim > 0:  # every row contributes its columns
+        return torch.cat([shard.local_slice(rows, group.rank, group.size) for _, rows in normal_rows(full_shape, seed, name)])
+    keep = shard.local_ranges(full_shape[0], group.rank, group.size)  # row ranges, ascending
+    parts = []
+    for start, rows in normal_rows(full_shape, seed, name):
+        stop = start + rows.shape[0]
+        parts += [rows[max(a, start) - start:min(b, stop) - start] for a, b in keep if a < stop and b > start]
+        if stop >= keep[-1][1]:
+            break  # the rest of the stream holds no row of ours
+    return torch.cat(parts)
 
 
 def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims,
@@ -93,13 +139,13 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions, "mtp": mtp}
 
 
-def zero_param_groups(model: nn.Module, dims: ParallelDims):
-    """[(group name, [(param name, param)], Group)] for ZeroAdamW, one per gradient group."""
+def zero_param_groups(result: Parallelized, dims: ParallelDims):
+    """[(group name, [(param name, param, placement)], Group)] for ZeroAdamW, one per gradient group, each
+    in single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
     by_group: dict[str, list] = {}
-    named = sorted(model.named_parameters(), key=lambda item: getattr(item[1], "_canonical_index", 0))
-    for name, p in named:
+    for name, p, place in result.named_parameters():
         if p.requires_grad:
-            by_group.setdefault(getattr(p, "_grad_group", "dp_cp"), []).append((name, p))
+            by_group.setdefault(place.grad_group, []).append((name, p, place))
     return [(g, params, dims[g]) for g, params in sorted(by_group.items())]
 
 
@@ -115,14 +161,14 @@ def no_weight_decay_names(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor]:
+def full_state_dict(result: Parallelized, dims: ParallelDims) -> dict[str, torch.Tensor]:
     """Unsharded parameters and persistent buffers by name, fp32 on CPU (collective: every rank of
     the stage calls it; every rank gets the full tensors)."""
     out = {}
-    params = dict(model.named_parameters())
-    for name, value in model.state_dict().items():
-        placement = getattr(params.get(name), "_placement", [])
-        out[name] = gather_full(value.detach(), placement, dims.groups).float().cpu().clone()
+    for name, value in result.module.state_dict().items():
+        place = result.placements.get(name)
+        shards = place.shards if place is not None else ()
+        out[name] = gather_full(value.detach(), shards, dims.groups).float().cpu().clone()
     if dims.pp > 1:  # every stage's tensors (DualPipe's two copies of a stage are identical)
         for stage_state in comm.all_gather_object(out, dims["pp"]):
             out.update(stage_state)

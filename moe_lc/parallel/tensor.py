@@ -1,4 +1,5 @@
-"""Tensor parallelism with sequence parallelism (Megatron-style), applied through the one Linear.
+"""Tensor parallelism with sequence parallelism (Megatron-style): the collectives and roles of the one
+Linear. Which module gets which role and shards is the plan table in tensor_plan.py.
 
 Legend: B batch, S full sequence (this rank's CP shard under context parallelism), s = S/N the
 sequence shard, N tp size, D model dim, V vocabulary (V/N per rank), H/K query/kv heads, Dh head dim.
@@ -24,7 +25,7 @@ which returns the same summed loss on every tp rank and never builds (B, S, V) o
 Kv heads: split over tp when N <= K; when K < N each kv head is replicated on the N/K consecutive tp
 ranks whose query heads use it. Each of those ranks computes only its own heads' share of the kv
 rows' gradient, so a gradient hook sums those rows over the "tp_kv" subgroup (the ranks sharing the
-head), and `param._grad_norm_weight` = 1/(N/K) on those rows lets ZeRO-1 count them once in the
+head), and a grad-norm weight of 1/(N/K) on those rows (in the placement) lets ZeRO-1 count them once in the
 global gradient norm.
 
 MLA: the latent projection wa (x -> [c_q | c_kv | k_rope]) is replicated and runs on the sequence
@@ -48,17 +49,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lc.model.attention import Attention
-from moe_lc.model.ffn import SwiGLU
-from moe_lc.model.mla import MLAttention
-from moe_lc.model.moe import RoutedExperts, Router
-from moe_lc.model.mtp import MTPModule
-from moe_lc.model.norm import RMSNorm
-from moe_lc.ops.linear import Linear
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.placement import Shard, shard_param_
 
 SEQ_DIM = 1  # activations are (B, S, D)
 
@@ -268,10 +261,11 @@ def kv_share_group(dims: ParallelDims, n_kv_heads: int) -> Group:
     return dims["tp_kv"]
 
 
-def sum_replicated_rows_grad(param: nn.Parameter, start: int, group: Group) -> None:
-    """Rows [start:] of `param` are replicated over `group` and each rank computes a partial gradient:
-    a hook sums them over the group before the gradient is accumulated (also on the deferred
-    weight-gradient path, which fires tensor hooks), and those rows count 1/|group| in the grad norm."""
+def replicated_rows_grad(param: nn.Parameter, start: int, group: Group):
+    """Rows [start:] of `param` are replicated over `group` and each rank computes a partial gradient.
+    Returns (hook, weight): the gradient hook that sums those rows over the group before the gradient is
+    accumulated (also on the deferred weight-gradient path, which fires tensor hooks), and the rows'
+    grad-norm weight (1/|group| for the replicated ones, so the global norm counts them once)."""
 
     def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
         if grad is None:  # the weight gradient was deferred: its "W" pass calls this hook later
@@ -280,32 +274,9 @@ def sum_replicated_rows_grad(param: nn.Parameter, start: int, group: Group) -> N
         comm.all_reduce(rows, group)
         return torch.cat([grad[:start], rows])
 
-    param.register_hook(hook)
     weight = torch.ones(param.shape[0], *([1] * (param.dim() - 1)))
     weight[start:] = 1.0 / group.size
-    param._grad_norm_weight = weight
-
-
-# -- applying TP to a model ---------------------------------------------------------------------------
-def _shard_linear(linear: Linear, shard: Shard, role, group: Group) -> None:
-    if linear.bias is not None:
-        if isinstance(role, RowParallel):
-            raise ValueError("a row-parallel Linear with a bias would add it N times; not supported")
-        shard_param_(linear.bias, Shard(shard.group, 0, shard.sections), group)
-    shard_param_(linear.weight, shard, group)
-    linear.tp = role
-
-
-def _shard_attention(attn: Attention, dims: ParallelDims, column, row) -> None:
-    """wqkv column-parallel by heads (q | k | v sections), wo row-parallel; local head counts."""
-    tp, N = dims["tp"], dims.tp
-    H, K, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    kv_pieces = min(K, N)  # K < N: each kv head replicated on N/K ranks
-    _shard_linear(attn.wqkv, Shard("tp", 0, ((H * Dh, N), (K * Dh, kv_pieces), (K * Dh, kv_pieces))), column, tp)
-    _shard_linear(attn.wo, Shard("tp", 1), row, tp)
-    attn.n_heads, attn.n_kv_heads = H // N, K // kv_pieces
-    if K < N:
-        sum_replicated_rows_grad(attn.wqkv.weight, H // N * Dh, kv_share_group(dims, K))
+    return hook, weight
 
 
 class SequenceGather(nn.Module):
@@ -317,77 +288,3 @@ class SequenceGather(nn.Module):
 
     def forward(self, x_BsC: torch.Tensor) -> torch.Tensor:
         return GatherSequence.apply(x_BsC, self.group)
-
-
-def _shard_mla(attn: MLAttention, dims: ParallelDims, column, row) -> set[int]:
-    """Latents replicated on the shard, one gather, up-projections split by heads, wo row-parallel."""
-    tp, N = dims["tp"], dims.tp
-    for p in attn.wa.parameters():
-        p._grad_group = "dp_cp_tp"
-    attn.gather = SequenceGather(tp)
-    if attn.wq_b is not None:
-        shard_param_(attn.wq_b.weight, Shard("tp", 0), tp)  # rows are head-major: (H, Dn + Dr)
-    else:
-        _shard_linear(attn.wq, Shard("tp", 0), column, tp)  # queries straight from x gather x
-    shard_param_(attn.wkv_b.weight, Shard("tp", 0), tp)  # rows (H, Dn + Dv)
-    _shard_linear(attn.wo, Shard("tp", 1), row, tp)
-    attn.n_heads //= N
-    own = [attn.wa, attn.wkv_b, attn.wo] + [m for m in (attn.wq, attn.wq_b) if m is not None]
-    return {id(p) for m in own for p in m.parameters()}
-
-
-def _shard_swiglu(ffn: SwiGLU, tp: Group, column, row) -> None:
-    """w13 column-parallel ([gate | up], each half split), w2 row-parallel."""
-    hidden = ffn.w2.weight.shape[1]
-    _shard_linear(ffn.w13, Shard("tp", 0, ((hidden, tp.size), (hidden, tp.size))), column, tp)
-    _shard_linear(ffn.w2, Shard("tp", 1), row, tp)
-
-
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Replace submodule `name` on the model and on its pipeline chunks (shells sharing submodules)."""
-    old = getattr(model, name)
-    for m in (model, *getattr(model, "pipeline_chunks", ())):
-        if getattr(m, name, None) is old:
-            setattr(m, name, new)
-
-
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Shard a fully initialized single-device Transformer (or pipeline stage) over dims["tp"] with
-    sequence parallelism, in place. Every rank passes the same values; each keeps its slices."""
-    # the shapes were checked by the recipe's rules (moe_lc.config.rules.tensor_parallel_errors)
-    assert model.cfg.n_heads % dims.tp == 0 and model.cfg.vocab_size % dims.tp == 0, "unchecked TP layout"
-    tp = dims["tp"]
-    column, row = ColumnParallel(tp), RowParallel(tp)
-    if model.cfg.attention == "gqa" and model.cfg.n_kv_heads < dims.tp:
-        kv_share_group(dims, model.cfg.n_kv_heads)  # every stage creates it, attention or not
-    handled: set[int] = set()
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            _shard_attention(module, dims, column, row)
-        elif isinstance(module, MLAttention):
-            handled |= _shard_mla(module, dims, column, row)
-            continue
-        elif isinstance(module, MTPModule):  # its norms and block are visited on their own
-            module.eh_proj.weight._grad_group = "dp_cp_tp"
-            handled.add(id(module.eh_proj.weight))
-            continue
-        elif isinstance(module, SwiGLU):
-            _shard_swiglu(module, tp, column, row)
-        elif isinstance(module, (RMSNorm, Router)):  # replicated, gradient partial per sequence shard
-            for p in module.parameters():
-                p._grad_group = "dp_cp_tp"
-        elif not isinstance(module, RoutedExperts):
-            continue
-        handled.update(id(p) for p in module.parameters())
-    if getattr(model, "embed", None) is not None:
-        shard_param_(model.embed.weight, Shard("tp", 0), tp)
-        _swap(model, "embed", VocabParallelEmbedding(model.embed.weight, tp))
-        handled.add(id(model.embed.weight))
-    if getattr(model, "head", None) is not None:
-        _shard_linear(model.head, Shard("tp", 0), column, tp)
-        _swap(model, "loss_fn", VocabParallelCrossEntropy(tp))
-        handled.update(id(p) for p in model.head.parameters())
-    unknown = [n for n, p in model.named_parameters() if id(p) not in handled]
-    if unknown:
-        raise ValueError(f"tensor parallelism does not know how to split parameters {unknown}")
-    return model

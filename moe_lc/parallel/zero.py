@@ -4,7 +4,7 @@ Each `ShardedParams` holds the parameters whose gradients are summed over one gr
 parameters over dp x cp [x tp for tp-replicated ones], expert parameters over edp). Its layout:
 
     param_buffer (P,) compute dtype  -- the model's parameters are views into it
-    grad_buffer  (P,) fp32           -- `main_grad` of each parameter, accumulated over micro-steps
+    grad_buffer  (P,) fp32           -- each parameter's fp32 gradient, accumulated over micro-steps
     buckets      consecutive slices of both buffers, each padded to a multiple of N = group size;
                  rank r owns elements [r*size/N, (r+1)*size/N) of every bucket
     master, exp_avg, exp_avg_sq, grad_shard  (sum of bucket sizes / N,) -- this rank's shards
@@ -25,6 +25,7 @@ from torch import nn
 
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.parallel.placement import ParamPlacement
 
 
 class _Bucket:
@@ -39,11 +40,12 @@ class _Bucket:
 class ShardedParams:
     """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
 
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group: Group,
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], moments_dtype: torch.dtype):
         self.name, self.group = name, group
-        self.names = {id(p): n for n, p in named_params}
-        params = [p for _, p in reversed(named_params)]
+        self.names = {id(p): n for n, p, _ in named_params}
+        norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
+        params = [p for _, p, _ in reversed(named_params)]
         device, dtype = params[0].device, params[0].dtype
         N = group.size
         # bucket boundaries: parameters never straddle buckets; each bucket padded to a multiple of N
@@ -60,13 +62,13 @@ class ShardedParams:
         self.numel = start
         self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
         self.grad_buffer = torch.zeros(self.numel, device=device, dtype=torch.float32)
+        self._slot: dict[int, tuple[torch.Tensor, _Bucket]] = {}  # id(param) -> (fp32 grad view, bucket)
         for b in self.buckets:
             for p, off in b.params:
                 view = self.param_buffer[off:off + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
-                p.main_grad = self.grad_buffer[off:off + p.numel()].view_as(p)
-                p._zero_bucket = b
+                self._slot[id(p)] = (self.grad_buffer[off:off + p.numel()].view_as(p), b)
                 p.register_post_accumulate_grad_hook(self._on_grad)
         shard = self.numel // N
         self.master = torch.empty(shard, device=device, dtype=torch.float32)
@@ -76,7 +78,7 @@ class ShardedParams:
         self.exp_avg_sq = torch.zeros(shard, device=device, dtype=moments_dtype)
         self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
         self.no_decay_ranges = self._owned_ranges(lambda p: self.names[id(p)] in no_decay)
-        self.norm_weight = self._norm_weight_shard()
+        self.norm_weight = self._norm_weight_shard(norm_weights)
         self.sync = False
 
     # -- layout helpers ---------------------------------------------------------------------------
@@ -102,17 +104,17 @@ class ShardedParams:
                     out.append((b.shard_start + lo - own_lo, b.shard_start + hi - own_lo))
         return out
 
-    def _norm_weight_shard(self) -> torch.Tensor | None:
-        """(P/N,) weights of the squared grad norm, from `param._grad_norm_weight` (broadcastable to the
+    def _norm_weight_shard(self, weights: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """(P/N,) weights of the squared grad norm from the placements' norm weights (broadcastable to the
         param; e.g. 1/copies for rows that several ranks outside this group hold, such as replicated kv
         heads under tensor parallelism); None when every element counts once."""
-        params = [(p, off) for b in self.buckets for p, off in b.params]
-        if not any(hasattr(p, "_grad_norm_weight") for p, _ in params):
+        if not weights:
             return None
         full = torch.ones(self.numel, device=self.grad_buffer.device, dtype=torch.float64)
-        for p, off in params:
-            if hasattr(p, "_grad_norm_weight"):
-                full[off:off + p.numel()] = p._grad_norm_weight.expand_as(p).reshape(-1)
+        for b in self.buckets:
+            for p, off in b.params:
+                if id(p) in weights:
+                    full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
         return torch.cat([self._own(full, b) for b in self.buckets])
 
     # -- gradient synchronization -------------------------------------------------------------------
@@ -130,9 +132,9 @@ class ShardedParams:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a deferred weight gradient: its W pass delivers it (and calls us) later
             return
-        p.main_grad.add_(p.grad)
+        main_grad, b = self._slot[id(p)]
+        main_grad.add_(p.grad)
         p.grad = None
-        b = p._zero_bucket
         b.arrived += 1
         if self.sync and b.arrived == b.expected:
             self._launch(b)
@@ -202,8 +204,9 @@ class ShardedParams:
 class ZeroAdamW:
     """AdamW over several ZeRO-1 groups; global grad-norm clipping across all shards and mesh dims.
 
-    groups: [(name, [(param name, param)], Group)]; `norm_group` spans every rank that owns a
-    distinct shard of the model (the world), over which the squared norm is summed.
+    groups: [(name, [(param name, param, placement)], Group)] (parallelize.zero_param_groups);
+    `norm_group` spans every rank that owns a distinct shard of the model (the world), over which the
+    squared norm is summed.
     """
 
     def __init__(self, groups, norm_group: Group, *, beta1=0.9, beta2=0.95, eps=1e-8,

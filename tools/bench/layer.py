@@ -26,7 +26,8 @@ from moe_lc.activation_memory import estimate
 from moe_lc.config import load_config
 from moe_lc.model.recompute import apply_recompute
 from moe_lc.model.rope import RotaryEmbedding
-from moe_lc.model.transformer import Block, init_weights
+from moe_lc.model.block import Block
+from moe_lc.model.init import init_weights
 from tools.bench.common import ROOT, Context, Recorder, Timing, free_memory, sync, time_fn
 
 PART = "layer"

@@ -56,8 +56,8 @@ class PipelineRuntime:
         for c, chunk in enumerate(self.chunks):
             n = sum(1 for route in self.schedule.routes if (self.rank, c) in route)
             params = {id(p) for p in chunk.parameters()}
-            if chunk.__dict__.get("mtp_embed") is not None:
-                params |= {id(p) for p in chunk.__dict__["mtp_embed"].parameters()}
+            if chunk.mtp_embed is not None:
+                params |= {id(p) for p in chunk.mtp_embed.module.parameters()}
             for pid in params:
                 arrivals[pid] = arrivals.get(pid, 0) + n
         return arrivals

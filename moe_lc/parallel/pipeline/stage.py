@@ -18,6 +18,7 @@ import copy
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.seams import Borrowed
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.pipeline.schedule_ir import Schedule
 
@@ -91,7 +92,7 @@ def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> 
 
 
 def split_for_rank(full: Transformer, schedule: Schedule, rank: int, layers: list[list[int]]):
-    """(union module, [chunk module per local chunk]) for `rank` under `schedule`."""
+    """(union module, [chunk module per local chunk], [stage ids held]) for `rank` under `schedule`."""
     stages_of_chunk = {}
     for route in schedule.routes:
         for stage, (r, chunk) in enumerate(route):
@@ -101,6 +102,8 @@ def split_for_rank(full: Transformer, schedule: Schedule, rank: int, layers: lis
     chunks = [_shell(full, layers[s], s == 0, s == last) for _, s in sorted(stages_of_chunk.items())]
     mine = sorted(stages_of_chunk.values())
     union = _shell(full, [i for s in mine for i in layers[s]], 0 in mine, last in mine)
-    union.pipeline_stages = mine
-    return union, chunks
+    for chunk in chunks:
+        if chunk.mtp is not None and chunk.embed is None:  # MTP shares the rank's (possibly swapped) embedding
+            chunk.mtp_embed = Borrowed(union, "embed")
+    return union, chunks, mine
 

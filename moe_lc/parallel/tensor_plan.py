@@ -1,0 +1,137 @@
+"""The tensor-parallel plan: a table from module type to how its parameters are cut and which TP role
+its Linears take (the layout is described in tensor.py). `apply_tensor_parallel` walks the model and
+applies the entry of each module's type; the planner reads the result through the same placements.
+
+    Attention      wqkv column-parallel by heads (q | k | v sections; kv heads replicated when K < N),
+                   wo row-parallel
+    MLAttention    latent projection wa replicated on the sequence shard ("dp_cp_tp") with one gather of
+                   the latents; up-projections split by heads; wo row-parallel
+    SwiGLU         w13 column-parallel ([gate | up], each half split), w2 row-parallel
+    RMSNorm,       replicated; their gradient covers only this rank's sequence shard ("dp_cp_tp")
+    Router
+    RoutedExperts  not tensor-parallel (expert parallelism folds over dp x cp x tp)
+    MTPModule      input projection eh_proj replicated on the shard ("dp_cp_tp"); its norms and block
+                   are visited as modules of their own
+    embedding      vocab-parallel rows; head column-parallel over the vocabulary with a vocab-parallel
+                   cross-entropy
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from moe_lc.model.attention import Attention
+from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.mla import MLAttention
+from moe_lc.model.moe import RoutedExperts, Router
+from moe_lc.model.mtp import MTPModule
+from moe_lc.model.norm import RMSNorm
+from moe_lc.ops.linear import Linear
+from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.placement import Placements, Shard
+from moe_lc.parallel.tensor import (ColumnParallel, RowParallel, SequenceGather, VocabParallelCrossEntropy,
+                                    VocabParallelEmbedding, kv_share_group, replicated_rows_grad)
+
+
+@dataclass
+class _TP:
+    dims: ParallelDims
+    placements: Placements
+
+    def __post_init__(self):
+        self.group, self.n = self.dims["tp"], self.dims.tp
+        self.column, self.row = ColumnParallel(self.group), RowParallel(self.group)
+
+    def shard(self, param: nn.Parameter, shard: Shard) -> None:
+        self.placements.shard_(param, shard, self.group)
+
+    def linear(self, linear: Linear, shard: Shard, role) -> None:
+        assert linear.bias is None or role is not self.row, "a row-parallel bias would be added N times"
+        if linear.bias is not None:
+            self.shard(linear.bias, Shard(shard.group, 0, shard.sections))
+        self.shard(linear.weight, shard)
+        linear.tp = role
+
+
+def _attention(attn: Attention, tp: _TP) -> list:
+    H, K, Dh, N = attn.n_heads, attn.n_kv_heads, attn.head_dim, tp.n
+    kv_pieces = min(K, N)  # K < N: each kv head replicated on N/K ranks
+    tp.linear(attn.wqkv, Shard("tp", 0, ((H * Dh, N), (K * Dh, kv_pieces), (K * Dh, kv_pieces))), tp.column)
+    tp.linear(attn.wo, Shard("tp", 1), tp.row)
+    attn.n_heads, attn.n_kv_heads = H // N, K // kv_pieces
+    if K < N:
+        hook, weight = replicated_rows_grad(attn.wqkv.weight, H // N * Dh, kv_share_group(tp.dims, K))
+        place = tp.placements.of(attn.wqkv.weight)
+        place.grad_hooks, place.norm_weight = (*place.grad_hooks, hook), weight
+    return list(attn.parameters())
+
+
+def _mla(attn: MLAttention, tp: _TP) -> list:
+    tp.placements.set_group(attn.wa.parameters(), "dp_cp_tp")
+    attn.gather = SequenceGather(tp.group)
+    if attn.wq_b is not None:
+        tp.shard(attn.wq_b.weight, Shard("tp", 0))  # rows are head-major: (H, Dn + Dr)
+    else:
+        tp.linear(attn.wq, Shard("tp", 0), tp.column)  # queries straight from x gather x
+    tp.shard(attn.wkv_b.weight, Shard("tp", 0))  # rows (H, Dn + Dv)
+    tp.linear(attn.wo, Shard("tp", 1), tp.row)
+    attn.n_heads //= tp.n
+    own = [attn.wa, attn.wkv_b, attn.wo] + [m for m in (attn.wq, attn.wq_b) if m is not None]
+    return [p for m in own for p in m.parameters()]  # its latent norms are visited on their own
+
+
+def _swiglu(ffn: SwiGLU, tp: _TP) -> list:
+    hidden = ffn.w2.weight.shape[1]
+    tp.linear(ffn.w13, Shard("tp", 0, ((hidden, tp.n), (hidden, tp.n))), tp.column)
+    tp.linear(ffn.w2, Shard("tp", 1), tp.row)
+    return list(ffn.parameters())
+
+
+def _replicated(module: nn.Module, tp: _TP) -> list:
+    tp.placements.set_group(module.parameters(), "dp_cp_tp")
+    return list(module.parameters())
+
+
+def _mtp_projection(module: MTPModule, tp: _TP) -> list:
+    tp.placements.set_group([module.eh_proj.weight], "dp_cp_tp")
+    return [module.eh_proj.weight]
+
+
+TP_PLAN = {Attention: _attention, MLAttention: _mla, SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated,
+           RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection}
+
+
+def _swap(modules: list[nn.Module], name: str, new: nn.Module) -> None:
+    """Replace submodule `name` on the model and on its pipeline chunks (shells sharing submodules)."""
+    old = getattr(modules[0], name)
+    for m in modules:
+        if getattr(m, name, None) is old:
+            setattr(m, name, new)
+
+
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, placements: Placements,
+                          stages: list[nn.Module] = ()) -> nn.Module:
+    """Shard a single-device Transformer (or this rank's pipeline stages, `model` being their union)
+    over dims["tp"] with sequence parallelism, in place, recording every shard in `placements`."""
+    assert model.cfg.n_heads % dims.tp == 0 and model.cfg.vocab_size % dims.tp == 0, "checked by the recipe's rules"
+    tp = _TP(dims, placements)
+    if model.cfg.attention == "gqa" and model.cfg.n_kv_heads < dims.tp:
+        kv_share_group(dims, model.cfg.n_kv_heads)  # every stage creates it, attention or not
+    handled = set()
+    for module in list(model.modules()):
+        plan = TP_PLAN.get(type(module))
+        if plan is not None:
+            handled |= {id(p) for p in plan(module, tp)}
+    if getattr(model, "embed", None) is not None:
+        tp.shard(model.embed.weight, Shard("tp", 0))
+        _swap([model, *stages], "embed", VocabParallelEmbedding(model.embed.weight, tp.group))
+        handled.add(id(model.embed.weight))
+    if getattr(model, "head", None) is not None:
+        tp.linear(model.head, Shard("tp", 0), tp.column)
+        _swap([model, *stages], "loss_fn", VocabParallelCrossEntropy(tp.group))
+        handled |= {id(p) for p in model.head.parameters()}
+    unknown = [n for n, p in model.named_parameters() if id(p) not in handled]
+    assert not unknown, f"the tensor-parallel plan does not cover parameters {unknown}"
+    return model
