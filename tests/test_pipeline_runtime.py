@@ -108,8 +108,6 @@ def test_balanced_split_prefers_cheap_stages_for_expensive_layers():
     assert costs[0] != costs[1]  # dense block 0 vs MoE blocks
     assert [len(s) for s in stage_layers(cfg, 4, 128)] == [1, 1, 1, 1]
     assert stage_layers(cfg, 2, 128, override=[3, 1]) == [[0, 1, 2], [3]]
-    with pytest.raises(ValueError, match="must list 2 positive layer counts summing to model.n_layers=4"):
-        stage_layers(cfg, 2, 128, override=[2, 1])
 
 
 def test_bad_pipeline_layouts_are_reported_before_launch():

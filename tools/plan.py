@@ -3,8 +3,9 @@
     python tools/plan.py RECIPE [--set KEY=VALUE ...] [--world N] [--policy none|selective|full]
                          [--terms] [--json]
 
-Nothing is built: parameter shapes come from the config (tools/plan_layout.py), saved activations
-from the formulas derived from the model code (moe_lc/activation_memory.py). The tool prints the
+Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
+(no memory; tools/plan_layout.py), saved activations from the formulas derived from the model code
+(tools/activation_memory.py). The tool prints the
 placement table (where each state lives on each dim), memory per rank by state, saved activations
 under each recompute policy and the bytes this rank sends per optimizer step, keyed like the
 trainer's metrics ("comm/<group>/<op>_bytes"). Numbers for features that are not built yet are
@@ -21,16 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_lc.activation_memory import CHECKED, POLICIES, UNCHECKED, estimate  # noqa: E402
+from tools.activation_memory import CHECKED, POLICIES, UNCHECKED, estimate  # noqa: E402
 from moe_lc.config import Config, ConfigError, load_config  # noqa: E402
 from moe_lc.model.counting import param_counts  # noqa: E402
 from tools.placement_semantics import (  # noqa: E402
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
-from tools.plan_layout import (  # noqa: E402
-    HOOKS, Degrees, bucket_elems, degrees, local_params, microbatches, pp_rank_stages, trainer_traffic,
-    zero_bucket_sizes,
-)
+from tools.plan_layout import HOOKS, RankLayout, microbatches, rank_layouts, trainer_traffic  # noqa: E402
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -72,7 +70,7 @@ class RankPlan:
 @dataclass
 class Plan:
     recipe: str
-    degrees: Degrees
+    degrees: dict[str, int]  # world, pp, dp, cp, tp, ep, edp and whether DualPipe mirrors ranks
     policy: str
     ranks: list[RankPlan]
     notes: list[str] = field(default_factory=list)
@@ -81,7 +79,7 @@ class Plan:
         return max(self.ranks, key=lambda r: r.total_bytes)
 
     def to_json(self) -> dict:
-        return {"recipe": self.recipe, "degrees": {**asdict(self.degrees), "edp": self.degrees.edp},
+        return {"recipe": self.recipe, "degrees": self.degrees,
                 "policy": self.policy, "notes": self.notes,
                 "ranks": [{"pp_rank": r.pp_rank, "layers": r.layers, "memory_bytes": r.memory,
                            "total_bytes": r.total_bytes, "activations_by_policy": r.activations,
@@ -94,20 +92,19 @@ def compute_bytes(cfg: Config) -> int:
     return 4 if cfg.precision.recipe == "fp32" else 2
 
 
-def _zero_rows(cfg: Config, deg: Degrees, stages: list[dict]) -> tuple[list[StatePlacement], dict[str, list[int]]]:
+def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], dict[str, list[int]]]:
     """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out."""
-    c, moments = compute_bytes(cfg), cfg.precision.adam_moments
+    c, moments, dims = compute_bytes(cfg), cfg.precision.adam_moments, layout.dims
     pdtype = "fp32" if c == 4 else "bf16"
-    rows, buckets = [], {}
-    for group, params in sorted(local_params(cfg, deg, stages).items()):
-        n = deg.group_size(group)
-        buckets[group] = zero_bucket_sizes([k for _, k in params], bucket_elems(cfg), n)
+    rows, buckets = [], layout.zero_buckets(cfg)
+    for group, params in sorted(layout.local_params().items()):
+        n = dims[group].size
         local = sum(buckets[group])
-        model_dims = {"pp": (deg.pp, "S")}
+        model_dims = {"pp": (dims.pp, "S")}
         if group == "dp_cp":
-            model_dims["tp"] = (deg.tp, "S")
+            model_dims["tp"] = (dims.tp, "S")
         elif group == "edp":
-            model_dims["ep"] = (deg.ep, "S")
+            model_dims["ep"] = (dims.ep, "S")
         scale = 1
         for size, _ in model_dims.values():
             scale *= size
@@ -122,7 +119,7 @@ def _zero_rows(cfg: Config, deg: Degrees, stages: list[dict]) -> tuple[list[Stat
     return rows, buckets
 
 
-def _activations(cfg: Config, deg: Degrees, stages: list[dict], in_flight: float) -> tuple[dict, dict]:
+def _activations(cfg: Config, deg, stages: list[dict], in_flight: float) -> tuple[dict, dict]:
     """Saved bytes of this rank under each policy: in_flight micro-batches through its stages."""
     t, r = cfg.train, cfg.recompute
     masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
@@ -139,7 +136,7 @@ def _activations(cfg: Config, deg: Degrees, stages: list[dict], in_flight: float
     return by_policy, status
 
 
-def _in_flight(cfg: Config, deg: Degrees) -> list[float]:
+def _in_flight(cfg: Config, deg) -> list[float]:
     """Micro-batch x stage units of saved activations at the peak, per pipeline rank (1 without PP)."""
     if deg.pp == 1:
         return [1.0]
@@ -153,11 +150,13 @@ def _in_flight(cfg: Config, deg: Degrees) -> list[float]:
 
 def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
-    deg = degrees(cfg, world)
+    layouts = rank_layouts(cfg, world)
+    deg = layouts[0].dims
     policy = cfg.recompute.policy
     ranks = []
-    for pp_rank, (stages, in_flight) in enumerate(zip(pp_rank_stages(cfg, deg), _in_flight(cfg, deg))):
-        rows, buckets = _zero_rows(cfg, deg, stages)
+    for pp_rank, (layout, in_flight) in enumerate(zip(layouts, _in_flight(cfg, deg))):
+        stages = layout.stages
+        rows, buckets = _zero_rows(cfg, layout)
         acts, status = _activations(cfg, deg, stages, in_flight)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
         scale = deg.pp * deg.dp * deg.cp * deg.tp
@@ -175,7 +174,9 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
              "logits gradient, gathered buckets), allocator fragmentation, CUDA context, comm buffers"]
     if cfg.precision.recipe == "fp8":
         notes.append("fp8: activations assume bf16 saved inputs; FP8 Linear copies are not modeled yet")
-    return Plan(recipe, deg, policy, ranks, notes)
+    degrees = dict(world=deg.world, pp=deg.pp, dp=deg.dp, cp=deg.cp, tp=deg.tp, ep=deg.ep, edp=deg.edp,
+                   mirror=deg.pp_mirror)
+    return Plan(recipe, degrees, policy, ranks, notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,15 +196,15 @@ def _mode(row: StatePlacement, dim: str) -> str:
 
 def render(p: Plan, cfg: Config, terms: bool = False) -> str:
     d, c = p.degrees, param_counts(cfg.model)
-    out = [f"moe_lc plan: {p.recipe} | world={d.world} pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp} ep={d.ep} "
-           f"edp={d.edp}" + (" (dualpipe mirrors)" if d.mirror else ""),
+    out = [f"moe_lc plan: {p.recipe} | world={d['world']} pp={d['pp']} dp={d['dp']} cp={d['cp']} tp={d['tp']} "
+           f"ep={d['ep']} edp={d['edp']}" + (" (dualpipe mirrors)" if d["mirror"] else ""),
            f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
            f"{cfg.precision.recipe}, Adam moments {cfg.precision.adam_moments} | micro-batch "
-           f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {microbatches(cfg, d)} per step | "
+           f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {cfg.train.global_batch // (cfg.train.micro_batch * d['dp'])} per step | "
            f"recompute {p.policy}", ""]
     legend = ", ".join(f"{k} {v}" for k, v in MODES.items())
     for r in p.ranks:
-        out.append(f"== pipeline rank {r.pp_rank}: layers {r.layers}" if d.pp > 1 else "== every rank")
+        out.append(f"== pipeline rank {r.pp_rank}: layers {r.layers}" if d["pp"] > 1 else "== every rank")
         dims = [dim for dim in DIM_ORDER if any(dim in row.on for row in r.table)]
         out.append(f"Placement ({legend}; N = group size, - = not placed on that dim)")
         header = f"{'state':<12}{'part':<15}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"

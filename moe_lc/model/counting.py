@@ -74,3 +74,19 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     c = param_counts(cfg)
     matmul_params = c["activated"] - c["norms"]
     return 3 * (2 * matmul_params + cfg.n_layers * attention_core_flops(cfg, seq_len))
+
+
+def block_train_flops_per_token(cfg: ModelConfig, layer_id: int, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of block `layer_id` (3x forward): its activated matmul
+    weights (attention projections; dense SwiGLU, or router + shared + top-k routed experts) and its
+    causal attention core. What pipeline stages are balanced by."""
+    D = cfg.dim
+    attn = attention_params(cfg)
+    if cfg.attention == "mla":  # the latent norms' weights are no matmul
+        attn -= cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank
+    if cfg.is_moe_layer(layer_id):
+        m = cfg.moe
+        ffn = 3 * D * m.ffn_dim * (m.topk + m.n_shared_experts) + m.n_routed_experts * D
+    else:
+        ffn = 3 * D * cfg.ffn_dim
+    return 3 * (2 * (attn + ffn) + attention_core_flops(cfg, seq_len))

@@ -139,6 +139,12 @@ def _expert_major(recv_RL: torch.Tensor) -> torch.Tensor:
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
+def counter_elems(n_experts: int, n_nodes: int) -> int:
+    """fp64 counters a dispatcher keeps per MoE layer (see `AllToAllDispatcher.stats`): the load of each
+    expert, the nodes-per-token histogram (0..N), tokens, inter-node slots and inter-node pairs."""
+    return n_experts + (n_nodes + 1) + 3
+
+
 class AllToAllDispatcher(TokenDispatcher):
     """Flat dispatch: one all-to-all over ep each way (see the module docstring).
 
@@ -186,7 +192,7 @@ class AllToAllDispatcher(TokenDispatcher):
         """
         E, N = self.topo.n_experts, self.topo.n_nodes
         if self._counts is None:  # nothing routed since the last reset
-            c = torch.zeros(E + N + 1 + 3, dtype=torch.float64, device=self.group.device_type or "cpu")
+            c = torch.zeros(counter_elems(E, N), dtype=torch.float64, device=self.group.device_type or "cpu")
         else:
             c = self._counts if reset else self._counts.clone()
         if reset:

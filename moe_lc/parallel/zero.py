@@ -18,6 +18,7 @@ On one device (N = 1) the same code is a mixed-precision AdamW with no communica
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -26,6 +27,30 @@ from torch import nn
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
+
+
+def _bucket_layout(numels: list[int], bucket_elems: int, n: int) -> list[tuple[int, int]]:
+    """(padded size, parameters) of each bucket over parameters of `numels` elements in buffer order:
+    greedy, a parameter never straddles two buckets, each bucket padded to a multiple of n."""
+    out, cur, count = [], 0, 0
+    for k in numels:
+        if count and cur + k > bucket_elems:
+            out.append((-(-cur // n) * n, count))
+            cur, count = 0, 0
+        cur, count = cur + k, count + 1
+    return out + [(-(-cur // n) * n, count)]
+
+
+def bucket_sizes(numels: list[int], bucket_elems: int, n: int) -> list[int]:
+    """Padded bucket sizes of one ZeRO-1 group whose parameters have `numels` elements in single-device
+    order (the buffer runs in reverse order, the order backward produces gradients): what ShardedParams
+    allocates, for the planner."""
+    return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n)]
+
+
+def bucket_elems(bucket_mb: float) -> int:
+    """fp32 elements per bucket of `parallel.zero_bucket_mb` MiB."""
+    return max(int(bucket_mb * 2**20 / 4), 1)
 
 
 class _Bucket:
@@ -48,17 +73,13 @@ class ShardedParams:
         params = [p for _, p, _ in reversed(named_params)]
         device, dtype = params[0].device, params[0].dtype
         N = group.size
-        # bucket boundaries: parameters never straddle buckets; each bucket padded to a multiple of N
         self.buckets: list[_Bucket] = []
-        layout, cur, cur_size, start, shard_start = [], [], 0, 0, 0
-        for p in params + [None]:
-            if p is None or (cur and cur_size + p.numel() > bucket_elems):
-                size = -(-cur_size // N) * N
-                self.buckets.append(_Bucket(start, size, cur, shard_start, N))
-                start, shard_start, cur, cur_size = start + size, shard_start + size // N, [], 0
-            if p is not None:
-                cur.append((p, start + cur_size))
-                cur_size += p.numel()
+        start, shard_start, i = 0, 0, 0
+        for size, count in _bucket_layout([p.numel() for p in params], bucket_elems, N):
+            mine = params[i:i + count]
+            offsets = itertools.accumulate((p.numel() for p in mine[:-1]), initial=start)
+            self.buckets.append(_Bucket(start, size, list(zip(mine, offsets)), shard_start, N))
+            start, shard_start, i = start + size, shard_start + size // N, i + count
         self.numel = start
         self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
         self.grad_buffer = torch.zeros(self.numel, device=device, dtype=torch.float32)
@@ -212,8 +233,8 @@ class ZeroAdamW:
     def __init__(self, groups, norm_group: Group, *, beta1=0.9, beta2=0.95, eps=1e-8,
                  weight_decay=0.0, grad_clip=0.0, bucket_mb=32.0, moments_dtype=torch.float32,
                  no_decay: set[str] = frozenset()):
-        bucket_elems = max(int(bucket_mb * 2**20 / 4), 1)
-        self.shards = [ShardedParams(n, ps, g, bucket_elems, set(no_decay), moments_dtype) for n, ps, g in groups if ps]
+        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), moments_dtype)
+                       for n, ps, g in groups if ps]
         self.norm_group = norm_group
         self.beta1, self.beta2, self.eps, self.wd, self.grad_clip = beta1, beta2, eps, weight_decay, grad_clip
         self.step_count = 0

@@ -1,9 +1,9 @@
 """Stage split: which layers form each pipeline stage, and the modules a rank keeps.
 
 The model's blocks are cut into `n_stages` contiguous stages (stage 0 also holds the embedding,
-the last stage the final norm, the output head and the loss). By default the cut balances a cost
-estimate (training FLOPs per token of each block, plus the head's on the last stage); a recipe can
-fix it with `parallel.pp_stage_layers`.
+the last stage the final norm, the output head and the loss). By default the cut balances the
+training FLOPs per token of each block (moe_lc.model.counting, MLA included) plus the head's on the
+last stage; a recipe can fix it with `parallel.pp_stage_layers`.
 
 A rank keeps one module per chunk it runs (`chunk_modules`) and one "union" module holding all of
 its chunks' blocks (`union_module`), through which the optimizer, checkpoints and metrics see the
@@ -18,19 +18,15 @@ import copy
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.counting import block_train_flops_per_token
 from moe_lc.model.seams import Borrowed
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.pipeline.schedule_ir import Schedule
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Training FLOPs per token of each block (dense or MoE), for balancing stages."""
-    D, Dh = cfg.dim, cfg.head_size
-    attn = 2 * (D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D) + 2 * cfg.n_heads * seq_len * Dh
-    dense = 2 * 3 * D * cfg.ffn_dim
-    moe = 2 * 3 * D * cfg.moe.ffn_dim * (cfg.moe.topk + cfg.moe.n_shared_experts) + 2 * D * cfg.moe.n_routed_experts
-    return [3.0 * (attn + (moe if cfg.moe.n_routed_experts and i >= cfg.moe.n_dense_layers else dense))
-            for i in range(cfg.n_layers)]
+    """Training FLOPs per token of each block (moe_lc.model.counting), for balancing stages."""
+    return [block_train_flops_per_token(cfg, i, seq_len) for i in range(cfg.n_layers)]
 
 
 def balanced_split(costs: list[float], n_stages: int, last_extra: float = 0.0) -> list[int]:
@@ -62,11 +58,9 @@ def balanced_split(costs: list[float], n_stages: int, last_extra: float = 0.0) -
 
 
 def stage_layers(cfg: ModelConfig, n_stages: int, seq_len: int, override: list[int] | None = None) -> list[list[int]]:
-    """Layer ids of each stage (override: layers per stage, summing to n_layers)."""
+    """Layer ids of each stage (override: layers per stage, as the recipe's rules checked them)."""
     if override:
-        if len(override) != n_stages or sum(override) != cfg.n_layers or min(override) < 1:
-            raise ValueError(f"parallel.pp_stage_layers={override} must list {n_stages} positive layer "
-                             f"counts summing to model.n_layers={cfg.n_layers}")
+        assert len(override) == n_stages and sum(override) == cfg.n_layers and min(override) >= 1, override
         sizes = list(override)
     else:
         head = 2 * 3 * cfg.dim * cfg.vocab_size
