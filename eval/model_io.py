@@ -1,8 +1,9 @@
 """Find a checkpoint and its recipe, load the model weights, run the model: the eval side of I/O.
 
 Accepted paths: a run directory (<output_dir> with config.toml and checkpoints/), a checkpoint root
-(the step_XXXXXXXX directories), or one committed step directory. The recipe is the run's
-config.toml unless --recipe is given. Only the "model" entry of the DCP checkpoint is read.
+(the step_XXXXXXXX directories), one committed step directory, or a `python -m moe_lc.convert
+from-hf` directory. The recipe is the run's config.toml (the from-hf recipe.toml) unless --recipe
+is given. Only the "model" entry of the DCP checkpoint is read.
 
 Checkpoints of any layout load here: moe_lc saves every parameter as boxes of the full tensor
 (reshardable checkpoints), so a tp / ep / pp / dp run's "model" entry fills one full model (checked
@@ -23,33 +24,19 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from moe_lc.checkpoint import MARKER, CheckpointError, committed_checkpoints, load_checkpoint
+from moe_lc.checkpoint import (CheckpointError, checkpoint_keys, find_checkpoint, load_checkpoint, recipe_beside,
+                               weight_errors)
 from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
-    """(committed step directory, the run's config.toml or None) for a run, root or step path."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such run or checkpoint directory")
-    if (p / MARKER).is_file():
-        step, run = p, p.parent.parent
-    else:
-        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        found = committed_checkpoints(root)
-        if not found:
-            raise CheckpointError(f"{p}: no committed checkpoint (looked for step_XXXXXXXX/{MARKER} in {root}); "
-                                  "train with checkpoint.interval > 0")
-        step, run = found[-1][1], root.parent if root != p else p.parent
-        if (p / "config.toml").is_file():
-            run = p
-    config = run / "config.toml"
-    return step, config if config.is_file() else None
+    """(committed step directory, the recipe beside it or None) for a run, root, step or from-hf path."""
+    step = find_checkpoint(path)
+    return step, recipe_beside(step)
 
 
 def load_eval_config(config_path: Path | None, recipe: str | None, overrides: list[str]) -> Config:
@@ -102,8 +89,12 @@ def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
     `dims` (cp > 1) its attention runs the zig-zag ring over the cp group (`ContextParallelLM`)."""
     model = Transformer(cfg.model)
     state = model.state_dict()
-    _check_shapes(step_dir, state)
-    load_checkpoint(step_dir, {"model": state})
+    errors = weight_errors(step_dir, {name: tuple(t.shape) for name, t in state.items()})
+    if errors:
+        raise CheckpointError(f"{step_dir}: the checkpoint does not fit the recipe's model (wrong --recipe or "
+                              "--set?): " + "; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+    keys = checkpoint_keys(step_dir)
+    load_checkpoint(step_dir, {"model": {n: t for n, t in state.items() if f"model.{n}" in keys}})
     model.load_state_dict(state)
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -112,21 +103,6 @@ def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
 
         return ContextParallelLM(parallelize(model, dims).module, dims).to(device).eval()
     return model.to(device).eval()
-
-
-def _check_shapes(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
-    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    bad = []
-    for name, tensor in state.items():
-        entry = meta.get(f"model.{name}")
-        if entry is None:
-            bad.append(f"{name}: missing from the checkpoint")
-        elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
-            bad.append(f"{name}: checkpoint {tuple(entry.size)} vs recipe {tuple(tensor.shape)}")
-    if bad:
-        raise CheckpointError(f"{step_dir}: the checkpoint does not fit the recipe's model (wrong --recipe or "
-                              "--set?): "
-                              + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
 
 
 @torch.no_grad()

@@ -61,7 +61,7 @@ def _task_params(items: list[str]) -> dict[str, dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m eval", description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="run directory, checkpoint root, or one step_XXXXXXXX directory")
+    ap.add_argument("checkpoint", help="run directory, checkpoint root, one step_XXXXXXXX directory, or a from-hf directory")
     ap.add_argument("--recipe", help="recipe the model was trained with (default: the run's config.toml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     ap.add_argument("--tasks", default=",".join(ALL_TASKS), help=f"comma list of {', '.join(ALL_TASKS)}")
@@ -108,6 +108,7 @@ def evaluate(args: argparse.Namespace, progress=print) -> dict:
     start = time.perf_counter()
     results = {"checkpoint": str(step_dir), "step": checkpoint_step(step_dir),
                "recipe": str(args.recipe or config_path), "trained_seq_len": cfg.train.seq_len,
+               "tokenizer": tokenizer.name,
                "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": depths,
                "scoring": "teacher-forced: mean log-prob of the answer tokens; exact = greedy argmax "
                           "reproduces every answer token; token_acc = fraction of answer tokens reproduced",

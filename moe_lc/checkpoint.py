@@ -83,6 +83,51 @@ def why_no_checkpoint(root: str | Path) -> str:
     return f"{root} holds only incomplete saves ({', '.join(sorted(started)[:3])})"
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """The committed step directory a user's path names: the step itself, or the newest under a checkpoint
+    root, a run directory (<output_dir>/checkpoints) or a `python -m moe_lc.convert from-hf` directory
+    (<dir>/checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such run or checkpoint directory")
+    if (path / MARKER).is_file():
+        return path
+    for root in (path, path / "checkpoints", path / "checkpoint"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path}: no committed checkpoint (looked for step_XXXXXXXX/{MARKER} in it, checkpoints/ "
+                          "and checkpoint/); train with checkpoint.interval > 0")
+
+
+def recipe_beside(step_dir: Path) -> Path | None:
+    """The recipe a checkpoint belongs with: <run>/config.toml (a training run's resolved recipe) or
+    <dir>/recipe.toml (a from-hf directory), looked for up to three levels above the step directory."""
+    for directory in [step_dir, *step_dir.parents][:4]:
+        for name in ("config.toml", "recipe.toml"):
+            if (directory / name).is_file():
+                return directory / name
+    return None
+
+
+def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Why the checkpoint at `path` cannot give a model of these full `shapes` its weights; [] if it can.
+    A missing router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero)."""
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        return [f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})"]
+    errors = []
+    for name, shape in shapes.items():
+        saved = meta.get(f"model.{name}")
+        if saved is None:
+            if not name.endswith("expert_bias"):
+                errors.append(f"{name} (shape {tuple(shape)} in the recipe) is missing from {path}")
+        elif tuple(saved.size) != tuple(shape):
+            errors.append(f"{name} is {tuple(saved.size)} in {path} but {tuple(shape)} in the recipe")
+    return errors
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -107,14 +152,17 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _dcp_save(state: dict, path: Path, group=None) -> None:
+def _dcp_save(state: dict, path: Path, group=None, file_per_tensor: bool = False) -> None:
+    # file_per_tensor: DCP's writer keeps every tensor of a file alive until the file is done, so a
+    # streaming writer (the converter's lazily read boxes) wants one file per box
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=not file_per_tensor)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process notice
-        dcp.save(state, checkpoint_id=str(path), process_group=group)
+        dcp.save(state, storage_writer=writer, process_group=group)
 
 
 def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool,
-                    barrier=lambda: None, keep: int = 0, rank: int = 0) -> Path:
+                    barrier=lambda: None, keep: int = 0, rank: int = 0, file_per_tensor: bool = False) -> Path:
     """Save `state` for `step` synchronously; collective over all ranks. Returns the committed dir."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
@@ -123,7 +171,7 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
         tmp.mkdir()
     barrier()
-    _dcp_save(state, tmp)
+    _dcp_save(state, tmp, file_per_tensor=file_per_tensor)
     faults.maybe_kill_in_save(step, rank)
     if is_writer:  # DCP wrote .metadata after every rank's data: the checkpoint is complete
         _commit(root, tmp, final, step, keep)
@@ -207,6 +255,32 @@ class Checkpointer:
         self._thread = threading.Thread(target=write, name=f"checkpoint-step{step}", daemon=True)
         self._thread.start()
         return final
+
+    def load_weights(self, path: Path, parallel, optimizer) -> None:
+        """`checkpoint.init_from`: the model's weights (and persistent buffers) from the committed checkpoint
+        `path` under any layout, nothing else; `init_from_errors` has vetted it on every rank alike. The
+        fp32 ZeRO master shards are filled (from the checkpoint's fp32 masters when it has them, else from
+        its model tensors) and published to the parameters, so a bf16 run started from fp32 weights keeps
+        them exactly."""
+        from moe_lc.parallel.checkpoint_state import model_state, optimizer_state
+
+        keys = checkpoint_keys(path)
+        masters = optimizer_state(optimizer, parallel, self.dims)["params"]
+        state: dict = {"model": {}, "optim": {"params": {}}}
+        for name, value in model_state(parallel, self.dims).items():
+            if f"model.{name}" not in keys:
+                continue  # a router bias the source never had (DeepSeek-V2): stays zero
+            if name in masters:
+                if f"optim.params.{name}.master" in keys:
+                    state["optim"]["params"][name] = {"master": masters[name]["master"]}
+                else:
+                    state["model"][name] = masters[name]["master"]  # fp32 boxes read the model entry
+            elif name not in parallel.placements:  # a buffer
+                state["model"][name] = value
+            # else: a parameter whose ZeRO slices all live on other ranks: gather_params brings it
+        load_checkpoint(path, state)
+        for shard in optimizer.shards:
+            shard.gather_params()
 
     def wait(self) -> None:
         """Join a running asynchronous save (and re-raise its error)."""

@@ -25,6 +25,7 @@ from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token
+from moe_lc.model.transformer import state_shapes
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.parallel import comm
@@ -170,7 +171,11 @@ class Trainer:
         logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=resumed is not None)
         if cfg.checkpoint.resume and resumed is None:
             logger.event(f"checkpoint.resume = true, but {ckpt.why_no_checkpoint(self.checkpoint_root())}: "
-                         "starting from step 0")
+                         + ("starting from checkpoint.init_from" if cfg.checkpoint.init_from else "starting from step 0"))
+        if resumed is None and cfg.checkpoint.init_from:
+            source = init_from_checkpoint(cfg)
+            self.checkpointer.load_weights(source, self.parallel, self.optimizer)
+            logger.event(f"weights from {source} (checkpoint.init_from); step 0, fresh optimizer and data")
         if self.is_logger:
             (out / "config.toml").write_text(to_toml(cfg))
             self._banner(resumed)
@@ -241,6 +246,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def init_from_checkpoint(cfg: Config) -> Path:
+    """The checkpoint `checkpoint.init_from` names, vetted against the recipe's model (ConfigError)."""
+    try:
+        path = ckpt.find_checkpoint(cfg.checkpoint.init_from)
+    except (ckpt.CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError([f"checkpoint.init_from: {exc}"]) from None
+    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, state_shapes(cfg.model))]
+    if errors:
+        raise ConfigError(errors[:8] + ([f"... and {len(errors) - 8} more"] if len(errors) > 8 else []))
+    return path
+
+
 def preflight(cfg: Config, world: int) -> None:
     """Checks of this machine against the recipe, before any process group: ConfigError naming the problem.
     (The recipe's own rules ran in load_config; these depend on the filesystem and the device.)"""
@@ -262,6 +279,11 @@ def preflight(cfg: Config, world: int) -> None:
         errors.append(f"the model has {n_params:.3g} parameters: even spread evenly over {world} rank(s) they need "
                       f"{need / 2**30:,.1f} GiB per rank, more than the {per_rank / 2**30:,.1f} GiB this machine has per "
                       f"rank ({device.type}); check model sizes or use more ranks")
+    if cfg.checkpoint.init_from:
+        try:
+            init_from_checkpoint(cfg)
+        except ConfigError as exc:
+            errors += exc.errors
     if errors:
         raise ConfigError(errors)
 

@@ -48,8 +48,10 @@ def test_byte_tokenizer_specials_and_invalid_utf8():
 
 def test_load_tokenizer_forms(tmp_path):
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
-    with pytest.raises(ValueError, match=r"'byte' or a path .*tokenizer\.json"):
+    with pytest.raises(ValueError, match=r"expected 'byte', a HuggingFace tokenizer\.json file, or a directory"):
         load_tokenizer("gpt2")
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
     try:
         import tokenizers  # noqa: F401
     except ImportError:
@@ -81,6 +83,18 @@ def test_hf_tokenizer_round_trip(tmp_path):
     sample = make_task("passkey", np.random.default_rng(0), 300, hf)
     assert len(sample.tokens) == 300
     assert hf.decode(sample.tokens[sample.answer_start :]) == sample.answer
+    # a model directory: tokenizer.json plus the special tokens its tokenizer_config.json names
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_bytes((tmp_path / "tok.json").read_bytes())
+    (model_dir / "tokenizer_config.json").write_text(
+        '{"eos_token": {"content": "<pad>"}, "bos_token": "<|endoftext|>", "pad_token": null}')
+    from_dir = load_tokenizer(str(model_dir))
+    assert (from_dir.eos_id, from_dir.bos_id, from_dir.pad_id) == (1, 0, 1)
+    assert from_dir.encode(text).tolist() == ids.tolist()
+    (model_dir / "tokenizer_config.json").write_text('{"eos_token": "<missing>"}')
+    with pytest.raises(ValueError, match="eos_token '<missing>' is not in the vocabulary"):
+        load_tokenizer(str(model_dir))
 
 
 # ---------------------------------------------------------------------------------------------- corpus

@@ -4,7 +4,9 @@ Each case trains the debug recipe for a few steps on one layout and compares wit
 exactly (==, not a tolerance): per-step losses and grad norms as Python floats, and a SHA-256 of every
 final parameter's bytes. A change that is meant to move the numbers re-records them, and says so:
 
-    MOE_LC_RECORD_GOLDEN=1 python -m pytest -q tests/test_golden.py
+    MOE_LC_RECORD_GOLDEN="why the numbers moved" python -m pytest -q tests/test_golden.py
+
+(the reason is kept in the JSON as "recorded_because").
 
 Cases: one process, and a 5-D layout (pp 2 DualPipe x dp 2 x cp 2 x tp 2, ep 2 folded into dp*cp*tp)
 on 16 gloo processes (~25 s on 2 cores).
@@ -43,6 +45,7 @@ def test_fp32_training_is_bit_identical_to_golden(case):
               "params": _digest(got.final_state)}
     path = GOLDEN / f"{case}.json"
     if os.environ.get("MOE_LC_RECORD_GOLDEN"):
+        result["recorded_because"] = os.environ["MOE_LC_RECORD_GOLDEN"]
         GOLDEN.mkdir(exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         pytest.skip(f"recorded {path}")

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_lc.config import model_config, load_config
+from moe_lc.config import RopeConfig, model_config, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.mla import MLAttention
-from moe_lc.model.rope import RotaryEmbedding, apply_rope, yarn_mscale
+from moe_lc.model.rope import RotaryEmbedding, apply_rope, yarn_get_mscale
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -108,10 +108,11 @@ def test_decompressed_equals_absorbed_latent_form():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
-def test_softmax_scale_includes_yarn_mscale_squared():
-    cfg = mla_cfg(rope_scaling="yarn", rope_factor=40.0, rope_mscale=0.1)
+def test_softmax_scale_includes_yarn_mscale_all_dim_squared():
+    cfg = mla_cfg(rope=RopeConfig(scaling="yarn", factor=40.0, mscale_all_dim=0.707))
     m = MLAttention(cfg)
-    assert m.softmax_scale == pytest.approx((16 + 8) ** -0.5 * yarn_mscale(40.0, 0.1) ** 2)
+    assert m.softmax_scale == pytest.approx((16 + 8) ** -0.5 * yarn_get_mscale(40.0, 0.707) ** 2)
+    assert MLAttention(mla_cfg(rope_scaling="yarn", rope_factor=40.0)).softmax_scale == pytest.approx(24 ** -0.5)
     assert MLAttention(mla_cfg()).softmax_scale == pytest.approx(24 ** -0.5)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from moe_lc.config import ModelConfig, load_config
 from moe_lc.model.counting import param_counts, train_flops_per_token
-from moe_lc.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq, yarn_mscale
+from moe_lc.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq, yarn_get_mscale
 from moe_lc.model.transformer import Transformer, build_model
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
 
@@ -18,29 +18,54 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # -- RoPE / YaRN --------------------------------------------------------------------------------------
 
 def yarn_reference(d, b, s, L, beta_fast, beta_slow):
-    """REFERENCE.md: r_i = L/lambda_i; gamma 1 above beta_fast, 0 below beta_slow, linear between."""
+    """The YaRN reference code (jquesnelle/yarn `find_correction_range` + `linear_ramp_mask`, copied by
+    DeepSeek-V3's inference code), transcribed in float64: a ramp linear over the pair index between
+    floor / ceil of the correction dims."""
+    def correction_dim(rotations):
+        return (d * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(b))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
     out = []
     for i in range(d // 2):
         theta = b ** (-2 * i / d)
-        r = L / (2 * math.pi / theta)
-        gamma = 1.0 if r > beta_fast else 0.0 if r < beta_slow else (r - beta_slow) / (beta_fast - beta_slow)
-        out.append((1 - gamma) * theta / s + gamma * theta)
+        ramp = min(max((i - low) / max(high - low, 0.001), 0.0), 1.0)  # 0 below low (kept), 1 above high
+        out.append(theta / s * ramp + theta * (1 - ramp))
     return torch.tensor(out, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("d, b, s, L", [(64, 10000.0, 32.0, 4096), (128, 10000.0, 40.0, 4096), (64, 500000.0, 8.0, 8192)])
-def test_yarn_frequencies_follow_the_formula(d, b, s, L):
+def test_yarn_frequencies_follow_the_reference_code(d, b, s, L):
     got = rope_inv_freq(d, b, "yarn", s, L, 32.0, 1.0)
-    ref = yarn_reference(d, b, s, L, 32.0, 1.0)
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    assert got.dtype == torch.float32  # the reference code's dtype: a checkpoint trained with it sees these
+    torch.testing.assert_close(got.double(), yarn_reference(d, b, s, L, 32.0, 1.0), rtol=1e-6, atol=0)
     plain = rope_inv_freq(d, b)
     assert got[0] == plain[0]  # highest frequency untouched
     torch.testing.assert_close(got[-1], plain[-1] / s)  # lowest frequency interpolated by 1/s
 
 
-def test_yarn_mscale():
-    assert yarn_mscale(1.0) == 1.0
-    assert yarn_mscale(40.0) == pytest.approx(0.1 * math.log(40.0) + 1)
+def test_yarn_differs_from_a_ramp_linear_in_rotations():
+    """The reading of the YaRN paper this file once implemented (gamma linear in r = L / lambda) moves
+    many frequencies of a 4K -> 128K model; the reference code's are what checkpoints are trained with."""
+    d, b, s, L = 128, 10000.0, 32.0, 4096
+    i = torch.arange(d // 2, dtype=torch.float64)
+    theta = b ** (-2 * i / d)
+    gamma = ((L * theta / (2 * math.pi) - 1.0) / (32.0 - 1.0)).clamp(0, 1)
+    linear_in_r = (1 - gamma) * theta / s + gamma * theta
+    rel = ((rope_inv_freq(d, b, "yarn", s, L).double() - linear_in_r) / linear_in_r).abs()
+    assert (rel > 1e-3).sum() >= 20 and rel.max() > 0.5
+
+
+def test_yarn_attention_factor():
+    assert yarn_get_mscale(1.0) == 1.0
+    assert yarn_get_mscale(40.0) == pytest.approx(0.1 * math.log(40.0) + 1)
+    assert yarn_get_mscale(40.0, 0.707) == pytest.approx(0.0707 * math.log(40.0) + 1)
+    # transformers' convention: the ratio when both are set, else m(s, 1); cos and sin carry it
+    rope = RotaryEmbedding(16, 10000.0, "yarn", 4.0, 64, mscale=1.0, mscale_all_dim=0.8)
+    assert rope.attention_factor == pytest.approx(yarn_get_mscale(4.0, 1.0) / yarn_get_mscale(4.0, 0.8))
+    assert RotaryEmbedding(16, 10000.0, "yarn", 4.0, 64).attention_factor == pytest.approx(yarn_get_mscale(4.0))
+    cos, sin = rope(torch.arange(5))
+    torch.testing.assert_close(cos ** 2 + sin ** 2, torch.full_like(cos, rope.attention_factor ** 2))
 
 
 def test_rope_is_a_rotation_and_relative():

@@ -1,6 +1,6 @@
 """Tokenize text files into train/val token files for `[data] source = "tokens"`.
 
-    python tools/prepare_data.py INPUT... --out PREFIX [--tokenizer byte|path/tokenizer.json]
+    python tools/prepare_data.py INPUT... --out PREFIX [--tokenizer byte|path/tokenizer.json|model dir]
                                  [--val-fraction 0.02] [--glob '*.txt']
 
 INPUT is a file or a directory (searched recursively for --glob, skipping __pycache__ and
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or directories")
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.train.* and PREFIX.val.*")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a HuggingFace tokenizer.json")
+    parser.add_argument("--tokenizer", default="byte", help="'byte', a HuggingFace tokenizer.json, or a model directory holding one")
     parser.add_argument("--val-fraction", type=float, default=0.02, help="fraction of files held out (by hash)")
     parser.add_argument("--glob", default="*.txt", help="file name pattern inside directories (default *.txt)")
     args = parser.parse_args(argv)

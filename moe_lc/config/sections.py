@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_lc.config.choices import (
-    AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8Scaling, LrSchedule,
-    PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc, SyntheticTask,
+    AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8Scaling, GroupScore,
+    LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc, SyntheticTask,
 )
 
 
@@ -52,7 +52,9 @@ class MoEConfig:
     n_groups: int = f(4, "expert groups (map to nodes under EP); divides n_routed_experts")
     topk_groups: int = f(2, "groups a token may use (node-limited routing); <= n_groups")
     score_func: ScoreFunc = f("sigmoid", "router affinity")
-    routed_scaling_factor: float = f(1.0, "gate weights are normalized top-k affinities times this")
+    group_score: GroupScore = f("top2_sum", "a group's score: the sum of its top-2 affinities (DeepSeek-V3) or its best one (V2)")
+    norm_topk_prob: bool = f(True, "renormalize the top-k affinities to sum to 1 (DeepSeek-V3; V2 does not)")
+    routed_scaling_factor: float = f(1.0, "gate weights are the (normalized) top-k affinities times this")
     bias_update_speed: float = f(1e-3, "aux-loss-free balancing: bias step per optimizer step (0 = off)")
     aux_loss_weight: float = f(0.0, "weight of the sequence-wise balance loss (0 = off)")
 
@@ -78,7 +80,7 @@ class MoEConfig:
         elif self.topk > self.topk_groups * (E // self.n_groups):
             e.append(f"{p}.topk={self.topk} exceeds the experts in topk_groups={self.topk_groups} groups of "
                      f"{E // self.n_groups}")
-        elif self.n_groups > 1 and E // self.n_groups < 2:
+        elif self.n_groups > 1 and E // self.n_groups < 2 and self.group_score == "top2_sum":
             e.append(f"{p}.n_groups={self.n_groups}: each group needs >= 2 experts (group score = top-2 sum)")
         return e
 
@@ -93,7 +95,9 @@ class RopeConfig:
     original_seq_len: int = f(4096, "YaRN: context length L the model was pre-trained at")
     beta_fast: float = f(32.0, "YaRN: dims with more than beta_fast rotations in L keep theta_i")
     beta_slow: float = f(1.0, "YaRN: dims with fewer than beta_slow rotations in L use theta_i/s")
-    mscale: float = f(0.1, "YaRN attention temperature: mscale = rope.mscale*ln(s) + 1")
+    truncate: bool = f(True, "YaRN: round the correction range to whole dims (floor / ceil), as the official code")
+    mscale: float = f(1.0, "YaRN: cos/sin factor m(s, mscale) / m(s, mscale_all_dim), m(s, x) = 0.1 x ln(s) + 1")
+    mscale_all_dim: float = f(0.0, "YaRN: 0 = cos/sin factor m(s, 1); MLA multiplies its softmax scale by m(s, this)^2")
 
     def errors(self) -> list[str]:
         e = []
@@ -156,6 +160,7 @@ class ModelConfig:
     init_std: float = f(0.02, "std of the normal init of weights (output projections scaled by depth)")
     attention: AttentionKind = f("gqa", "grouped-query, or multi-head latent attention ([model.mla])")
     attn_backend: AttnBackend = f("auto", "attention kernel; auto = the fastest usable on the device")
+    qkv_bias: bool = f(False, "biases on the q, k, v projections (Qwen2); GQA only")
     moe: MoEConfig = f(MoEConfig(), "[model.moe]")
     rope: RopeConfig = f(RopeConfig(), "[model.rope]")
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")
@@ -196,6 +201,8 @@ class ModelConfig:
             positive(e, f"model.{name}", getattr(self, name))
         if self.attention == "mla":
             e += self.mla.errors()
+            if self.qkv_bias:
+                e.append("model.qkv_bias = true needs model.attention = 'gqa' (MLA has no q/k/v projections)")
         elif self.n_heads > 0 and self.n_kv_heads > 0 and self.dim > 0:
             if self.n_heads % self.n_kv_heads:
                 e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
@@ -326,6 +333,8 @@ class CheckpointConfig:
     resume: bool = f(False, "continue from the newest complete checkpoint in dir, if any")
     keep: int = f(3, "keep the newest K checkpoints; 0 = keep all")
     async_save: bool = f(False, "write checkpoints in the background (a snapshot is taken first)")
+    init_from: str = f("", "start from these weights only (a checkpoint, its root, or a from-hf directory); "
+                           "fresh optimizer, step and data; a resumable checkpoint in dir wins")
 
     def errors(self) -> list[str]:
         e = []
@@ -340,7 +349,7 @@ class DataConfig:
 
     source: DataSource = f("stdlib", "stdlib: Python sources on this machine; tokens: a token file")
     path: str = f("", "token-file prefix for source = tokens (see tools/prepare_data.py)")
-    tokenizer: str = f("byte", "byte | path to a HuggingFace tokenizer.json")
+    tokenizer: str = f("byte", "byte | a HuggingFace tokenizer.json | a directory holding one (a model's)")
     synthetic_tasks: list[SyntheticTask] = f(["passkey"], "synthetic long-context tasks mixed in")
     synthetic_weight: float = f(0.0, "fraction of samples drawn from synthetic_tasks, mixed into source (< 1)")
     val_fraction: float = f(0.02, "fraction of stdlib files held out for validation")

@@ -141,12 +141,36 @@ class HFTokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
+def _special_tokens(directory: Path) -> dict:
+    """bos/eos/pad token spellings from a model directory's tokenizer_config.json (str or {"content": str})."""
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    import json
+
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    out = {}
+    for role in ("bos", "eos", "pad"):
+        value = raw.get(f"{role}_token")
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            out[f"{role}_token"] = value
+    return out
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """'byte' -> ByteTokenizer; a path ending in .json -> HFTokenizer; anything else is an error."""
+    """'byte' -> ByteTokenizer; a tokenizer.json file, or a directory holding one (a Hugging Face model's)
+    -> HFTokenizer, with the special tokens its tokenizer_config.json names; anything else is an error."""
     if spec == "byte":
         return ByteTokenizer()
-    if str(spec).endswith(".json"):
-        return HFTokenizer(spec)
-    raise ValueError(
-        f"unknown tokenizer {spec!r}: expected 'byte' or a path to a HuggingFace tokenizer.json file"
-    )
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"directory {path} holds no tokenizer.json (a slow-only tokenizer? save it "
+                                    "with a fast tokenizer, or point data.tokenizer at a tokenizer.json)")
+        path = path / "tokenizer.json"
+    elif not str(spec).endswith(".json"):
+        raise ValueError(f"unknown tokenizer {spec!r}: expected 'byte', a HuggingFace tokenizer.json file, "
+                         "or a directory holding one")
+    return HFTokenizer(path, **_special_tokens(path.parent))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.model.rope import apply_rope
 from moe_lc.model.seams import run_now
 from moe_lc.ops.attention import attention, get_backend
 from moe_lc.ops.linear import Linear
@@ -42,10 +42,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
-        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim)
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim)
-        mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
-        self.softmax_scale = self.head_dim ** -0.5 * mscale * mscale
+        self.softmax_scale = self.head_dim ** -0.5  # YaRN's temperature is in cos/sin (rope.py), as in transformers
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
 

@@ -16,7 +16,7 @@ Seams (moe_lc/model/seams.py): `core`, and `replay` around the queries' RoPE, th
 core (selective recomputation of "attention" keeps q, [k_nope | v] and the roped k_r, like GQA's q|k|v).
 
 With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-Lite). The softmax
-scale is (Dn + Dr)^-0.5 times YaRN's mscale squared, as DeepSeek-V3 applies it. Under tensor
+scale is (Dn + Dr)^-0.5 times m(s, rope.mscale_all_dim)^2 under YaRN, as DeepSeek-V3 applies it. Under tensor
 parallelism `wq_b`, `wkv_b` are column-parallel (heads split), `wo` row-parallel, the latent
 projections replicated, and `gather` becomes the sequence all-gather of the latents (smaller than x).
 """
@@ -29,7 +29,7 @@ from torch import nn
 from moe_lc.config import ModelConfig
 from moe_lc.model.attention import LocalAttention
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.rope import apply_rope, yarn_mscale
+from moe_lc.model.rope import apply_rope, yarn_get_mscale
 from moe_lc.model.seams import run_now
 from moe_lc.ops.linear import Linear
 
@@ -52,7 +52,10 @@ class MLAttention(nn.Module):
         self.wkv_b = Linear(self.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim))
         self.wo = Linear(cfg.n_heads * self.v_dim, cfg.dim)
         self.gather = nn.Identity()  # the sequence all-gather of the latents under TP + SP
-        mscale = yarn_mscale(cfg.rope.factor, cfg.rope.mscale) if cfg.rope.scaling == "yarn" else 1.0
+        # DeepSeek's convention (its inference code and transformers' DeepseekV2/V3): with YaRN the softmax
+        # scale also takes m(s, mscale_all_dim)^2, besides the cos/sin factor rope.py applies
+        scaled = cfg.rope.scaling == "yarn" and cfg.rope.mscale_all_dim
+        mscale = yarn_get_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) if scaled else 1.0
         self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now

@@ -17,18 +17,20 @@ from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.ops.linear import GroupedLinear, Linear
 
 
-def route(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int) -> torch.Tensor:
+def route(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int,
+          group_score: str = "top2_sum") -> torch.Tensor:
     """Group-limited top-k selection on bias-adjusted affinities -> expert ids (T, K) int64.
 
     Experts are split into `n_groups` contiguous groups (one per node under EP). A group's score is
-    the sum of its top-2 adjusted affinities; each token keeps its `topk_groups` best groups and picks
-    its top-k experts inside them. The bias steers selection only (gate weights never see it).
+    the sum of its top-2 adjusted affinities (DeepSeek-V3) or its best one ("max", DeepSeek-V2's
+    group-limited greedy); each token keeps its `topk_groups` best groups and picks its top-k experts
+    inside them. The bias steers selection only (gate weights never see it).
     """
     sel_TE = scores_TE + bias_E
     if n_groups > 1 and topk_groups < n_groups:
         T, E = sel_TE.shape
         grouped = sel_TE.view(T, n_groups, E // n_groups)
-        group_score_TG = grouped.topk(2, dim=-1).values.sum(-1)
+        group_score_TG = grouped.topk(2, dim=-1).values.sum(-1) if group_score == "top2_sum" else grouped.amax(-1)
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
         keep_TG.scatter_(1, group_score_TG.topk(topk_groups, dim=-1).indices, True)
         sel_TE = sel_TE.masked_fill(~keep_TG.repeat_interleave(E // n_groups, dim=1), float("-inf"))
@@ -47,6 +49,7 @@ class Router(nn.Module):
         self.n_experts, self.topk = cfg.moe.n_routed_experts, cfg.moe.topk
         self.n_groups, self.topk_groups = cfg.moe.n_groups, cfg.moe.topk_groups
         self.score_func, self.scaling = cfg.moe.score_func, cfg.moe.routed_scaling_factor
+        self.group_score, self.norm_topk_prob = cfg.moe.group_score, cfg.moe.norm_topk_prob
         self.bias_update_speed = cfg.moe.bias_update_speed
         self.gate = Linear(cfg.dim, cfg.moe.n_routed_experts)
         self.gate.fp8_eligible = False
@@ -63,9 +66,11 @@ class Router(nn.Module):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         logits_TE = self.gate(x_TD.float())
         scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
-        idx_TK = route(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk)
+        idx_TK = route(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk, self.group_score)
         weights_TK = scores_TE.gather(1, idx_TK)
-        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True) * self.scaling
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        weights_TK = weights_TK * self.scaling
         if self.training and self.count_loads:
             with torch.no_grad():
                 self.expert_load += torch.bincount(idx_TK.flatten(), minlength=self.n_experts).float()

@@ -1,11 +1,24 @@
-"""Rotary position embedding with YaRN long-context scaling.
+"""Rotary position embedding with YaRN long-context scaling, as the official YaRN code computes it.
 
-theta_i = b^(-2i/d), wavelength lambda_i = 2*pi/theta_i; YaRN with factor s and original length L:
-r_i = L / lambda_i (rotations of dim pair i within L); gamma_i = 0 if r_i < beta_slow, 1 if
-r_i > beta_fast, linear between; theta'_i = (1 - gamma_i) * theta_i / s + gamma_i * theta_i.
-High-frequency pairs (many rotations) keep their frequency, low-frequency pairs are interpolated.
-The attention temperature mscale = coef * ln(s) + 1 multiplies the softmax scale twice (q and k).
-Positions are explicit so that zig-zag context-parallel shards rotate by their true positions.
+theta_i = b^(-2i/d) for rotated pair i (d rotated dims). YaRN with factor s and original length L
+(Peng et al. 2023, the reference implementation jquesnelle/yarn, which DeepSeek, transformers
+`_compute_yarn_parameters` and torchtitan copy): the correction dims
+
+    dim(r) = d * ln(L / (2 pi r)) / (2 ln b)        the pair index that turns r times within L
+    low, high = floor(dim(beta_fast)), ceil(dim(beta_slow))   (clamped to [0, d-1]; not rounded if
+                                                                rope.truncate = false)
+
+bound a ramp that is linear over the pair *index*: gamma_i = clamp((i - low) / (high - low), 0, 1),
+and theta'_i = theta_i / s * gamma_i + theta_i * (1 - gamma_i): pairs below `low` (fast, many
+rotations) keep their frequency, pairs above `high` are interpolated by s. (A ramp linear in the
+rotation count r itself, which this file used before, changes 25 of the 64 frequencies of a 4K ->
+128K model by up to 75%, and a checkpoint extended elsewhere would not load as trained.)
+
+Attention temperature, transformers' convention: cos and sin are multiplied by
+    m(s, rope.mscale) / m(s, rope.mscale_all_dim)   when both are set, else m(s, 1),
+with m(s, x) = 0.1 x ln(s) + 1 (1 for s <= 1); DeepSeek's MLA also multiplies its softmax scale by
+m(s, rope.mscale_all_dim)^2 (mla.py). Positions are explicit so that zig-zag context-parallel shards
+rotate by their true positions.
 """
 
 from __future__ import annotations
@@ -16,41 +29,76 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
-                  original_seq_len: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
-    """Angular frequency per rotated pair, (head_dim // 2,) float64."""
-    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
-    inv_freq = theta ** (-i / head_dim)
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """m(s, x) = 0.1 x ln(s) + 1, and 1 without scaling (DeepSeek's `yarn_get_mscale`)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_correction_range(dim: int, theta: float, original_seq_len: int, beta_fast: float, beta_slow: float,
+                          truncate: bool = True) -> tuple[float, float]:
+    """(low, high) pair indices of YaRN's ramp (see the module docstring)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
+                  original_seq_len: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                  truncate: bool = True) -> torch.Tensor:
+    """Angular frequency per rotated pair, (rot_dim // 2,) float32 (the official code's dtype)."""
+    pos_freqs = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    inv_freq = 1.0 / pos_freqs
     if scaling == "none" or factor == 1.0:
         return inv_freq
-    if scaling != "yarn":
-        raise ValueError(f"rope scaling {scaling!r} must be 'none' or 'yarn'")
-    rotations = original_seq_len * inv_freq / (2 * math.pi)  # r_i = L / lambda_i
-    gamma = ((rotations - beta_slow) / (beta_fast - beta_slow)).clamp(0.0, 1.0)
-    return (1 - gamma) * inv_freq / factor + gamma * inv_freq
+    assert scaling == "yarn", scaling  # the recipe's choices
+    low, high = yarn_correction_range(rot_dim, theta, original_seq_len, beta_fast, beta_slow, truncate)
+    if low == high:
+        high += 0.001  # the reference code's guard against a zero-width ramp
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: interpolated by the factor
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
-def yarn_mscale(factor: float, coef: float = 0.1) -> float:
-    """YaRN attention temperature; 1 without scaling."""
-    return 1.0 if factor <= 1.0 else coef * math.log(factor) + 1.0
+def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The cos/sin factor (transformers' `attention_factor` when the config does not give one)."""
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    return yarn_get_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions.  forward(positions (S,)) -> cos, sin: (S, rot_dim // 2) fp32."""
+    """cos/sin tables for given positions.  forward(positions (S,)) -> cos, sin: (S, rot_dim // 2) fp32,
+    both multiplied by the YaRN attention factor."""
 
     def __init__(self, rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
-                 original_seq_len: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0):
+                 original_seq_len: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                 truncate: bool = True, mscale: float = 1.0, mscale_all_dim: float = 0.0):
         super().__init__()
-        self.args = (rot_dim, theta, scaling, factor, original_seq_len, beta_fast, beta_slow)
+        self.args = (rot_dim, theta, scaling, factor, original_seq_len, beta_fast, beta_slow, truncate)
+        scaled = scaling == "yarn" and factor != 1.0
+        self.attention_factor = yarn_attention_factor(factor, mscale, mscale_all_dim) if scaled else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(*self.args), persistent=False)
+
+    @classmethod
+    def from_config(cls, rope, rot_dim: int) -> "RotaryEmbedding":
+        """From a [model.rope] section (moe_lc.config.RopeConfig)."""
+        return cls(rot_dim, rope.theta, rope.scaling, rope.factor, rope.original_seq_len, rope.beta_fast,
+                   rope.beta_slow, rope.truncate, rope.mscale, rope.mscale_all_dim)
 
     def init_buffers(self) -> None:
         """Recompute the table in place (after the model was built on the meta device)."""
         self.inv_freq = rope_inv_freq(*self.args).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return angles.cos().float(), angles.sin().float()
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

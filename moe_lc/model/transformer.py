@@ -50,8 +50,7 @@ class Transformer(nn.Module):
         self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_loss_sums: torch.Tensor | None = None  # (D,) detached sums since the trainer's last reset
         self.mtp_embed = None  # seam: a Borrowed embedding for MTP on a stage without one (moe_lc/model/seams.py)
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor,
-                                    cfg.rope.original_seq_len, cfg.rope.beta_fast, cfg.rope.beta_slow)
+        self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -105,3 +104,10 @@ def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "c
     init_weights(model, seed, cfg.init_std, cfg.n_layers)
     cast_params_(model, dtype)
     return model.to(device)
+
+
+def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the model's checkpointed tensors (parameters and persistent buffers), built on meta."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

@@ -54,8 +54,7 @@ def build(ctx: Context):
         init_weights(block, 0, 0.02, m.n_layers)
     block = block.to(device=ctx.device, dtype=torch.bfloat16)
     apply_recompute(block, cfg.recompute.policy, cfg.recompute.selective)
-    rope = RotaryEmbedding(m.rope_dim, m.rope.theta, m.rope.scaling, m.rope.factor, m.rope.original_seq_len,
-                           m.rope.beta_fast, m.rope.beta_slow).to(ctx.device)
+    rope = RotaryEmbedding.from_config(m.rope, m.rope_dim).to(ctx.device)
     return block, rope, m, cfg.recompute
 
 
