@@ -55,10 +55,11 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     """Owns the model, optimizer, data and logging of one rank."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, device: torch.device | None = None):
+        """device: where this rank's tensors live (default: from train.device; the dry run passes meta)."""
         self.cfg = cfg
         t, p = cfg.train, cfg.precision
-        self.device = resolve_device(t.device)
+        self.device = device if device is not None else resolve_device(t.device)
         if t.threads:
             torch.set_num_threads(t.threads)
         self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
@@ -67,21 +68,7 @@ class Trainer:
         self.dims.init_groups()
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
-
-        try:
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            raise ConfigError([f"data.tokenizer={cfg.data.tokenizer!r}: {exc}"]) from None
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                               f"{self.tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"])
-        try:
-            dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed,
-                                          tokenizer=self.tokenizer)
-        except (ValueError, FileNotFoundError) as exc:  # missing, short or mismatched data files
-            raise ConfigError([f"data: {exc}"]) from None
-        self.loader = StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
-
+        self.tokenizer, self.loader = self.build_data()
         self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
         if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
             reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
@@ -106,6 +93,22 @@ class Trainer:
                                               async_save=cfg.checkpoint.async_save)
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops(self.device, p.recipe, t.peak_tflops)
+
+    def build_data(self):
+        """(tokenizer, StepLoader of this dp rank) from [data]; ConfigError on a bad tokenizer or data."""
+        cfg, t = self.cfg, self.cfg.train
+        try:
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+        except (ValueError, FileNotFoundError, ImportError) as exc:
+            raise ConfigError([f"data.tokenizer={cfg.data.tokenizer!r}: {exc}"]) from None
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                               f"{tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"])
+        try:
+            dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed, tokenizer=tokenizer)
+        except (ValueError, FileNotFoundError) as exc:  # missing, short or mismatched data files
+            raise ConfigError([f"data: {exc}"]) from None
+        return tokenizer, StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
     # -- one optimizer step ---------------------------------------------------------------------------
     @staticmethod

@@ -28,7 +28,7 @@ from moe_lc.model.counting import param_counts  # noqa: E402
 from tools.placement_semantics import (  # noqa: E402
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
-from tools.plan_layout import HOOKS, RankLayout, microbatches, rank_layouts, trainer_traffic  # noqa: E402
+from tools.plan_layout import HOOKS, RankLayout, microbatches, moe_blocks, rank_layouts, trainer_traffic  # noqa: E402
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -47,6 +47,7 @@ class RankPlan:
     activation_status: dict[str, str]
     traffic: list[Traffic]
     buckets: dict[str, list[int]]  # ZeRO group -> padded bucket sizes (elements)
+    transients: dict[str, float] = field(default_factory=dict)  # working sets by name (`_transients`)
 
     @property
     def memory(self) -> dict[str, float]:
@@ -55,6 +56,14 @@ class RankPlan:
     @property
     def total_bytes(self) -> float:
         return sum(self.memory.values())
+
+    def peak_bytes(self) -> float:
+        """Peak memory of a training step: the states that live through it (parameters, gradients,
+        optimizer) plus the larger of the forward/backward peak (saved activations at their most and
+        the working set of that moment) and the optimizer step's working set (activations freed)."""
+        mem, t = self.memory, self.transients
+        static = mem["params"] + mem["grads"] + mem["optimizer"]
+        return static + max(mem["activations"] + t.get("step", 0.0), t.get("optimizer step", 0.0))
 
     def comm_per_step(self) -> dict[str, float]:
         """{"comm/<group>/<op>_bytes": bytes this rank sends per step}, as metrics.jsonl keys them."""
@@ -82,7 +91,8 @@ class Plan:
         return {"recipe": self.recipe, "degrees": self.degrees,
                 "policy": self.policy, "notes": self.notes,
                 "ranks": [{"pp_rank": r.pp_rank, "layers": r.layers, "memory_bytes": r.memory,
-                           "total_bytes": r.total_bytes, "activations_by_policy": r.activations,
+                           "total_bytes": r.total_bytes, "peak_bytes": r.peak_bytes(), "transients": r.transients,
+                           "activations_by_policy": r.activations,
                            "activation_status": r.activation_status, "comm_per_step": r.comm_per_step(),
                            "traffic": [asdict(t) for t in r.traffic], "zero_buckets": r.buckets,
                            "placement": [asdict(p) for p in r.table]} for r in self.ranks]}
@@ -114,38 +124,177 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         rows += [StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note),
                  StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
                                 "full-size main-grad buffer, reduce-scattered per bucket"),
+                StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
+                                "this rank's reduced 1/N of the main grads (the reduce-scatter's output)"),
                  StatePlacement("optimizer", part, numel, 4 + 2 * (4 if moments == "fp32" else 2),
                                 f"fp32 master + 2 {moments} moments", {**model_dims, group: (n, "S")})]
     return rows, buckets
 
 
-def _activations(cfg: Config, deg, stages: list[dict], in_flight: float) -> tuple[dict, dict]:
-    """Saved bytes of this rank under each policy: in_flight micro-batches through its stages."""
+def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int) -> tuple[dict, dict]:
+    """Saved bytes of this rank at its peak under each policy: its micro-batches through its stages in
+    the order of the pipeline schedule (`schedule_peak`)."""
     t, r = cfg.train, cfg.recompute
     masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+    schedule = _schedule(cfg, deg)
     by_policy, status = {}, {}
     for policy in POLICIES:
         per_stage = [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy,
                               selective=tuple(r.selective), tp=deg.tp, cp=deg.cp, loss_mask=masked,
                               layers=st["layers"], first_stage=st["first"], last_stage=st["last"]) for st in stages]
-        mean_stage = sum(e.total for e in per_stage) / len(per_stage)
-        by_policy[policy] = in_flight * mean_stage + max(e.recompute_working for e in per_stage)
-        # PP in-flight counts come from the simulator (not measured); EP's expert terms follow the routing
-        checked = all(e.status == CHECKED for e in per_stage) and deg.pp == 1 and deg.ep == 1
+        if schedule is None:
+            by_policy[policy] = per_stage[0].total
+        else:
+            sizes = {st["id"]: e.total + phase_boundary_bytes(cfg, deg, st) for st, e in zip(stages, per_stage)}
+            phases = {st["id"]: _phase_count(cfg, st) for st in stages}
+            by_policy[policy] = schedule_peak(schedule, pp_rank, sizes, phases)[0]
+        # EP's expert terms follow the routing; PP's peak is checked by the dry run (tools/dryrun.py)
+        checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1
         status[policy] = CHECKED if checked else UNCHECKED
     return by_policy, status
 
 
-def _in_flight(cfg: Config, deg) -> list[float]:
-    """Micro-batch x stage units of saved activations at the peak, per pipeline rank (1 without PP)."""
+def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int) -> dict[str, float]:
+    """Working sets that live only for a moment but add to the peak (the dry run, tools/dryrun.py,
+    showed them and checks these figures):
+
+      recompute replay   one block's recomputed pieces, re-created in backward
+      loss head          on the last stage, the logits of the local sequence (B, S/cp, V/tp) in the
+                         compute dtype for the main head and each MTP head, and the loss's fp32 copy and
+                         fp32 log-softmax of one of them
+      step               at the forward/backward peak, above the most saved activations: one replay,
+                         plus without a pipeline the loss head (which runs when its own saved terms
+                         are not saved yet), under one what `schedule_peak` finds with the head at the
+                         end of each last-stage forward and the output gradients a split backward
+                         leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
+      optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
+                         (16 B/element), or AdamW's fp32 temporaries (sqrt and denominator, the
+                         no-decay copy of the master, and fp32 copies of bf16 moments)
+    """
+    t, m, r = cfg.train, cfg.model, cfg.recompute
+    c = compute_bytes(cfg)
+    masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+    per_stage = [estimate(m, t.micro_batch, t.seq_len, c, policy=r.policy, selective=tuple(r.selective), tp=deg.tp,
+                          cp=deg.cp, loss_mask=masked, layers=st["layers"], first_stage=st["first"],
+                          last_stage=st["last"]) for st in stages]
+    out = {"recompute replay": max(e.recompute_working for e in per_stage)}
+    head = 0.0
+    if any(st["last"] for st in stages):
+        logits = t.micro_batch * t.seq_len // deg.cp * (m.vocab_size // deg.tp)
+        head = logits * (c * (1 + m.mtp.depth) + 8)
+        out["loss head"] = head
+        if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
+            head -= max(e.head for e in per_stage)
+    schedule = _schedule(cfg, deg)
+    if schedule is not None:
+        sizes = {st["id"]: e.total + phase_boundary_bytes(cfg, deg, st) for st, e in zip(stages, per_stage)}
+        phases = {st["id"]: _phase_count(cfg, st) for st in stages}
+        held = {st["id"]: wgrad_held_bytes(cfg, deg, st["module"]) if schedule.split_backward else 0.0
+                for st in stages}
+        # the head's working set comes before its own saved terms are saved
+        spikes = {st["id"]: out["loss head"] - e.head for st, e in zip(stages, per_stage) if st["last"]}
+        most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes)
+        out["step"] = peak - most + out["recompute replay"]
+    else:
+        out["step"] = max(out["recompute replay"], head)
+    per_elem = max(16, 12 + (8 if cfg.precision.adam_moments == "bf16" else 0))
+    out["optimizer step"] = per_elem * max(sum(b) // deg[g].size for g, b in buckets.items())
+    return out
+
+
+def _schedule(cfg: Config, deg):
     if deg.pp == 1:
-        return [1.0]
-    from moe_lc.parallel.pipeline import Costs, build_schedule, simulate
+        return None
+    from moe_lc.parallel.pipeline import build_schedule
 
     p = cfg.parallel
-    schedule = build_schedule(p.pp_schedule, p.pp, microbatches(cfg, deg),
-                              p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
-    return [float(x) for x in simulate(schedule, Costs(F=1, B=2, W=1, FB=2.5)).peak_activations]
+    return build_schedule(p.pp_schedule, p.pp, microbatches(cfg, deg),
+                          p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
+
+
+def phase_boundary_bytes(cfg: Config, deg, stage: dict) -> float:
+    """Saved bytes a pipeline adds per micro-batch through a stage: the runtime runs stages phase by
+    phase (overlap.py) and keeps each phase's outputs for its backward; of those only the experts'
+    outputs (T/tp x top-k rows of D, compute dtype) are not saved by autograd anyway."""
+    m, t = cfg.model, cfg.train
+    rows = t.micro_batch * t.seq_len // deg.cp // deg.tp * m.moe.topk
+    return moe_blocks(cfg, stage) * rows * m.dim * compute_bytes(cfg)
+
+
+def _phase_count(cfg: Config, stage: dict) -> int:
+    """Phases of a stage's forward (Transformer.phases): embedding, 4 per MoE block (attention,
+    dispatch, experts, combine), 2 per dense one, the output head."""
+    m = cfg.model
+    moe = sum(1 for i in stage["layers"] if m.moe.n_routed_experts and i >= m.moe.n_dense_layers)
+    return int(stage["first"]) + 4 * moe + 2 * (len(stage["layers"]) - moe) + int(stage["last"])
+
+
+def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
+                  held: dict[int, float] | None = None, spikes: dict[int, float] | None = None) -> tuple[float, float]:
+    """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions
+    in order: F adds its stage's saved bytes, B frees them (a split B keeps them and the output
+    gradients `held` for its W, which frees both), and DualPipe's F&B alternates forward and backward
+    phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
+    the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
+    head's logits), on top of everything its forward saved."""
+    from moe_lc.parallel.pipeline.schedule_ir import FB, B, F, W
+
+    held, spikes = held or {}, spikes or {}
+    saved, waiting = {}, {}  # (stage, mb) -> bytes
+    now = extra = most = peak = 0.0
+    for a in schedule.actions[rank]:
+        if isinstance(a, F):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            saved[key] = sizes[key[0]]
+            now += saved[key]
+            peak = max(peak, now + extra + spikes.get(key[0], 0.0))
+        elif isinstance(a, B):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            if a.split:
+                waiting[key] = held.get(key[0], 0.0)
+                extra += waiting[key]
+            else:
+                now -= saved.pop(key)
+        elif isinstance(a, W):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            now -= saved.pop(key)
+            extra -= waiting.pop(key)
+        elif isinstance(a, FB):
+            f_key = (schedule.stage_of(rank, a.f_chunk, a.f_mb), a.f_mb)
+            b_key = (schedule.stage_of(rank, a.b_chunk, a.b_mb), a.b_mb)
+            f, b = sizes[f_key[0]], 0.0 if a.split else saved[b_key]
+            n_f, n_b = phases[f_key[0]], phases[b_key[0]]
+            rise = max(j * f / n_f - min(j - 1, n_b) * b / n_b for j in range(1, n_f + 1))
+            end = now + f - (n_f - 1) * b / n_b + spikes.get(f_key[0], 0.0)
+            most, peak = max(most, now + rise), max(peak, now + rise + extra, end + extra)
+            saved[f_key] = f
+            now += f - b
+            if a.split:
+                waiting[b_key] = held.get(b_key[0], 0.0)
+                extra += waiting[b_key]
+            else:
+                saved.pop(b_key)
+        most, peak = max(most, now), max(peak, now + extra)
+    return most, peak
+
+
+def wgrad_held_bytes(cfg: Config, deg, module) -> float:
+    """Bytes a split backward (B) of one micro-batch through `module` keeps for its W: the output
+    gradient of every Linear (moe_lc/ops/linear.py defers `weight_grad` with dy), in the compute dtype
+    (the router's in fp32). Rows: the cp shard of the sequence (column/row-parallel layers see it whole
+    under SP), the tp shard x top-k for experts, the tp shard for the router."""
+    from moe_lc.ops.linear import GroupedLinear, Linear
+
+    m, t, c = cfg.model, cfg.train, compute_bytes(cfg)
+    tokens = t.micro_batch * t.seq_len // deg.cp
+    total = 0.0
+    for mod in module.modules():
+        if isinstance(mod, GroupedLinear):
+            total += tokens // deg.tp * m.moe.topk * mod.weight.shape[1] * c
+        elif isinstance(mod, Linear):
+            router = not getattr(mod, "fp8_eligible", True)
+            total += (tokens // deg.tp * 4 if router else tokens * c) * mod.weight.shape[0]
+    return total
 
 
 def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
@@ -154,10 +303,10 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     deg = layouts[0].dims
     policy = cfg.recompute.policy
     ranks = []
-    for pp_rank, (layout, in_flight) in enumerate(zip(layouts, _in_flight(cfg, deg))):
+    for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
-        acts, status = _activations(cfg, deg, stages, in_flight)
+        acts, status = _activations(cfg, deg, stages, pp_rank)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
         scale = deg.pp * deg.dp * deg.cp * deg.tp
         numel = acts[policy] * scale
@@ -169,11 +318,14 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
         for hook in HOOKS:
             sends += hook(cfg, deg, stages, c)
         layers = [i for st in stages for i in st["layers"]]
-        ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets))
-    notes = ["not modeled: transient buffers (a parameter's grad before it joins the main-grad buffer, "
-             "logits gradient, gathered buckets), allocator fragmentation, CUDA context, comm buffers"]
+        ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
+                              _transients(cfg, deg, stages, buckets, pp_rank)))
+    notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
+             "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
+             "allocator fragmentation, the CUDA context, NCCL and library workspaces"]
     if cfg.precision.recipe == "fp8":
-        notes.append("fp8: activations assume bf16 saved inputs; FP8 Linear copies are not modeled yet")
+        notes.append("fp8: activations assume bf16 saved inputs; the FP8 copies of a GEMM's operands live only "
+                     "during that GEMM (transients)")
     degrees = dict(world=deg.world, pp=deg.pp, dp=deg.dp, cp=deg.cp, tp=deg.tp, ep=deg.ep, edp=deg.edp,
                    mirror=deg.pp_mirror)
     return Plan(recipe, degrees, policy, ranks, notes)
@@ -215,6 +367,8 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
         mem = r.memory
         out.append("Memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items())
                    + f", total {_mib(r.total_bytes)}")
+        out.append("Transients per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.transients.items())
+                   + f" | peak {_mib(r.peak_bytes())}")
         out.append("Saved activations per rank by recompute policy (MiB): " + ", ".join(
             f"{k} {_mib(v)}" + ("" if r.activation_status[k] == CHECKED else " [formula]") for k, v in r.activations.items()))
         out.append(f"Communication per step, bytes this rank sends (status: exact unless marked):")

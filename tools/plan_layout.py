@@ -83,10 +83,12 @@ def rank_layouts(cfg: Config, world: int | None = None) -> list[RankLayout]:
         dims = mesh(cfg, dims0.world, dims0.rank_of(pp_rank, 0, 0, 0)) if pp_rank else dims0
         model = build_rank_model(cfg, dims, plan=(schedule, layers), materialized=False)
         if schedule is None:
-            stages = [{"layers": list(range(cfg.model.n_layers)), "first": True, "last": True}]
+            stages = [{"id": 0, "layers": list(range(cfg.model.n_layers)), "first": True, "last": True,
+                       "module": model.module}]
         else:
             last = schedule.n_stages - 1
-            stages = [{"layers": layers[s], "first": s == 0, "last": s == last} for s in model.stage_ids]
+            stages = [{"id": s, "layers": layers[s], "first": s == 0, "last": s == last, "module": chunk}
+                      for s, chunk in zip(model.stage_ids, model.stages)]
         out.append(RankLayout(dims, model, stages))
     return out
 
@@ -107,14 +109,27 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
                            f"MTP loss sums ({m.mtp.depth} fp64)"))
     for what in ("loss sum (fp64)", "grad-norm square sum (fp64)"):
         out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8, dims.world), what))
-    n_moe = sum(1 for st in stages for i in st["layers"] if m.moe.n_routed_experts and i >= m.moe.n_dense_layers)
-    if m.moe.n_routed_experts and any(st["last"] for st in stages):  # MTP blocks are MoE blocks too
-        n_moe += sum(1 for d in range(m.mtp.depth) if m.n_layers + d >= m.moe.n_dense_layers)
+    n_moe = sum(moe_blocks(cfg, st) for st in stages)
     if n_moe:
         loads = 4 * n_moe * m.moe.n_routed_experts
         out.append(Traffic("dp_cp_tp", "all_reduce", ring_bytes("all_reduce", loads, dims["dp_cp_tp"].size),
                            f"expert loads ({n_moe} MoE layers x {m.moe.n_routed_experts} fp32)"))
     return [t for t in out if t.bytes]
+
+
+def moe_blocks(cfg: Config, stage: dict) -> int:
+    """MoE blocks a micro-batch meets in a stage: its MoE layers, and on the last stage the MTP modules'
+    blocks (MoE blocks too, numbered after the main layers)."""
+    m = cfg.model
+    if not m.moe.n_routed_experts:
+        return 0
+    mtp = range(m.n_layers, m.n_layers + m.mtp.depth) if stage["last"] else ()
+    return sum(1 for i in (*stage["layers"], *mtp) if i >= m.moe.n_dense_layers)
+
+
+def _blocks(cfg: Config, stage: dict) -> int:
+    """Transformer blocks a micro-batch meets in a stage (the MTP modules' on the last)."""
+    return len(stage["layers"]) + (cfg.model.mtp.depth if stage["last"] else 0)
 
 
 def _per_microbatch(count: float, dims: ParallelDims) -> float:
@@ -136,12 +151,18 @@ def tp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     act = _tokens(cfg, dims) * cfg.model.dim * c
     mb = microbatches(cfg, dims)
     first, last = any(st["first"] for st in stages), any(st["last"] for st in stages)
-    n_ag = n_rs = 4 * _per_microbatch(sum(len(st["layers"]) for st in stages), dims) + int(first) + int(last)
+    # under DualPipe a micro-batch meets the embedding or the head on this rank, not both (the dry run
+    # showed the planner counting both: 10% over)
+    # each MTP depth adds a block, an embedding of the shifted tokens and a pass through the head and loss
+    depth = cfg.model.mtp.depth
+    n_ag = n_rs = _per_microbatch(4 * sum(_blocks(cfg, st) for st in stages) + int(first) + int(last) * (1 + 2 * depth),
+                                  dims)
     out = [Traffic("tp", "all_gather", mb * n_ag * ring_bytes("all_gather", act, dims.tp), "TP+SP activations"),
            Traffic("tp", "reduce_scatter", mb * n_rs * ring_bytes("reduce_scatter", act, dims.tp), "TP+SP activations")]
     if last:  # one all-reduce of the max (B*S fp32), one of sum-exp and target logit (2*B*S fp32)
         loss = ring_bytes("all_reduce", 4 * _tokens(cfg, dims), dims.tp) + ring_bytes("all_reduce", 8 * _tokens(cfg, dims), dims.tp)
-        out.append(Traffic("tp", "all_reduce", mb * loss, "vocab-parallel loss (max; sum-exp, target)"))
+        out.append(Traffic("tp", "all_reduce", mb * _per_microbatch(loss * (1 + depth), dims),
+                           "vocab-parallel loss (max; sum-exp, target)" + (" of the main and MTP heads" if depth else "")))
     return out
 
 
@@ -154,7 +175,7 @@ def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     kv_heads = m.n_kv_heads // min(m.n_kv_heads, dims.tp) if dims.tp > 1 else m.n_kv_heads
     kv = 2 * _tokens(cfg, dims) * kv_heads * m.head_size
     per_call = (dims.cp - 1) * kv * c * 2 + dims.cp * kv * 4
-    n_layers = _per_microbatch(sum(len(st["layers"]) for st in stages), dims)
+    n_layers = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
     return [Traffic("cp", "send", microbatches(cfg, dims) * n_layers * per_call, "ring attention K/V (+dK/dV)")]
 
 
@@ -167,13 +188,13 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     m = cfg.model
     if dims.ep == 1 or not m.moe.n_routed_experts:
         return []
-    n_moe = _per_microbatch(sum(1 for st in stages for i in st["layers"] if i >= m.moe.n_dense_layers), dims)
+    n_moe = _per_microbatch(sum(moe_blocks(cfg, st) for st in stages), dims)
     copies = _tokens(cfg, dims) // dims.tp * m.moe.topk
     per_layer = 4 * copies * m.dim * c * (dims.ep - 1) / dims.ep
     layout = ring_bytes("all_gather", dims.ep * m.moe.n_routed_experts * 8, dims.ep)  # per-expert int64 counts
     mb = microbatches(cfg, dims)
     stats = 8 * counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes())  # the dispatcher's fp64 counters
-    n_stats = sum(1 for st in stages for i in st["layers"] if i >= m.moe.n_dense_layers)
+    n_stats = sum(moe_blocks(cfg, st) for st in stages)
     return [Traffic("ep", "all_to_all", mb * n_moe * per_layer, "token dispatch + combine, fwd + bwd (balanced)",
                     ESTIMATE),
             Traffic("ep", "all_gather", mb * n_moe * layout, "dispatch layout (expert counts of every ep rank)"),

@@ -37,11 +37,21 @@ def route(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
     return sel_TE.topk(topk, dim=-1).indices
 
 
+def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `idx` -> (n,) int64. `torch.bincount` with the same result,
+    except that its output size is static: bincount sizes its output by max(idx) + 1, which costs a
+    device-to-host sync on CUDA and has no shape on the meta device (the dry run)."""
+    flat = idx.flatten()
+    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Module):
     """Affinities, selection and gate weights.  gate: (E, D), computed in fp32 (never FP8).
 
     Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
     `expert_load` (E,) fp32, tokens routed to each expert since the last bias update.
+    Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
+    default (the dry run swaps in a balanced choice it knows the values of).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -56,6 +66,7 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.count_loads = True  # switched off while a recomputed forward replays this router
+        self.select = route
 
     def init_buffers(self) -> None:
         """Zero the balancing state (after the model was built on the meta device)."""
@@ -66,14 +77,14 @@ class Router(nn.Module):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         logits_TE = self.gate(x_TD.float())
         scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
-        idx_TK = route(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk, self.group_score)
+        idx_TK = self.select(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk, self.group_score)
         weights_TK = scores_TE.gather(1, idx_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
         weights_TK = weights_TK * self.scaling
         if self.training and self.count_loads:
             with torch.no_grad():
-                self.expert_load += torch.bincount(idx_TK.flatten(), minlength=self.n_experts).float()
+                self.expert_load += expert_counts(idx_TK, self.n_experts).float()
         return idx_TK, weights_TK, scores_TE
 
     @torch.no_grad()
@@ -123,7 +134,7 @@ class LocalDispatcher(TokenDispatcher):
         T, K = idx_TK.shape
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # position in sorted order -> flat (token, slot) index
-        counts = torch.bincount(flat, minlength=n_experts)
+        counts = expert_counts(flat, n_experts)
         return x_TD[order // K], counts, (order, T, K)
 
     def combine(self, y_sorted, weights_TK, handle):

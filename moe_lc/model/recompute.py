@@ -71,10 +71,11 @@ def checkpointed(fn, *args, owner: nn.Module | None = None):
 def recompute_from(source: torch.Tensor, output: torch.Tensor, remake, consumer, *args):
     """consumer(output, *args), where any copy of `output` the consumer's autograd saves is dropped
     and rebuilt as remake(source) in backward (saved-tensor hooks). `output` must be remake(source)."""
-    ptr = output.untyped_storage().data_ptr()
+    # the storage's identity, not its data_ptr: on the meta device (the dry run) every data_ptr is 0
+    storage = output.untyped_storage()._cdata
 
     def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr:
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == storage:
             return ("recompute", t.shape, t.stride(), t.storage_offset())
         return t
 

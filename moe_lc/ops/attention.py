@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_lc.config.choices import AttnBackend, names
+from moe_lc.ops.device import is_gpu, meta_gpu
 from moe_lc.ops.attention_backends import (REFERENCE, AttentionBackend, ReferenceBackend, TorchBackend,
                                            check_attention_inputs)
 from moe_lc.ops.flash_attention import (FlashAttn4Backend, FlashAttnBackend, flash_attn4_device_ok,
@@ -57,10 +58,12 @@ AUTO_ORDER = ("flash_attn4", "flash_attn", "torch", "reference")
 # --------------------------------------------------------------------------- selection
 
 
-def _torch_flash_available(device_type: str) -> bool:
-    if device_type == "cpu":
+def _torch_flash_available(device: torch.device) -> bool:
+    if device.type == "cpu":
         return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu")
-    if device_type == "cuda":
+    if device.type == "meta":  # the dry run: the CUDA kernel's meta function
+        return is_gpu(device)
+    if device.type == "cuda":
         probe = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
         return torch.cuda.is_available() and probe()
     return False
@@ -68,13 +71,13 @@ def _torch_flash_available(device_type: str) -> bool:
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Concrete backend names usable on `device` in this process (never includes "auto")."""
-    device_type = torch.device(device).type
+    device = torch.device(device)
     names = ["reference"]
-    if _torch_flash_available(device_type):
+    if _torch_flash_available(device):
         names.append("torch")
-    if device_type == "cuda" and flash_attn_interface() is not None:
+    if is_gpu(device) and flash_attn_interface() is not None:
         names.append("flash_attn")
-    if device_type == "cuda" and flash_attn4_device_ok(torch.device(device)) and flash_attn4_interface() is not None:
+    if flash_attn4_device_ok(device) and flash_attn4_interface() is not None:
         names.append("flash_attn4")
     return names
 
@@ -84,7 +87,7 @@ _BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "flash
 
 
 @functools.lru_cache(maxsize=None)
-def _backend_for(name: str, device: torch.device) -> AttentionBackend:
+def _backend_for(name: str, device: torch.device, meta_gpu) -> AttentionBackend:
     if name == "auto":
         usable = available_backends(device)
         name = next(n for n in AUTO_ORDER if n in usable)
@@ -98,7 +101,7 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Atten
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    return _backend_for(name, device)
+    return _backend_for(name, device, meta_gpu())
 
 
 # --------------------------------------------------------------------------- autograd entry points

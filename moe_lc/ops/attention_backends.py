@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_lc.ops.device import is_gpu
+
 aten = torch.ops.aten
 
 CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -148,7 +150,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, causal, scale):
         check_attention_inputs(q, k, v, causal)
-        if q.is_cuda:
+        if is_gpu(q.device):
             return self._cuda_forward(q, k, v, causal, scale)
         head_dim = max(q.shape[-1], v.shape[-1])
         q_, k_, v_ = (pad_head_dim(x, head_dim).transpose(1, 2) for x in (q, k, v))
@@ -159,7 +161,7 @@ class TorchBackend(AttentionBackend):
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         check_attention_inputs(q, k, v, causal)
-        if q.is_cuda:
+        if is_gpu(q.device):
             return self._cuda_backward(dout, q, k, v, out, lse, causal, scale)
         head_dim = max(q.shape[-1], v.shape[-1])
         q_, k_, v_, dout_, out_ = (pad_head_dim(x, head_dim).transpose(1, 2) for x in (q, k, v, dout, out))

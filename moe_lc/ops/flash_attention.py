@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from moe_lc.ops.device import gpu_capability
 from moe_lc.ops.attention_backends import (CUDA_FLASH_DTYPES, CUDA_FLASH_MAX_HEAD_DIM, REFERENCE, AttentionBackend,
                                            check_attention_inputs, fallback_reason, pad_head_dim, round_up,
                                            trim_head_dim, unit_last_stride, unpad_grads, warn_fallback)
@@ -101,7 +102,8 @@ def flash_attn4_interface():
 
 def flash_attn4_device_ok(device: torch.device) -> bool:
     # its forward and backward kernels exist for SM90 (Hopper) and SM100+ (Blackwell) only
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+    capability = gpu_capability(device)
+    return capability is not None and capability[0] >= 9
 
 
 class FlashAttn4Backend(AttentionBackend):

@@ -32,6 +32,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from moe_lc.ops.device import cuda_version, gpu_capability
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
@@ -269,10 +271,6 @@ def _cpu_scaled_mm_accepts(rowwise: bool) -> bool:
     return True
 
 
-def _cuda_version() -> tuple[int, ...]:
-    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-
-
 def scaled_mm_backend(device, recipe: str) -> str:
     """How ``fp8_*_scaled_mm`` runs ``recipe`` on ``device``: "native", "chunked_rowwise" or "emulated".
 
@@ -291,13 +289,13 @@ def scaled_mm_backend(device, recipe: str) -> str:
         if recipe == "tensorwise":
             return "native" if _cpu_scaled_mm_accepts(rowwise=False) else "emulated"
         return "chunked_rowwise" if _cpu_scaled_mm_accepts(rowwise=True) else "emulated"
-    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+    capability = gpu_capability(device)
+    if capability is None:
         return "emulated"
-    capability = torch.cuda.get_device_capability(device)
     if recipe == "tensorwise":
         return "native" if capability >= (8, 9) else "emulated"
     has_v2 = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
-    return "native" if capability[0] == 9 and has_v2 and _cuda_version() >= (12, 9) else "emulated"
+    return "native" if capability[0] == 9 and has_v2 and cuda_version(device) >= (12, 9) else "emulated"
 
 
 def scaled_mm_support(device, recipe: str) -> bool:

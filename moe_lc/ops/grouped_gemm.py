@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from moe_lc.ops.device import is_gpu
+
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
 _warned: set[str] = set()
 
@@ -47,7 +49,7 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     reason = misalignment(a) or misalignment(b)
     if reason is not None:
-        if reason not in _warned and a.device.type == "cuda":
+        if reason not in _warned and is_gpu(a.device):
             _warned.add(reason)
             warnings.warn(f"grouped GEMM falls back to a loop over experts: {reason}", RuntimeWarning, stacklevel=3)
         return False

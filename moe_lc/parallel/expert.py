@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_lc.model.moe import MoE, TokenDispatcher
+from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -130,11 +130,13 @@ class ExpertTopology:
                     f"spans and let ep blocks start at node boundaries (parallel.ranks_per_node)")
 
 
-def _expert_major(recv_RL: torch.Tensor) -> torch.Tensor:
-    """Rows arrive (source rank, local expert)-major with counts recv_RL (R, El); the permutation
-    that groups them by local expert (stable: source rank, then arrival order, inside each)."""
+def _expert_major(recv_RL: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Rows arrive (source rank, local expert)-major with counts recv_RL (R, El), n_rows in all (known on
+    the host: no sync to size the output); the permutation that groups them by local expert (stable:
+    source rank, then arrival order, inside each)."""
     R, El = recv_RL.shape
-    expert_of_row = torch.arange(El, device=recv_RL.device).repeat(R).repeat_interleave(recv_RL.flatten())
+    expert_of_row = torch.arange(El, device=recv_RL.device).repeat(R).repeat_interleave(
+        recv_RL.flatten(), output_size=n_rows)
     return expert_of_row.argsort(stable=True)
 
 
@@ -175,7 +177,7 @@ class AllToAllDispatcher(TokenDispatcher):
         has_TN.scatter_(1, node_TK, True)
         remote = has_TN.clone()
         remote[:, topo.node] = False
-        hist = torch.bincount(has_TN.sum(1), minlength=topo.n_nodes + 1)
+        hist = expert_counts(has_TN.sum(1), topo.n_nodes + 1)
         extra = torch.stack([(node_TK != topo.node).sum(), remote.sum()])
         tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
         counts = torch.cat([counts_E.double(), hist.double(), tokens, extra.double()])
@@ -208,7 +210,7 @@ class AllToAllDispatcher(TokenDispatcher):
         R, El, me = self.topo.size, self.topo.per_rank, self.topo.rank
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # (token, slot) copies sorted by expert = by destination rank
-        counts_E = torch.bincount(flat, minlength=n_experts)
+        counts_E = expert_counts(flat, n_experts)
         self._count(idx_TK, counts_E)
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
         # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
@@ -216,7 +218,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # (DeepEP) avoid it; torch's all-to-all cannot.
         send, recv = counts_E.view(R, El).sum(1).tolist(), recv_RL.sum(1).tolist()
         x_recv = AllToAll.apply(x_TD[order // K], recv, send, self.group)
-        regroup = _expert_major(recv_RL)
+        regroup = _expert_major(recv_RL, sum(recv))
         return x_recv[regroup], recv_RL.sum(0), (order, regroup, send, recv, T, K)
 
     def combine(self, y_sorted, weights_TK, handle):
@@ -250,7 +252,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         topo, R, El, me = self.topo, self.topo.size, self.topo.per_rank, self.topo.rank
         T, K = idx_TK.shape
         N = topo.n_nodes
-        counts_E = torch.bincount(idx_TK.flatten(), minlength=n_experts)
+        counts_E = expert_counts(idx_TK, n_experts)
         self._count(idx_TK, counts_E)
         has_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
         has_TN.scatter_(1, topo.node_of_expert(idx_TK), True)
@@ -277,14 +279,14 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         slot_of_PK[slot_p, slot_k] = torch.arange(n_slots, device=idx_PK.device)
         expert_S = idx_PK[slot_p, slot_k]
         order2 = expert_S.argsort(stable=True)
-        send2 = torch.bincount(expert_S // El, minlength=R).tolist()
+        send2 = expert_counts(expert_S // El, R).tolist()
         mine = slice(me * El, (me + 1) * El)
         recv2_RL = torch.zeros(R, El, dtype=torch.long, device=idx_TK.device)
         for s in range(R):  # sender s's copies for my experts come through its forwarder on my node
             recv2_RL[topo.forwarder(s, topo.node)] += torch.tensor(counts_RE[s][mine], device=idx_TK.device)
         recv2 = recv2_RL.sum(1).tolist()
         x_recv = AllToAll.apply(x_pairs[slot_p[order2]], recv2, send2, self.group)
-        regroup = _expert_major(recv2_RL)
+        regroup = _expert_major(recv2_RL, sum(recv2))
         handle = _HierHandle(pair_t, pair_n, send1, recv1, slot_of_PK, order2, send2, recv2, regroup, x_pairs, T)
         return x_recv[regroup], recv2_RL.sum(0), handle
 

@@ -81,7 +81,8 @@ def materialize(result: Parallelized, dims: ParallelDims, seed: int, std: float,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Parallelized:
     """Allocate this rank's parameters of a model built on the meta device and fill them with its slice
     of the single-device init (moe_lc/model/init.py), drawn in row chunks: no full tensor of a sharded
-    parameter is ever held. Buffers are allocated on `device` and recomputed."""
+    parameter is ever held. Buffers are allocated on `device` and recomputed. On the meta device (the dry
+run) nothing is drawn."""
     module = result.module
     rules = init_rules(module, std, n_layers)
     module.to_empty(device=device)  # new Parameter objects (look them up after), buffers allocated
@@ -89,6 +90,9 @@ def materialize(result: Parallelized, dims: ParallelDims, seed: int, std: float,
     params = dict(module.named_parameters())
     for name, place in result.placements.items():
         param, rule = params[name], rules[name]
+        if torch.device(device).type == "meta":  # the dry run: shapes only, no values to draw
+            param.data = torch.empty(param.shape, dtype=dtype, device=device)
+            continue
         if rule.kind != "normal":
             local = torch.full(param.shape, 1.0 if rule.kind == "ones" else 0.0)
         else:

@@ -1,0 +1,98 @@
+"""The dry run (tools/dryrun.py) holds the planner to what one traced training step does."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lc.config import load_config
+from tools.dry_trace import HostLiterals, StepTracer, balanced_select
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "debug_cpu.toml")
+# world 64: pp 4 DualPipe x dp 8 (ep 8 folded in) x tp 2 on an 8-layer slice of the 16B recipe at 4K
+# tokens (bf16, selective recompute): real widths, so transients weigh what they weigh at full size
+MID_RECIPE = str(ROOT / "recipes" / "moe16b_128k.toml")
+MID = ["parallel.pp=4", "parallel.pp_schedule=dualpipe", "parallel.dp=8", "parallel.cp=1", "parallel.tp=2",
+       "parallel.ep=8", "model.n_layers=8", "train.seq_len=4096", "train.global_batch=64", "model.rope.scaling=none"]
+
+
+def dryrun(*args: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "dryrun.py"), *args, "--json"], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def assert_holds_the_planner_to_it(report: dict) -> None:
+    memory = report["comparison"]["memory"]
+    for state in ("params", "grads", "optimizer"):
+        traced, planned = memory[state]
+        assert traced == planned, (report["rank"], state, traced, planned)
+    for what in ("saved activations", "peak"):
+        traced, planned = memory[what]
+        assert traced == pytest.approx(planned, rel=0.05), (report["rank"], what, traced, planned)
+    assert report["peak_bytes"] == memory["peak"][0] and report["planner_peak_bytes"] == memory["peak"][1]
+    exact = {k: v for k, v in report["comparison"]["comm"].items() if v[2] == "exact"}
+    assert exact, "the planner claims no exact traffic"
+    for key, (traced, planned, _) in exact.items():
+        assert traced == planned, (report["rank"], key, traced, planned)
+    assert not report["problems"] and report["update_applied"]
+
+
+def test_mid_size_dualpipe_ep_tp_layout_matches_the_planner_on_every_role():
+    result = dryrun(MID_RECIPE, "--ranks", "all-roles", *[f"--set={s}" for s in MID])
+    assert result["world"] == 64
+    reports = result["ranks"]
+    assert [r["coords"]["pp"] for r in reports] == [0, 1, 2, 3]
+    for report in reports:
+        assert_holds_the_planner_to_it(report)
+        # the all-to-all follows the balanced routing the dry run uses, which is the planner's estimate
+        traced, planned, _ = report["comparison"]["comm"]["comm/ep/all_to_all_bytes"]
+        assert traced == planned > 0
+        # every dispatch reads its split sizes on the host (torch's all-to-all takes host lists)
+        assert any("expert.py" in site and "(dispatch)" in site for site in report["host_reads"])
+
+
+def test_balanced_select_loads_every_expert_equally_inside_the_group_limit():
+    for E, G, g, K in [(8, 4, 2, 2), (256, 8, 4, 8), (64, 1, 1, 6)]:
+        idx = balanced_select(torch.zeros(4096, E), None, G, g, K)
+        load = torch.bincount(idx.flatten(), minlength=E)
+        assert load.min() == load.max() == 4096 * K // E
+        assert all(len(set(row.tolist())) == K for row in idx)  # K distinct experts per token
+        assert all(len(set(row.tolist())) == g for row in idx // (E // G))  # in exactly g groups
+
+
+def test_tracer_gives_known_values_to_data_dependent_shapes_and_reads():
+    with StepTracer() as tracer, HostLiterals():
+        ids = torch.tensor([3, 1, 3, 0], device="meta")
+        picked = ids.nonzero()  # the meta device alone cannot size this
+        counts = torch.zeros(4, dtype=torch.int64, device="meta").scatter_add_(0, ids, torch.ones_like(ids))
+        assert picked.shape == (3, 1)  # three non-zero ids
+        assert counts.tolist() == [1, 1, 0, 2]
+        unknown = torch.ones(2048, 2048, device="meta").sum()  # too big to carry values
+        assert unknown.item() == 1.0  # no value: a loss or a norm reads as 1
+    assert sum(tracer.host_reads.values()) == 2
+
+
+def test_cpu_tensor_handed_to_a_collective_is_refused_in_the_dry_run(tmp_path):
+    """The dry run's groups run on the device the trainer uses (meta standing for CUDA), so a CPU tensor
+    sent through a collective fails here as it would under NCCL."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_lc.parallel import comm
+    from moe_lc.parallel.mesh import ParallelDims
+
+    cfg = load_config(RECIPE, ["parallel.dp=4"], world_size=4)
+    dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, 4, 1, "meta")
+        dims.init_groups()
+        with pytest.raises(ValueError, match="collective all_reduce on group 'dp' got a tensor on cpu"):
+            comm.all_reduce(torch.ones(2), dims["dp"])
+    finally:
+        dist.destroy_process_group()

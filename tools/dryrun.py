@@ -1,0 +1,217 @@
+"""Dry run: one training step of a recipe at its real world size, traced rank by rank on one CPU.
+
+    python tools/dryrun.py RECIPE [--set KEY=VALUE ...] [--ranks first,last|all-roles|N,M,...] [--json]
+
+"Will this layout fit, and what will it send?" For each traced rank, in this one process: torch's
+fake process-group backend at the recipe's world size and that rank, the trainer built exactly as
+`python -m moe_lc.train` builds it (parallelize, materialize, ZeRO-1) but on the meta device standing
+for an H100 (no data, no memory; see moe_lc/ops/device.py), then one `Trainer.train_step`: every
+micro-batch through the recipe's pipeline schedule, its recompute policy and precision recipe,
+the ZeRO-1 update. tools/dry_trace.py watches every op: memory by category and its peak, the
+collectives (counted by comm.py as in a real run), host syncs and dtypes NCCL lacks. Each figure
+is printed beside the planner's (tools/plan.py) with the difference in percent.
+
+Ranks: "first,last" (default) traces the first and the last pipeline rank (with DualPipe rank 0
+holds both ends of the model); "all-roles" every pipeline rank; or global ranks "0,5". Every rank of
+one pipeline rank holds experts and the same shapes (data, context, tensor and expert ranks are
+symmetric), so one rank per pipeline position covers every role. Data is not read: micro-batches
+are token ids on the meta device, routing is balanced (tools/dry_trace.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from moe_lc.config import ConfigError, load_config  # noqa: E402
+from moe_lc.model.moe import Router  # noqa: E402
+from moe_lc.ops.device import GpuSpec, meta_as_gpu  # noqa: E402
+from moe_lc.train import Trainer  # noqa: E402
+from tools.dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select  # noqa: E402
+from tools.plan import plan  # noqa: E402
+
+META = torch.device("meta")
+EXACT = ("params", "grads", "optimizer")
+
+
+class MetaLoader:
+    """Micro-batches of a step as the StepLoader shapes them: token ids on the meta device (all zeros
+    as far as routing and counts are concerned), a CPU loss mask when the data mix has one."""
+
+    def __init__(self, cfg, microbatches: int):
+        t = cfg.train
+        self.n, self.shape = microbatches, (t.micro_batch, t.seq_len + 1)
+        self.masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+
+    def next_step(self) -> list[dict]:
+        mask = (lambda: torch.ones(self.shape[0], self.shape[1] - 1)) if self.masked else (lambda: None)
+        return [{"tokens": torch.zeros(self.shape, dtype=torch.int64, device=META), "loss_mask": mask()}
+                for _ in range(self.n)]
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": 0, "global_batch": 0}
+
+
+class DryTrainer(Trainer):
+    """The trainer on the meta device with `MetaLoader` data."""
+
+    def build_data(self):
+        t = self.cfg.train
+        return None, MetaLoader(self.cfg, t.global_batch // (t.micro_batch * self.dims.dp))
+
+
+def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
+    """Build and step global rank `rank` of `world` under the tracer -> its report (bytes, counts)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK="0")
+    dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=rank, world_size=world)
+    tracer = StepTracer()
+    start = time.perf_counter()
+    try:
+        with meta_as_gpu(spec), tracer, HostLiterals():
+            trainer = DryTrainer(cfg, device=META)
+            built = time.perf_counter()
+            static = _label_states(trainer, tracer)
+            for m in trainer.model.modules():
+                if isinstance(m, Router):
+                    m.select = balanced_select
+            tracer.memory.reset_peak()
+            trainer.dims.counter.reset()
+            with SavedActivations(tracer.memory).hooks():
+                step = trainer.train_step()
+        mem = tracer.memory
+        return {"rank": rank, "coords": trainer.dims.coords(), "build_s": built - start,
+                "step_s": time.perf_counter() - built, "update_applied": step.applied, "ops": tracer.ops, "static_bytes": static,
+                "peak_bytes": mem.peak, "saved_bytes": mem.most["saved"], "peak_by_category": {c: mem.at_peak.get(c, 0) for c in
+                                                             ("params", "grads", "optimizer", "buffers", "saved",
+                                                              "transients")},
+                "top_transients": mem.top_transients, "comm": trainer.dims.counter.as_dict(), "host_reads": dict(tracer.host_reads.most_common()),
+                "problems": sorted(set(tracer.problems))}
+    finally:
+        dist.destroy_process_group()
+
+
+def _label_states(trainer, tracer: StepTracer) -> dict:
+    """Label the ZeRO-1 buffers, call whatever else lives after the build `buffers`; -> bytes by state."""
+    mem = tracer.memory
+    out = dict.fromkeys(EXACT, 0)
+    for s in trainer.optimizer.shards:
+        for category, tensors in (("params", [s.param_buffer]), ("grads", [s.grad_buffer, s.grad_shard]),
+                                  ("optimizer", [s.master, s.exp_avg, s.exp_avg_sq])):
+            for t in tensors:
+                mem.label(t, category)
+                out[category] += t.untyped_storage().nbytes()
+    mem.label_all_live("buffers")
+    out["buffers"] = mem.now["buffers"]
+    return out
+
+
+def pick_ranks(spec: str, cfg, world: int) -> list[int]:
+    p = cfg.parallel
+    per_stage = world // p.pp
+    if spec == "first,last":
+        return sorted({0, (p.pp - 1) * per_stage})
+    if spec == "all-roles":
+        return [i * per_stage for i in range(p.pp)]
+    try:
+        ranks = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --ranks {spec!r}: expected first,last, all-roles or global ranks like 0,5") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise SystemExit(f"error: --ranks {spec!r}: ranks {bad} outside the world of {world}")
+    return ranks
+
+
+def compare(report: dict, rank_plan) -> dict:
+    """The traced figures beside the planner's, with the difference in percent of the planner's."""
+    planned = rank_plan.memory
+    rows = {}
+    for key in EXACT:
+        rows[key] = (report["static_bytes"][key], planned[key])
+    rows["saved activations"] = (report["saved_bytes"], planned["activations"])
+    rows["peak"] = (report["peak_bytes"], rank_plan.peak_bytes())
+    comm = {}
+    planned_comm = rank_plan.comm_per_step()
+    status = {t.key: t.status for t in rank_plan.traffic}
+    for key in sorted(set(report["comm"]) | set(planned_comm)):
+        if key.endswith("_inter_node_bytes"):
+            continue
+        comm[key] = (report["comm"].get(key, 0), planned_comm.get(key, 0), status.get(key, "not planned"))
+    return {"memory": rows, "comm": comm}
+
+
+def _pct(traced: float, planned: float) -> str:
+    if planned == 0:
+        return "  -" if traced == 0 else "  new"
+    return f"{100 * (traced - planned) / planned:+.2f}%"
+
+
+def render(report: dict, cmp: dict) -> str:
+    gib = 2**30
+    c = report["coords"]
+    out = [f"== rank {report['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}, ep {c['ep']}): "
+           f"built in {report['build_s']:.1f} s, step traced in {report['step_s']:.1f} s ({report['ops']:,} ops)",
+           f"{'memory':<22}{'traced GiB':>12}{'planner GiB':>13}{'diff':>10}"]
+    for key, (traced, planned) in cmp["memory"].items():
+        out.append(f"{key:<22}{traced / gib:>12.3f}{planned / gib:>13.3f}{_pct(traced, planned):>10}")
+    peak = report["peak_by_category"]
+    out.append("at the peak: " + ", ".join(f"{k} {v / gib:.3f}" for k, v in peak.items()) + " GiB")
+    out.append("planner's transients: " + ", ".join(f"{k} {v / gib:.3f}" for k, v in report["planner_transients"].items())
+               + " GiB")
+    out.append("largest transients near the peak: " + ", ".join(f"{what} {n / 2**20:,.1f} MiB"
+                                                                 for n, what in report["top_transients"]))
+    out.append(f"{'bytes sent per step':<36}{'traced':>18}{'planner':>18}{'diff':>10}")
+    for key, (traced, planned, status) in cmp["comm"].items():
+        mark = "" if status == "exact" else f"  [{status}]"
+        out.append(f"{key:<36}{traced:>18,}{planned:>18,.0f}{_pct(traced, planned):>10}{mark}")
+    out.append("host syncs (device -> host reads) per step:")
+    out += [f"  {n:>6} x {site}" for site, n in report["host_reads"].items()] or ["  none"]
+    out += [f"PROBLEM: {p}" for p in report["problems"]]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/dryrun.py", description=__doc__.splitlines()[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    ap.add_argument("--ranks", default="first,last", help="first,last | all-roles | global ranks, e.g. 0,5")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.set)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    p = cfg.parallel
+    world = p.pp * (p.dp or 1) * p.cp * p.tp
+    the_plan = plan(cfg, world, args.recipe)
+    results = []
+    for rank in pick_ranks(args.ranks, cfg, world):
+        if not args.json:
+            print(f"tracing rank {rank} of {world} ...", file=sys.stderr, flush=True)
+        report = trace_rank(cfg, world, rank)
+        rank_plan = the_plan.ranks[report["coords"]["pp"]]
+        cmp = compare(report, rank_plan)
+        report.update(planner_peak_bytes=rank_plan.peak_bytes(), planner_transients=rank_plan.transients,
+                      comparison=cmp)
+        results.append(report)
+        if not args.json:
+            print(render(report, cmp), flush=True)
+    if args.json:
+        print(json.dumps({"recipe": args.recipe, "world": world, "ranks": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
