@@ -10,6 +10,7 @@ import torch
 
 from moe_lc.config import load_config
 from tools.dry_trace import HostLiterals, StepTracer, balanced_select
+from tools.dryrun import pick_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "debug_cpu.toml")
@@ -44,10 +45,14 @@ def assert_holds_the_planner_to_it(report: dict) -> None:
 
 
 def test_mid_size_dualpipe_ep_tp_layout_matches_the_planner_on_every_role():
-    result = dryrun(MID_RECIPE, "--ranks", "all-roles", *[f"--set={s}" for s in MID])
+    result = dryrun(MID_RECIPE, "--ranks", "0,16,32,48", *[f"--set={s}" for s in MID])
     assert result["world"] == 64
     reports = result["ranks"]
     assert [r["coords"]["pp"] for r in reports] == [0, 1, 2, 3]
+    # DualPipe's mirror ranks hold the same stages: the same step, byte for byte ("all-roles" traces one)
+    for a, b in ((0, 3), (1, 2)):
+        assert reports[a]["peak_bytes"] == reports[b]["peak_bytes"] and reports[a]["comm"] == reports[b]["comm"]
+    assert pick_ranks("all-roles", load_config(MID_RECIPE, MID), 64) == [0, 16]
     for report in reports:
         assert_holds_the_planner_to_it(report)
         # the all-to-all follows the balanced routing the dry run uses, which is the planner's estimate

@@ -12,7 +12,8 @@ collectives (counted by comm.py as in a real run), host syncs and dtypes NCCL la
 is printed beside the planner's (tools/plan.py) with the difference in percent.
 
 Ranks: "first,last" (default) traces the first and the last pipeline rank (with DualPipe rank 0
-holds both ends of the model); "all-roles" every pipeline rank; or global ranks "0,5". Every rank of
+holds both ends of the model); "all-roles" every pipeline rank (under DualPipe one of each mirror
+pair r, pp-1-r, which hold the same stages); or global ranks "0,5". Every rank of
 one pipeline rank holds experts and the same shapes (data, context, tensor and expert ranks are
 symmetric), so one rank per pipeline position covers every role. Data is not read: micro-batches
 are token ids on the meta device, routing is balanced (tools/dry_trace.py).
@@ -121,8 +122,9 @@ def pick_ranks(spec: str, cfg, world: int) -> list[int]:
     per_stage = world // p.pp
     if spec == "first,last":
         return sorted({0, (p.pp - 1) * per_stage})
-    if spec == "all-roles":
-        return [i * per_stage for i in range(p.pp)]
+    if spec == "all-roles":  # DualPipe's mirror ranks r and pp-1-r hold the same two stages: one of each pair
+        mirrored = p.pp_schedule == "dualpipe" and p.pp > 1
+        return [i * per_stage for i in range(p.pp // 2 if mirrored else p.pp)]
     try:
         ranks = [int(x) for x in spec.split(",")]
     except ValueError:

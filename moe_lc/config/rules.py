@@ -111,6 +111,11 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
         elif m.moe.n_groups % (p.ep // rpn):
             e.append(f"model.moe.n_groups={m.moe.n_groups} must be a multiple of the {p.ep // rpn} nodes that "
                      f"parallel.ep={p.ep} spans (groups map to nodes for node-limited routing)")
+    if cfg.precision.fp8_dispatch and p.expert_dispatch != "flat":
+        e.append(f"precision.fp8_dispatch with parallel.expert_dispatch={p.expert_dispatch!r} is not built: FP8 "
+                 "tokens cross the flat dispatcher's all-to-all only")
+    if cfg.precision.fp8_dispatch and not m.has_moe:
+        e.append("precision.fp8_dispatch needs MoE layers (model has none)")
     if m.has_moe and m.moe.aux_loss_weight > 0:
         for name in ("tp", "cp"):
             if getattr(p, name) > 1:

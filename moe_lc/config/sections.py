@@ -255,6 +255,8 @@ class PrecisionConfig:
     fp8_scaling: Fp8Scaling = f("blockwise", "fp8 flavour: blockwise is DeepSeek's 1x128 / 128x128")
     fp8_backend: Fp8Backend = f("auto", "fp8 GEMMs: auto = te, else torch._scaled_mm, where they run, else emulate")
     adam_moments: AdamMoments = f("fp32", "dtype of Adam moments (DeepSeek-V3 keeps them in bf16)")
+    fp8_dispatch: bool = f(False, "tokens enter the experts FP8-rounded (1x128 tiles) and cross the EP all-to-all "
+                                  "in FP8 (DeepSeek-V3); combine and gradients stay in the compute dtype")
 
     @property
     def compute_dtype(self):

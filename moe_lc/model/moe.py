@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.ffn import SwiGLU, swiglu_then
+from moe_lc.ops.fp8 import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
 
 
@@ -116,7 +117,10 @@ class RoutedExperts(nn.Module):
 
 
 class TokenDispatcher:
-    """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical."""
+    """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical.
+    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch)."""
+
+    fp8_tokens = False
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
         """-> (x_sorted (T', D) grouped by local expert, counts (E_local,), handle for combine)."""
@@ -135,7 +139,8 @@ class LocalDispatcher(TokenDispatcher):
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # position in sorted order -> flat (token, slot) index
         counts = expert_counts(flat, n_experts)
-        return x_TD[order // K], counts, (order, T, K)
+        rows = x_TD[order // K]
+        return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K)
 
     def combine(self, y_sorted, weights_TK, handle):
         order, T, K = handle

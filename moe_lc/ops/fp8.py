@@ -84,6 +84,39 @@ def dequantize_rowwise_tiles(x_fp8: torch.Tensor, scale: torch.Tensor, tile: int
     return x_fp8.float() * scale.repeat_interleave(tile, dim=-1)[..., :k]
 
 
+def pack_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (n, K) -> (n, K + 4 ceil(K/128)) uint8: each row's 1 x 128-tile FP8 values, then its fp32 scales
+    (the payload of FP8 dispatch: one all-to-all moves both, and rows stay rows)."""
+    x_fp8, scale = quantize_rowwise_tiles(x)
+    return torch.cat([x_fp8.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def unpack_fp8_rows(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``pack_fp8_rows``: (n, K + 4 ceil(K/128)) uint8 -> (n, K) ``dtype``."""
+    x_fp8 = packed[:, :k].contiguous().view(FP8_DTYPE)
+    scale = packed[:, k:].contiguous().view(torch.float32)
+    return dequantize_rowwise_tiles(x_fp8, scale).to(dtype)
+
+
+def fp8_row_bytes(k: int) -> int:
+    """Bytes of one packed row of K values (``pack_fp8_rows``)."""
+    return k + 4 * -(-k // BLOCK)
+
+
+class FP8Rounded(torch.autograd.Function):
+    """x rounded through the FP8 wire format (``pack_fp8_rows`` then unpack), in x's dtype; the gradient
+    passes straight through. What FP8 dispatch does to tokens when no all-to-all carries them (ep = 1),
+    so every layout computes the same numbers."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return unpack_fp8_rows(pack_fp8_rows(x), x.shape[-1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize per ``block`` x ``block`` square (weights).
 

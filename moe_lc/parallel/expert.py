@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts
+from moe_lc.ops.fp8 import pack_fp8_rows, unpack_fp8_rows
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -57,6 +58,23 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group: Group):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+class FP8AllToAll(torch.autograd.Function):
+    """AllToAll for token rows in FP8 (DeepSeek-V3's dispatch): each row is quantized in 1 x 128 tiles and
+    travels as K FP8 bytes plus its fp32 scales (`moe_lc.ops.fp8.pack_fp8_rows`), and is dequantized
+    to x's dtype on arrival. Backward: the gradient returns in x's dtype (straight through the rounding).
+    """
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group: Group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        received = _all_to_all(pack_fp8_rows(x), out_splits, in_splits, group)
+        return unpack_fp8_rows(received, x.shape[-1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -217,7 +235,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # know the sizes to post the transfers). Kernels that send into worst-case-sized buffers
         # (DeepEP) avoid it; torch's all-to-all cannot.
         send, recv = counts_E.view(R, El).sum(1).tolist(), recv_RL.sum(1).tolist()
-        x_recv = AllToAll.apply(x_TD[order // K], recv, send, self.group)
+        x_recv = (FP8AllToAll if self.fp8_tokens else AllToAll).apply(x_TD[order // K], recv, send, self.group)
         regroup = _expert_major(recv_RL, sum(recv))
         return x_recv[regroup], recv_RL.sum(0), (order, regroup, send, recv, T, K)
 

@@ -1,6 +1,6 @@
 """Apply parallelism to a plain single-device model, in one documented order (the order of the code):
 
-    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs -> recomputation    (ZeRO-1 lives in the optimizer)
+    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs, FP8 dispatch -> recomputation    (ZeRO-1 lives in the optimizer)
 
 The model arrives either fully initialized (tests; every rank holds the same values and keeps its
 slices) or built on the meta device (the trainer): each step swaps parallel-aware pieces into the
@@ -64,6 +64,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
         apply_context_parallel(model, dims)
     if precision is not None and precision.recipe == "fp8":
         apply_fp8(model, precision.fp8_scaling, precision.fp8_backend, device)
+    if precision is not None and precision.fp8_dispatch:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.dispatcher.fp8_tokens = True
     if recompute is not None:
         apply_recompute(model, recompute.policy, recompute.selective)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
