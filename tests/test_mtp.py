@@ -110,3 +110,20 @@ def test_mtp_with_1f1b_pipeline_is_refused():
 
     with pytest.raises(ConfigError, match="needs pp_schedule 'dualpipe' or 'dualpipev'"):
         load_config(RECIPE, ["model.mtp.depth=1", "parallel.pp=2"], world_size=2)
+
+
+def test_dualpipe_rank_zero_holds_one_embedding_and_head_for_the_model_and_mtp():
+    """DeepSeek-V3 3.2.1: with DualPipe the first and last stages share pipeline rank 0, so the MTP
+    module uses the model's embedding and output head: one copy of their parameters (and so of their
+    gradients and optimizer state), none on the middle ranks."""
+    from tools.plan_layout import rank_layouts
+
+    cfg = load_config(RECIPE, ["model.mtp.depth=1", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1",
+                               "model.n_layers=4"], world_size=2)
+    rank0 = rank_layouts(cfg, 2)[0]
+    names = [name for name, _, _ in rank0.model.named_parameters()]
+    shared = [n for n in names if n.split(".")[-2] in ("embed", "head")]
+    assert shared == ["embed.weight", "head.weight"]
+    assert any(n.startswith("mtp.") for n in names)  # the MTP module is here, without copies of its own
+    vocab, dim = cfg.model.vocab_size, cfg.model.dim
+    assert sum(p.numel() for _, p, _ in rank0.model.named_parameters() if p.shape == (vocab, dim)) == 2 * vocab * dim

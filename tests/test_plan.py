@@ -108,9 +108,12 @@ def test_saved_activations_match_the_formula_in_process(overrides):
     ("full", [], "fp32", []), ("full", [], "bf16", []), ("selective", ["norm", "swiglu"], "fp32", []),
     ("selective", ["norm", "swiglu", "attention"], "bf16", []), ("selective", ["attention"], "fp32", []),
     ("selective", ["attention"], "fp32", MLA), ("selective", ["attention"], "bf16", MLA + ["model.mla.qk_nope_head_dim=8"]),
-    ("selective", ["norm", "swiglu", "attention"], "bf16", MLA + ["model.mla.q_lora_rank=48"])],
+    ("selective", ["norm", "swiglu", "attention"], "bf16", MLA + ["model.mla.q_lora_rank=48"]),
+    ("selective", ["mla_up"], "fp32", MLA + ["model.mla.q_lora_rank=48"]),
+    ("selective", ["norm", "swiglu", "mla_up"], "bf16", MLA + ["model.mla.q_lora_rank=48"]),
+    ("selective", ["attention", "mla_up"], "bf16", MLA)],
     ids=["full-fp32", "full-bf16", "norm-swiglu", "all-bf16", "attention", "mla-attention", "mla-attention-dv-ne-dqk",
-         "mla-all-qlora-bf16"])
+         "mla-all-qlora-bf16", "mla-up-qlora", "mla-up-norm-swiglu-bf16", "mla-up-attention-no-qlora-bf16"])
 def test_saved_activations_fall_per_layer_by_what_the_planner_predicts(policy, selective, precision, model):
     """Issue 8: per layer, the bytes a recompute policy saves (measured `none` minus measured policy)
     equal the planner's predicted drop (to the byte today; 5% allowed). MLA's selective "attention"

@@ -95,3 +95,27 @@ def test_deferred_weight_grads_survive_recomputation(policy, items):
     for name, g in want.items():
         assert got[name] is not None, name
         torch.testing.assert_close(got[name], g, rtol=0, atol=1e-6)
+
+
+MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16"]
+
+
+def test_mla_up_projection_recompute_composes_with_dualpipe_ep_and_dp():
+    """selective "mla_up" (keep MLA's latents, rebuild the up-projections in backward) under pp2 DualPipe x
+    dp2 with ep2 folded in, against one process without recomputation: fp32 within 1e-5."""
+    base = ["train.steps=3", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2", "train.micro_batch=1",
+            *MLA]
+    ref = reference(RECIPE, base)
+    got = run_layout(RECIPE, base + ["recompute.policy=selective", "recompute.selective=norm,swiglu,mla_up",
+                                     "parallel.pp=2", "parallel.pp_schedule=dualpipe", "parallel.ep=2", "parallel.dp=2"],
+                     world=4)
+    assert_equivalent(ref, got, rtol=1e-5)
+
+
+def test_mla_up_needs_mla():
+    from moe_lc.config import ConfigError
+
+    with pytest.raises(ConfigError, match="recompute.selective item 'mla_up' recomputes MLA's up-projections"):
+        load_config(RECIPE, ["recompute.policy=selective", "recompute.selective=mla_up"])
+

@@ -65,8 +65,8 @@ class Saved:
     what: str
     per_token: float = 0.0
     tp: str = "seq"  # "seq" | "heads" | "full" (see the module docstring)
-    dropped_by: str = ""  # the selective-recompute item that stops saving it: norm | swiglu | attention
-    kept_by: str = ""  # the selective-recompute item that makes it saved (a replay's input); else none
+    dropped_by: str = ""  # the selective-recompute items that stop saving it ("a|b": either), e.g. "norm"
+    kept_by: str = ""  # the items that make it saved (a replay's input; "a|b": either); else always
     per_seq: float = 0.0
     per_layer: float = 0.0
 
@@ -101,27 +101,38 @@ def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
     (CUDA: rounded up to 8), so out is stored padded and wo gets a contiguous copy when Dqk != Dv."""
     H, Cq, Ckv, Dr = m.n_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
     Dqk, Dv = m.mla.qk_nope_head_dim + Dr, m.mla.v_head_dim
-    latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full", "norm")]
-              if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm")])
-    # recomputed latent norms keep their inputs, views of the latent [c_q | c_kv | k_r]: one storage
+    latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full",
+                     "norm|mla_up")]
+              if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm|mla_up")])
+    # recomputed latent norms (or "mla_up", which checkpoints everything from the latents) keep their
+    # inputs, views of the latent [c_q | c_kv | k_r]: one storage
     terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent,
-             Saved("mla: latents (the latent norms' replay input)", c * (Cq + Ckv + Dr), "full", kept_by="norm")]
+             Saved("mla: latents (the latent norms' replay input)", c * (Cq + Ckv + Dr), "full", kept_by="norm|mla_up")]
     for name, C in (("q_norm", Cq), ("kv_norm", Ckv)):
         if C:
-            terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm"), Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm"),
-                      Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm"),
-                      Saved(f"mla {name}: output (up-projection input)", c * C, "full")]
+            terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm|mla_up"),
+                      Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm|mla_up"),
+                      Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm|mla_up"),
+                      Saved(f"mla {name}: output (up-projection input)", c * C, "full", "mla_up")]
     # Under selective "attention" the replay (mla.py `_rope_and_core`) keeps its inputs: q before RoPE
     # and the roped k_r; kv it keeps either way. The core's padded out goes unless it is wo's input too.
-    terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.mla.qk_nope_head_dim + Dv), "heads"),
-              Saved("mla: q with roped part", c * H * Dqk, "heads", "attention"),
-              Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention"),
+    # Under "mla_up" (which takes MLA's place of "attention") only the latents stay of the up-projections'
+    # side, and the core keeps its output and LSE (its forward is not replayed).
+    padded = Dqk != Dv
+    terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.mla.qk_nope_head_dim + Dv), "heads", "mla_up"),
+              Saved("mla: q with roped part", c * H * Dqk, "heads", "attention|mla_up"),
+              Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention|mla_up"),
               Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads",
-                    "attention" if Dqk != Dv else ""),
-              Saved("mla: wo input (contiguous copy)", c * H * Dv if Dqk != Dv else 0, "heads"),
-              Saved("attn: lse", 4 * H, "heads", "attention"),
-              Saved("mla: q before RoPE (replay input)", c * H * Dqk, "heads", kept_by="attention"),
-              Saved("mla: roped k_r (replay input)", c * Dr, "full", kept_by="attention")]
+                    "attention|mla_up" if padded else ""),
+              Saved("mla: out, padded (kept under mla_up)", c * H * max(Dqk, Dv) if padded else 0, "heads",
+                    kept_by="mla_up"),
+              Saved("mla: wo input (contiguous copy)", c * H * Dv if padded else 0, "heads"),
+              Saved("attn: lse", 4 * H, "heads", "attention|mla_up"),
+              Saved("attn: lse (kept under mla_up)", 4 * H, "heads", kept_by="mla_up"),
+              Saved("mla: q before RoPE (replay input)", c * H * Dqk, "heads", "mla_up", kept_by="attention"),
+              Saved("mla: roped k_r (replay input)", c * Dr, "full", "mla_up", kept_by="attention"),
+              Saved("mla: q from wq (mla_up's input without q_lora)", 0 if Cq else c * H * Dqk, "heads",
+                    kept_by="mla_up")]
     return terms
 
 
@@ -222,7 +233,9 @@ def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selec
         return terms
     if policy == "full":
         return terms if layer_id is None else _phase_inputs(m, layer_id, c)
-    return [t for t in terms if t.dropped_by not in selective and (not t.kept_by or t.kept_by in selective)]
+    chosen = set(selective)
+    return [t for t in terms if not chosen & set(t.dropped_by.split("|"))
+            and (not t.kept_by or chosen & set(t.kept_by.split("|")))]
 
 
 def _bytes(terms: list[Saved], tokens: int, seqs: int, tp: int, sp: bool) -> float:

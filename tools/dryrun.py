@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend warns once per group about hooks
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

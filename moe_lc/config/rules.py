@@ -111,6 +111,9 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
         elif m.moe.n_groups % (p.ep // rpn):
             e.append(f"model.moe.n_groups={m.moe.n_groups} must be a multiple of the {p.ep // rpn} nodes that "
                      f"parallel.ep={p.ep} spans (groups map to nodes for node-limited routing)")
+    r = cfg.recompute
+    if r.policy == "selective" and "mla_up" in r.selective and m.attention != "mla":
+        e.append(f"recompute.selective item 'mla_up' recomputes MLA's up-projections; model.attention={m.attention!r}")
     if cfg.precision.fp8_dispatch and p.expert_dispatch != "flat":
         e.append(f"precision.fp8_dispatch with parallel.expert_dispatch={p.expert_dispatch!r} is not built: FP8 "
                  "tokens cross the flat dispatcher's all-to-all only")

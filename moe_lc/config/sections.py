@@ -273,7 +273,7 @@ class RecomputeConfig:
     """[recompute]: activation recomputation (trade compute for activation memory)."""
 
     policy: RecomputePolicy = f("none", "full recomputes whole blocks, selective the items below")
-    selective: list[RecomputeItem] = f(["norm", "swiglu"], "what `selective` recomputes")
+    selective: list[RecomputeItem] = f(["norm", "swiglu"], "what `selective` recomputes (mla_up: MLA up-projections)")
 
     def errors(self) -> list[str]:
         return []

@@ -12,8 +12,10 @@ backend and the ring handle that.
     k      = [k_nope, rope(k_r) for every head](B, S, H, Dn + Dr)
     out    = wo(attention(q, k, v))            (B, S_x, D)
 
-Seams (moe_lc/model/seams.py): `core`, and `replay` around the queries' RoPE, the key assembly and the
-core (selective recomputation of "attention" keeps q, [k_nope | v] and the roped k_r, like GQA's q|k|v).
+Seams (moe_lc/model/seams.py): `core`; `replay` around the queries' RoPE, the key assembly and the
+core (selective recomputation of "attention" keeps q, [k_nope | v] and the roped k_r, like GQA's q|k|v);
+`attend` (module, c_q or q, c_kv, k_r, cos, sin) -> attention output, the whole path from the latents
+("mla_up" recomputes the up-projections from the latents in backward, DeepSeek-V3 3.2.2).
 
 With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-Lite). The softmax
 scale is (Dn + Dr)^-0.5 times m(s, rope.mscale_all_dim)^2 under YaRN, as DeepSeek-V3 applies it. Under tensor
@@ -59,23 +61,26 @@ class MLAttention(nn.Module):
         self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
+        self.attend = attend
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.gather(self.wa(x_BSD))
         B, S, _ = a.shape
         if self.q_lora_rank:
-            c_q, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
-            q = self.wq_b(self.q_norm(c_q))
+            q_src, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
         else:
             c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            q = self.wq(x_BSD)
-        kv = self.wkv_b(self.kv_norm(c_kv))
-        k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin)  # one rotated key for every head
-        out_BSHV = self.replay(self._rope_and_core, q, kv, k_r, cos, sin)
+            q_src = self.wq(x_BSD)
+        out_BSHV = self.attend(self, q_src, c_kv, k_r, cos, sin)
         return self.wo(out_BSHV.reshape(B, S, -1))
 
-    def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
-        """q (B, S, H*(Dn+Dr)), kv (B, S, H*(Dn+Dv)), roped k_r (B, S, 1, Dr) -> (B, S, H, Dv)."""
+    def up_project(self, q_src, c_kv):
+        """The up-projections: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora), kv (B, S, H*(Dn+Dv))."""
+        q = self.wq_b(self.q_norm(q_src)) if self.q_lora_rank else q_src
+        return q, self.wkv_b(self.kv_norm(c_kv))
+
+    def rope_qkv(self, q, kv, k_r, cos, sin):
+        """q, kv as up_project returns them, roped k_r (B, S, 1, Dr) -> the core's q, k (B, S, H, Dn+Dr), v."""
         B, S, _ = q.shape
         H = self.n_heads  # local heads under TP
         q = q.view(B, S, H, self.nope_dim + self.rope_dim)
@@ -83,4 +88,17 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
         k_nope, v = kv.view(B, S, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_r.expand(B, S, H, self.rope_dim)], dim=-1)
-        return self.core(q, k, v, self.softmax_scale)
+        return q, k, v
+
+    def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
+        """-> (B, S, H, Dv)."""
+        return self.core(*self.rope_qkv(q, kv, k_r, cos, sin), self.softmax_scale)
+
+
+def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tensor:
+    """The default `attend` seam: up-projections, the shared key's RoPE, then (through `replay`) the
+    queries' RoPE and the core -> (B, S, H, Dv)."""
+    B, S, _ = c_kv.shape
+    q, kv = mla.up_project(q_src, c_kv)
+    k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin)  # one rotated key for every head
+    return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin)

@@ -11,6 +11,9 @@ Policies (`[recompute] policy`), applied from outside by `apply_recompute` throu
                             projection, recomputed from the cached gate|up (DeepSeek-V3's trick)
                  attention  RoPE and the attention core: GQA keeps the fused q|k|v projection output;
                             MLA keeps q, [k_nope | v] and the one roped key k_r
+                 mla_up     MLA's latent norms, up-projections and RoPE: only the latents stay, the
+                            core's q, k, v are rebuilt from them (the core itself is not replayed;
+                            with "attention" too, MLA takes this path)
 
 Recomputed forwards must not count expert loads twice: `checkpointed` switches the routers of the
 replayed region off while it replays.
@@ -29,7 +32,8 @@ from moe_lc.config.choices import RecomputeItem, RecomputePolicy, names
 from moe_lc.model.attention import Attention
 from moe_lc.model.block import Block
 from moe_lc.model.ffn import SwiGLU, swiglu, swiglu_then
-from moe_lc.model.mla import MLAttention
+from moe_lc.model.mla import MLAttention, attend
+from moe_lc.model.rope import apply_rope
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.seams import run_now
@@ -68,26 +72,46 @@ def checkpointed(fn, *args, owner: nn.Module | None = None):
     return checkpoint(run, *args, use_reentrant=False)
 
 
-def recompute_from(source: torch.Tensor, output: torch.Tensor, remake, consumer, *args):
+def _enclosing_hooks():
+    """The saved-tensor hooks in force here (pack, unpack), or None (torch keeps them on a stack)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def recompute_from(source, output, remake, consumer, *args):
     """consumer(output, *args), where any copy of `output` the consumer's autograd saves is dropped
-    and rebuilt as remake(source) in backward (saved-tensor hooks). `output` must be remake(source)."""
-    # the storage's identity, not its data_ptr: on the meta device (the dry run) every data_ptr is 0
-    storage = output.untyped_storage()._cdata
+    and rebuilt as remake(source) in backward (saved-tensor hooks). `output` must be remake(source).
+    Several at once: `source` a tuple (remake(*source)), `output` a tuple that remake returns, whose
+    tensors are passed to the consumer in order; remake runs once per backward."""
+    many = isinstance(output, tuple)
+    sources, outputs = (source, output) if many else ((source,), (output,))
+    # the storages' identity, not their data_ptr: on the meta device (the dry run) every data_ptr is 0
+    storages = {t.untyped_storage()._cdata: i for i, t in enumerate(outputs)}
+    remade = []
+    # what the consumer saves besides the outputs goes to the hooks around us (an outer checkpoint, a
+    # memory measurement), as if these hooks were not here
+    outer = _enclosing_hooks()
 
     def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == storage:
-            return ("recompute", t.shape, t.stride(), t.storage_offset())
-        return t
+        i = storages.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
+        if i is None:
+            return t if outer is None else ("outer", outer[0](t))
+        return ("recompute", i, t.shape, t.stride(), t.storage_offset())
 
     def unpack(packed):
         if isinstance(packed, tuple) and packed and packed[0] == "recompute":
-            _, shape, stride, offset = packed
-            with torch.no_grad():
-                return remake(source).as_strided(shape, stride, offset)
+            _, i, shape, stride, offset = packed
+            if not remade:
+                with torch.no_grad():
+                    again = remake(*sources)
+                remade.extend(again if many else (again,))
+            return remade[i].as_strided(shape, stride, offset)
+        if isinstance(packed, tuple) and packed and packed[0] == "outer":
+            return outer[1](packed[1])
         return packed
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return consumer(output, *args)
+        return consumer(*outputs, *args)
 
 
 def swiglu_replayed(down, gate_up: torch.Tensor, *args) -> torch.Tensor:
@@ -97,6 +121,24 @@ def swiglu_replayed(down, gate_up: torch.Tensor, *args) -> torch.Tensor:
         return swiglu_then(down, gate_up, *args)
     h = checkpointed(swiglu, gate_up)
     return recompute_from(gate_up, h, swiglu, down, *args)
+
+
+def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tensor:
+    """The MLA `attend` seam under selective "mla_up" (DeepSeek-V3 3.2.2: recompute RMSNorm and the MLA
+    up-projections in backward): only the latents (c_q or q, c_kv, k_r) stay for backward; the
+    latent norms, up-projections and RoPE are checkpointed, and the core's saved q, k, v are rebuilt
+    from the latents when its backward needs them. The core's output and LSE are kept (its forward is
+    not repeated); the up-projections run twice in backward (once per consumer)."""
+    if not torch.is_grad_enabled():
+        return attend(mla, q_src, c_kv, k_r, cos, sin)
+
+    def qkv(q_src, c_kv, k_r):
+        B, S, _ = c_kv.shape
+        q, kv = mla.up_project(q_src, c_kv)
+        return mla.rope_qkv(q, kv, apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
+
+    q, k, v = checkpoint(qkv, q_src, c_kv, k_r, use_reentrant=False)
+    return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale)
 
 
 def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[str, ...] = ("norm", "swiglu")) -> None:
@@ -114,3 +156,5 @@ def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[
             module.activation = swiglu_replayed if "swiglu" in items else swiglu_then
         elif isinstance(module, (Attention, MLAttention)):
             module.replay = checkpointed if "attention" in items else run_now
+            if isinstance(module, MLAttention):  # "mla_up" keeps only the latents (the core is not replayed)
+                module.attend, module.replay = (mla_up_replayed, run_now) if "mla_up" in items else (attend, module.replay)
