@@ -281,6 +281,8 @@ class Checkpointer:
         load_checkpoint(path, state)
         for shard in optimizer.shards:
             shard.gather_params()
+        if optimizer.ema is not None:  # weights only: the EMA starts from them
+            optimizer.ema.reset([s.master for s in optimizer.shards])
 
     def wait(self) -> None:
         """Join a running asynchronous save (and re-raise its error)."""
@@ -303,7 +305,13 @@ class Checkpointer:
         state.pop("train")
         if train["world"] != self.dims.world or f"rng.rank{self.dims.rank}.torch" not in keys:
             state.pop("rng")  # another layout: generator states do not map rank to rank
+        fresh_ema = optimizer.ema is not None and not any(k.endswith(".ema") for k in keys)
+        if fresh_ema:  # train.ema_decay turned on after this checkpoint: the EMA starts from its weights
+            for entry in state["optim"]["params"].values():
+                entry.pop("ema", None)
         load_checkpoint(path, state)
+        if fresh_ema:
+            optimizer.ema.reset([s.master for s in optimizer.shards])
         optimizer.step_count = int(state["optim"]["step"])
         if "rng" in state:
             rng = state["rng"][f"rank{self.dims.rank}"]

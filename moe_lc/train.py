@@ -86,7 +86,7 @@ class Trainer:
             zero_param_groups(self.parallel, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
             eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             moments_dtype=torch.bfloat16 if p.adam_moments == "bf16" else torch.float32,
-            no_decay=no_weight_decay_names(self.model))
+            no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
         self.step = 0
         self.nonfinite_skipped = 0
         self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,
@@ -219,6 +219,8 @@ class Trainer:
                 logger.event(f"checkpoint {'started' if cfg.checkpoint.async_save else 'saved'}: {path}")
             faults.maybe_exit(self.step, self.dims.rank)
         self.checkpointer.wait()
+        if self.optimizer.ema is not None:
+            self.optimizer.ema.wait()
         if keep_final_state:
             result.final_state = full_state_dict(self.parallel, self.dims)
         logger.close()

@@ -176,7 +176,9 @@ class StepTracer(TorchDispatchMode):
             self.host_reads[_call_site()] += 1
             return func(*tree_map(lambda x: self._host_value(x) if isinstance(x, torch.Tensor) else x, args))
         if func in (aten._to_copy.default, aten.copy_.default) and self._leaves_meta(func, args, kwargs):
-            self.host_reads[_call_site()] += 1
+            blocking = not (kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2 and args[2]))
+            if blocking:  # a non-blocking copy (into pinned memory) does not wait for the device
+                self.host_reads[_call_site()] += 1
             if func is aten.copy_.default:
                 return args[0].copy_(self._host_value(args[1]))
             return self._host_value(args[0]).to(kwargs.get("dtype") or args[0].dtype)

@@ -88,6 +88,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
                 if isinstance(m, Router):
                     m.select = balanced_select
             tracer.memory.reset_peak()
+            tracer.host_reads.clear()  # the step's, not the build's
             trainer.dims.counter.reset()
             with SavedActivations(tracer.memory).hooks():
                 step = trainer.train_step()

@@ -295,6 +295,8 @@ class TrainConfig:
     beta2: float = f(0.95, "AdamW beta2")
     eps: float = f(1e-8, "AdamW epsilon")
     grad_clip: float = f(1.0, "global grad-norm clip; 0 = off")
+    ema_decay: float = f(0.0, "EMA of the fp32 parameters, kept in CPU memory (each rank its ZeRO shard) and "
+                              "updated after every step in the background (DeepSeek-V3 3.2.3); 0 = off")
     global_batch: int = f(16, "sequences per optimizer step, all data-parallel ranks together")
     micro_batch: int = f(8, "sequences per forward/backward on one data-parallel rank")
     seq_len: int = f(128, "tokens per sequence")
@@ -316,7 +318,7 @@ class TrainConfig:
             e.append(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         if not 0 < self.wsd_decay_fraction <= 1:
             e.append(f"train.wsd_decay_fraction={self.wsd_decay_fraction} must lie in (0, 1]")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "ema_decay"):
             if not 0 <= getattr(self, name) < 1:
                 e.append(f"train.{name}={getattr(self, name)} must lie in [0, 1)")
         if self.micro_batch > 0 and self.global_batch % self.micro_batch:

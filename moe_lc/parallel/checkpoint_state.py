@@ -150,12 +150,17 @@ def model_state(result: Parallelized, dims: ParallelDims) -> dict:
 
 
 def optimizer_state(opt: ZeroAdamW, result: Parallelized, dims: ParallelDims) -> dict:
-    """{"step": n, "params": {name: {"master" | "exp_avg" | "exp_avg_sq": Chunks}}}: each rank's ZeRO-1
-    slices, as boxes of the full parameters."""
+    """{"step": n, "params": {name: {"master" | "exp_avg" | "exp_avg_sq" [| "ema"]: Chunks}}}: each rank's
+    ZeRO-1 slices, as boxes of the full parameters."""
     names = {id(p): (n, place) for n, p, place in result.named_parameters()}
     states: dict[str, dict] = {}
-    for shard in opt.shards:
-        for key, buf in (("master", shard.master), ("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq)):
+    if opt.ema is not None:
+        opt.ema.wait()
+    for i, shard in enumerate(opt.shards):
+        bufs = [("master", shard.master), ("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq)]
+        if opt.ema is not None:  # the CPU EMA shard, boxed like the master it mirrors
+            bufs.append(("ema", opt.ema.shards[i]))
+        for key, buf in bufs:
             for p, boxes in _zero_boxes(shard, buf, dims, names).items():
                 name, place = names[id(p)]
                 states.setdefault(name, {})[key] = Chunks(place.full_shape(p.shape, dims.groups), boxes, buf.dtype)

@@ -232,12 +232,13 @@ class ZeroAdamW:
 
     def __init__(self, groups, norm_group: Group, *, beta1=0.9, beta2=0.95, eps=1e-8,
                  weight_decay=0.0, grad_clip=0.0, bucket_mb=32.0, moments_dtype=torch.float32,
-                 no_decay: set[str] = frozenset()):
+                 no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), moments_dtype)
                        for n, ps, g in groups if ps]
         self.norm_group = norm_group
         self.beta1, self.beta2, self.eps, self.wd, self.grad_clip = beta1, beta2, eps, weight_decay, grad_clip
         self.step_count = 0
+        self.ema = CpuEMA([s.master for s in self.shards], ema_decay) if ema_decay > 0 else None
 
     def begin_step(self, grads_per_param: int | dict[int, int]) -> None:
         for s in self.shards:
@@ -262,6 +263,8 @@ class ZeroAdamW:
             s.adamw_(lr, self.step_count, clip, self.beta1, self.beta2, self.eps, self.wd)
             s.gather_params()
         self.zero_grad()
+        if self.ema is not None:
+            self.ema.update([s.master for s in self.shards])
         return norm, True
 
     def zero_grad(self) -> None:
@@ -270,3 +273,54 @@ class ZeroAdamW:
 
     def state_bytes(self) -> int:
         return sum(s.state_bytes() for s in self.shards)
+
+
+class CpuEMA:
+    """Exponential moving average of the fp32 master shards, in CPU memory (DeepSeek-V3 3.2.3: no device
+    memory, no time on the step's critical path).
+
+    shards[i] (n_i,) fp32 on the CPU mirrors a ZeRO master shard (the same 1/N slice, sharded like it);
+    after each applied step `update` copies the masters into CPU staging buffers (non-blocking from a
+    GPU, pinned memory) and a background thread applies ema = decay * ema + (1 - decay) * master once
+    the copy has landed. `wait()` before reading or saving `shards`. Starts equal to the masters
+    (`reset`), as after a fresh start, a weights-only load or a checkpoint without an EMA.
+    """
+
+    def __init__(self, masters: list[torch.Tensor], decay: float):
+        from concurrent.futures import ThreadPoolExecutor
+
+        pin = masters[0].is_cuda if masters else False
+        self.decay = decay
+        self.shards = [torch.empty(m.shape, dtype=torch.float32, pin_memory=pin) for m in masters]
+        self._staging = [torch.empty(m.shape, dtype=torch.float32, pin_memory=pin) for m in masters]
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
+        self._pending = None
+        self.reset(masters)
+
+    def reset(self, masters: list[torch.Tensor]) -> None:
+        """ema = masters (blocking)."""
+        self.wait()
+        for e, m in zip(self.shards, masters):
+            e.copy_(m)
+
+    def update(self, masters: list[torch.Tensor]) -> None:
+        self.wait()  # the staging buffers are free again
+        for staged, m in zip(self._staging, masters):
+            staged.copy_(m, non_blocking=True)
+        landed = None
+        if masters and masters[0].is_cuda:
+            landed = torch.cuda.Event()
+            landed.record()
+        self._pending = self._worker.submit(self._apply, landed)
+
+    def _apply(self, landed) -> None:
+        if landed is not None:
+            landed.synchronize()
+        for e, staged in zip(self.shards, self._staging):
+            e.lerp_(staged, 1.0 - self.decay)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
