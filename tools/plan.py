@@ -5,11 +5,12 @@
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
 (no memory; tools/plan_layout.py), saved activations from the formulas derived from the model code
-(tools/activation_memory.py). The tool prints the
-placement table (where each state lives on each dim), memory per rank by state, saved activations
-under each recompute policy and the bytes this rank sends per optimizer step, keyed like the
-trainer's metrics ("comm/<group>/<op>_bytes"). Numbers for features that are not built yet are
-marked "formula, not yet checked against measurement". Runs from the repo root without installing.
+(tools/activation_memory.py), walked through the rank's pipeline schedule (`schedule_peak`). The tool
+prints the placement table (where each state lives on each dim), memory per rank by state, the
+transient working sets and the peak, saved activations under each recompute policy and the bytes this
+rank sends per optimizer step, keyed like the trainer's metrics ("comm/<group>/<op>_bytes").
+tools/dryrun.py holds all of it to one traced training step at the recipe's real size. Runs from the
+repo root without installing.
 """
 
 from __future__ import annotations
