@@ -101,3 +101,13 @@ def test_cpu_tensor_handed_to_a_collective_is_refused_in_the_dry_run(tmp_path):
             comm.all_reduce(torch.ones(2), dims["dp"])
     finally:
         dist.destroy_process_group()
+
+
+def test_default_ranks_add_the_pipeline_rank_the_planner_expects_to_peak():
+    from types import SimpleNamespace
+
+    cfg = load_config(MID_RECIPE, MID)
+    peaks = [5.0, 9.0, 7.0, 5.0]  # pp rank 1 highest
+    stub = SimpleNamespace(ranks=[SimpleNamespace(pp_rank=i, peak_bytes=lambda v=v: v) for i, v in enumerate(peaks)])
+    assert pick_ranks("first,last", cfg, 64) == [0, 48]
+    assert pick_ranks("first,last", cfg, 64, stub) == [0, 16, 48]

@@ -43,6 +43,8 @@ contiguous v) were read off those files and are compared with measurement by tes
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -294,6 +296,29 @@ def estimate(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int,
 # measurement
 
 
+@contextlib.contextmanager
+def held_checkpoint_inputs(callback: Callable[[torch.Tensor], None]):
+    """Inside: callback(t) for every tensor input of a non-reentrant checkpoint (recomputation), which
+    keeps its inputs in a closure rather than through saved-tensor hooks (whose own hooks also hide
+    what runs inside it). The tools that count saved activations (here, tools/dry_trace.py) use it."""
+    generator = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if generator is None:
+        yield
+        return
+
+    def held(fn, *args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                callback(a)
+        return generator(fn, *args, **kwargs)
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = held
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = generator
+
+
 def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:
     """Run `forward()` (which calls `model`) under saved-tensor hooks and count the unique storage
     bytes autograd keeps, parameters excluded, plus the inputs held by non-reentrant checkpoints
@@ -338,26 +363,14 @@ def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict
             claim(t, where[0])
         return t
 
-    # A non-reentrant checkpoint keeps its inputs in a closure, not through saved-tensor hooks (and
-    # its own hooks hide what runs inside it): count the inputs of every checkpointed call too.
-    generator = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
-
-    def held_inputs(fn, *args, **kwargs):
-        pending.extend(a for a in args if isinstance(a, torch.Tensor))
-        return generator(fn, *args, **kwargs)
-
-    if generator is not None:
-        torch_checkpoint._checkpoint_without_reentrant_generator = held_inputs
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with held_checkpoint_inputs(pending.append), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
         for t in pending:
             claim(t, where[0])
     finally:
         for h in handles:
             h.remove()
-        if generator is not None:
-            torch_checkpoint._checkpoint_without_reentrant_generator = generator
     totals: dict[str, int] = {}
     for part, nbytes in owner.values():
         totals[part] = totals.get(part, 0) + nbytes

@@ -30,13 +30,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from moe_lc.parallel.pipeline.overlap import PhasedRun
+from tools.activation_memory import held_checkpoint_inputs
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 21
@@ -296,14 +296,6 @@ class SavedActivations:
 
     @contextlib.contextmanager
     def hooks(self):
-        generator = torch_checkpoint._checkpoint_without_reentrant_generator
-
-        def held_inputs(fn, *args, **kwargs):
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    self.pack(a)
-            return generator(fn, *args, **kwargs)
-
         forward_phase = PhasedRun.forward_phase
 
         def phase_outputs_held(run):  # the pipeline keeps each phase's outputs until its backward
@@ -312,11 +304,9 @@ class SavedActivations:
                 if isinstance(t, torch.Tensor):
                     self.pack(t)
 
-        torch_checkpoint._checkpoint_without_reentrant_generator = held_inputs
         PhasedRun.forward_phase = phase_outputs_held
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            with held_checkpoint_inputs(self.pack), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield
         finally:
-            torch_checkpoint._checkpoint_without_reentrant_generator = generator
             PhasedRun.forward_phase = forward_phase

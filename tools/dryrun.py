@@ -12,7 +12,7 @@ collectives (counted by comm.py as in a real run), host syncs and dtypes NCCL la
 is printed beside the planner's (tools/plan.py) with the difference in percent.
 
 Ranks: "first,last" (default) traces the first and the last pipeline rank (with DualPipe rank 0
-holds both ends of the model); "all-roles" every pipeline rank (under DualPipe one of each mirror
+holds both ends of the model) and the pipeline rank the planner expects to peak highest; "all-roles" every pipeline rank (under DualPipe one of each mirror
 pair r, pp-1-r, which hold the same stages); or global ranks "0,5". Every rank of
 one pipeline rank holds experts and the same shapes (data, context, tensor and expert ranks are
 symmetric), so one rank per pipeline position covers every role. Data is not read: micro-batches
@@ -52,7 +52,7 @@ class MetaLoader:
     def __init__(self, cfg, microbatches: int):
         t = cfg.train
         self.n, self.shape = microbatches, (t.micro_batch, t.seq_len + 1)
-        self.masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+        self.masked = cfg.data.has_loss_mask
 
     def next_step(self) -> list[dict]:
         mask = (lambda: torch.ones(self.shape[0], self.shape[1] - 1)) if self.masked else (lambda: None)
@@ -119,11 +119,15 @@ def _label_states(trainer, tracer: StepTracer) -> dict:
     return out
 
 
-def pick_ranks(spec: str, cfg, world: int) -> list[int]:
+def pick_ranks(spec: str, cfg, world: int, the_plan=None) -> list[int]:
+    """Global ranks to trace. `the_plan` (tools/plan.py) names the pipeline rank it expects to peak."""
     p = cfg.parallel
     per_stage = world // p.pp
     if spec == "first,last":
-        return sorted({0, (p.pp - 1) * per_stage})
+        ranks = {0, (p.pp - 1) * per_stage}
+        if the_plan is not None:  # and the planner's worst rank: "does it fit" is a question about that one
+            ranks.add(max(the_plan.ranks, key=lambda r: r.peak_bytes()).pp_rank * per_stage)
+        return sorted(ranks)
     if spec == "all-roles":  # DualPipe's mirror ranks r and pp-1-r hold the same two stages: one of each pair
         mirrored = p.pp_schedule == "dualpipe" and p.pp > 1
         return [i * per_stage for i in range(p.pp // 2 if mirrored else p.pp)]
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tools/dryrun.py", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
-    ap.add_argument("--ranks", default="first,last", help="first,last | all-roles | global ranks, e.g. 0,5")
+    ap.add_argument("--ranks", default="first,last", help="first,last (+ the planner's highest) | all-roles | global ranks, e.g. 0,5")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     try:
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
     world = p.pp * (p.dp or 1) * p.cp * p.tp
     the_plan = plan(cfg, world, args.recipe)
     results = []
-    for rank in pick_ranks(args.ranks, cfg, world):
+    for rank in pick_ranks(args.ranks, cfg, world, the_plan):
         if not args.json:
             print(f"tracing rank {rank} of {world} ...", file=sys.stderr, flush=True)
         report = trace_rank(cfg, world, rank)

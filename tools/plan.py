@@ -5,7 +5,7 @@
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
 (no memory; tools/plan_layout.py), saved activations from the formulas derived from the model code
-(tools/activation_memory.py), walked through the rank's pipeline schedule (`schedule_peak`). The tool
+(tools/activation_memory.py), walked through the rank's pipeline schedule (tools/pipeline_memory.py). The tool
 prints the placement table (where each state lives on each dim), memory per rank by state, the
 transient working sets and the peak, saved activations under each recompute policy and the bytes this
 rank sends per optimizer step, keyed like the trainer's metrics ("comm/<group>/<op>_bytes").
@@ -29,7 +29,8 @@ from moe_lc.model.counting import param_counts  # noqa: E402
 from tools.placement_semantics import (  # noqa: E402
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
-from tools.plan_layout import HOOKS, RankLayout, microbatches, moe_blocks, rank_layouts, trainer_traffic  # noqa: E402
+from tools.pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes  # noqa: E402
+from tools.plan_layout import HOOKS, RankLayout, rank_layouts, trainer_traffic  # noqa: E402
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -132,30 +133,33 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     return rows, buckets
 
 
-def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int) -> tuple[dict, dict]:
+def _estimates(cfg: Config, deg, stages: list[dict], policy: str) -> list:
+    """The saved-activation estimate of one micro-batch through each of this rank's stages."""
+    t, r = cfg.train, cfg.recompute
+    return [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy, selective=tuple(r.selective),
+                     tp=deg.tp, cp=deg.cp, loss_mask=cfg.data.has_loss_mask, layers=st["layers"],
+                     first_stage=st["first"], last_stage=st["last"]) for st in stages]
+
+
+def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
+                 estimates: dict[str, list]) -> tuple[dict, dict]:
     """Saved bytes of this rank at its peak under each policy: its micro-batches through its stages in
     the order of the pipeline schedule (`schedule_peak`)."""
-    t, r = cfg.train, cfg.recompute
-    masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
-    schedule = _schedule(cfg, deg)
     by_policy, status = {}, {}
-    for policy in POLICIES:
-        per_stage = [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy,
-                              selective=tuple(r.selective), tp=deg.tp, cp=deg.cp, loss_mask=masked,
-                              layers=st["layers"], first_stage=st["first"], last_stage=st["last"]) for st in stages]
+    for policy, per_stage in estimates.items():
         if schedule is None:
             by_policy[policy] = per_stage[0].total
         else:
-            sizes = {st["id"]: e.total + phase_boundary_bytes(cfg, deg, st) for st, e in zip(stages, per_stage)}
-            phases = {st["id"]: _phase_count(cfg, st) for st in stages}
-            by_policy[policy] = schedule_peak(schedule, pp_rank, sizes, phases)[0]
+            by_policy[policy] = schedule_peak(schedule, pp_rank, stage_sizes(cfg, deg, stages, per_stage),
+                                              {st["id"]: phase_count(cfg, st) for st in stages})[0]
         # EP's expert terms follow the routing; PP's peak is checked by the dry run (tools/dryrun.py)
         checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1
         status[policy] = CHECKED if checked else UNCHECKED
     return by_policy, status
 
 
-def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int) -> dict[str, float]:
+def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int, schedule,
+                per_stage: list) -> dict[str, float]:
     """Working sets that live only for a moment but add to the peak (the dry run, tools/dryrun.py,
     showed them and checks these figures):
 
@@ -172,12 +176,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          (16 B/element), or AdamW's fp32 temporaries (sqrt and denominator, the
                          no-decay copy of the master, and fp32 copies of bf16 moments)
     """
-    t, m, r = cfg.train, cfg.model, cfg.recompute
-    c = compute_bytes(cfg)
-    masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
-    per_stage = [estimate(m, t.micro_batch, t.seq_len, c, policy=r.policy, selective=tuple(r.selective), tp=deg.tp,
-                          cp=deg.cp, loss_mask=masked, layers=st["layers"], first_stage=st["first"],
-                          last_stage=st["last"]) for st in stages]
+    t, m, c = cfg.train, cfg.model, compute_bytes(cfg)
     out = {"recompute replay": max(e.recompute_working for e in per_stage)}
     head = 0.0
     if any(st["last"] for st in stages):
@@ -186,10 +185,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["loss head"] = head
         if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
             head -= max(e.head for e in per_stage)
-    schedule = _schedule(cfg, deg)
     if schedule is not None:
-        sizes = {st["id"]: e.total + phase_boundary_bytes(cfg, deg, st) for st, e in zip(stages, per_stage)}
-        phases = {st["id"]: _phase_count(cfg, st) for st in stages}
+        sizes = stage_sizes(cfg, deg, stages, per_stage)
+        phases = {st["id"]: phase_count(cfg, st) for st in stages}
         held = {st["id"]: wgrad_held_bytes(cfg, deg, st["module"]) if schedule.split_backward else 0.0
                 for st in stages}
         # the head's working set comes before its own saved terms are saved
@@ -203,111 +201,18 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     return out
 
 
-def _schedule(cfg: Config, deg):
-    if deg.pp == 1:
-        return None
-    from moe_lc.parallel.pipeline import build_schedule
-
-    p = cfg.parallel
-    return build_schedule(p.pp_schedule, p.pp, microbatches(cfg, deg),
-                          p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None)
-
-
-def phase_boundary_bytes(cfg: Config, deg, stage: dict) -> float:
-    """Saved bytes a pipeline adds per micro-batch through a stage: the runtime runs stages phase by
-    phase (overlap.py) and keeps each phase's outputs for its backward; of those only the experts'
-    outputs (T/tp x top-k rows of D, compute dtype) are not saved by autograd anyway."""
-    m, t = cfg.model, cfg.train
-    rows = t.micro_batch * t.seq_len // deg.cp // deg.tp * m.moe.topk
-    return moe_blocks(cfg, stage) * rows * m.dim * compute_bytes(cfg)
-
-
-def _phase_count(cfg: Config, stage: dict) -> int:
-    """Phases of a stage's forward (Transformer.phases): embedding, 4 per MoE block (attention,
-    dispatch, experts, combine), 2 per dense one, the output head."""
-    m = cfg.model
-    moe = sum(1 for i in stage["layers"] if m.moe.n_routed_experts and i >= m.moe.n_dense_layers)
-    return int(stage["first"]) + 4 * moe + 2 * (len(stage["layers"]) - moe) + int(stage["last"])
-
-
-def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
-                  held: dict[int, float] | None = None, spikes: dict[int, float] | None = None) -> tuple[float, float]:
-    """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions
-    in order: F adds its stage's saved bytes, B frees them (a split B keeps them and the output
-    gradients `held` for its W, which frees both), and DualPipe's F&B alternates forward and backward
-    phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
-    the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
-    head's logits), on top of everything its forward saved."""
-    from moe_lc.parallel.pipeline.schedule_ir import FB, B, F, W
-
-    held, spikes = held or {}, spikes or {}
-    saved, waiting = {}, {}  # (stage, mb) -> bytes
-    now = extra = most = peak = 0.0
-    for a in schedule.actions[rank]:
-        if isinstance(a, F):
-            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
-            saved[key] = sizes[key[0]]
-            now += saved[key]
-            peak = max(peak, now + extra + spikes.get(key[0], 0.0))
-        elif isinstance(a, B):
-            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
-            if a.split:
-                waiting[key] = held.get(key[0], 0.0)
-                extra += waiting[key]
-            else:
-                now -= saved.pop(key)
-        elif isinstance(a, W):
-            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
-            now -= saved.pop(key)
-            extra -= waiting.pop(key)
-        elif isinstance(a, FB):
-            f_key = (schedule.stage_of(rank, a.f_chunk, a.f_mb), a.f_mb)
-            b_key = (schedule.stage_of(rank, a.b_chunk, a.b_mb), a.b_mb)
-            f, b = sizes[f_key[0]], 0.0 if a.split else saved[b_key]
-            n_f, n_b = phases[f_key[0]], phases[b_key[0]]
-            rise = max(j * f / n_f - min(j - 1, n_b) * b / n_b for j in range(1, n_f + 1))
-            end = now + f - (n_f - 1) * b / n_b + spikes.get(f_key[0], 0.0)
-            most, peak = max(most, now + rise), max(peak, now + rise + extra, end + extra)
-            saved[f_key] = f
-            now += f - b
-            if a.split:
-                waiting[b_key] = held.get(b_key[0], 0.0)
-                extra += waiting[b_key]
-            else:
-                saved.pop(b_key)
-        most, peak = max(most, now), max(peak, now + extra)
-    return most, peak
-
-
-def wgrad_held_bytes(cfg: Config, deg, module) -> float:
-    """Bytes a split backward (B) of one micro-batch through `module` keeps for its W: the output
-    gradient of every Linear (moe_lc/ops/linear.py defers `weight_grad` with dy), in the compute dtype
-    (the router's in fp32). Rows: the cp shard of the sequence (column/row-parallel layers see it whole
-    under SP), the tp shard x top-k for experts, the tp shard for the router."""
-    from moe_lc.ops.linear import GroupedLinear, Linear
-
-    m, t, c = cfg.model, cfg.train, compute_bytes(cfg)
-    tokens = t.micro_batch * t.seq_len // deg.cp
-    total = 0.0
-    for mod in module.modules():
-        if isinstance(mod, GroupedLinear):
-            total += tokens // deg.tp * m.moe.topk * mod.weight.shape[1] * c
-        elif isinstance(mod, Linear):
-            router = not getattr(mod, "fp8_eligible", True)
-            total += (tokens // deg.tp * 4 if router else tokens * c) * mod.weight.shape[0]
-    return total
-
-
 def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
     layouts = rank_layouts(cfg, world)
     deg = layouts[0].dims
     policy = cfg.recompute.policy
     ranks = []
+    schedule = pipeline_schedule(cfg, deg)
     for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
-        acts, status = _activations(cfg, deg, stages, pp_rank)
+        estimates = {p: _estimates(cfg, deg, stages, p) for p in POLICIES}
+        acts, status = _activations(cfg, deg, stages, pp_rank, schedule, estimates)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
         scale = deg.pp * deg.dp * deg.cp * deg.tp
         numel = acts[policy] * scale
@@ -320,7 +225,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
             sends += hook(cfg, deg, stages, c)
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
-                              _transients(cfg, deg, stages, buckets, pp_rank)))
+                              _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))
     notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]

@@ -101,7 +101,7 @@ def rank_layouts(cfg: Config, world: int | None = None) -> list[RankLayout]:
 def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list[Traffic]:
     """The small all-reduces `moe_lc.train` issues every step (exact)."""
     out = []
-    masked = cfg.data.source == "synthetic" or cfg.data.synthetic_weight > 0
+    masked = cfg.data.has_loss_mask
     if masked:
         out.append(Traffic("dp", "all_reduce", ring_bytes("all_reduce", 8, dims.dp), "step token count (fp64)"))
     m = cfg.model

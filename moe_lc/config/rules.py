@@ -182,7 +182,7 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
     m, data, t = cfg.model, cfg.data, cfg.train
     if m.vocab_size < 259 and data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
-    if (data.source == "synthetic" or data.synthetic_weight > 0) and t.seq_len < 64:
+    if data.has_loss_mask and t.seq_len < 64:
         e.append(f"train.seq_len={t.seq_len} must be >= 64 for synthetic long-context tasks")
     return e
 

@@ -358,6 +358,11 @@ class DataConfig:
     synthetic_weight: float = f(0.0, "fraction of samples drawn from synthetic_tasks, mixed into source (< 1)")
     val_fraction: float = f(0.02, "fraction of stdlib files held out for validation")
 
+    @property
+    def has_loss_mask(self) -> bool:
+        """Samples carry a loss mask (synthetic tasks score only their answers)."""
+        return self.source == "synthetic" or self.synthetic_weight > 0
+
     def errors(self) -> list[str]:
         e = []
         if self.source == "tokens" and not self.path:

@@ -64,7 +64,7 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
 
 
-class FP8AllToAll(torch.autograd.Function):
+class FP8AllToAll(AllToAll):
     """AllToAll for token rows in FP8 (DeepSeek-V3's dispatch): each row is quantized in 1 x 128 tiles and
     travels as K FP8 bytes plus its fp32 scales (`moe_lc.ops.fp8.pack_fp8_rows`), and is dequantized
     to x's dtype on arrival. Backward: the gradient returns in x's dtype (straight through the rounding).
@@ -75,10 +75,6 @@ class FP8AllToAll(torch.autograd.Function):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         received = _all_to_all(pack_fp8_rows(x), out_splits, in_splits, group)
         return unpack_fp8_rows(received, x.shape[-1], x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
 
 
 # -- where experts live ---------------------------------------------------------------------------
