@@ -125,3 +125,34 @@ def test_bad_pipeline_layouts_are_reported_before_launch():
     except ConfigError as exc:
         errs = exc.errors
     assert errs and "parallel.pp_stage_layers=[1, 1] must list 2 positive block counts summing to model.n_layers=4" in errs[0]
+
+
+def test_phased_run_gradients_equal_one_graph_and_boundaries_are_released():
+    """Phases cut at every boundary give the gradients of one graph, through pass-through tensors, a
+    0-dim output and an output the next phase reads but does not save, whose data is released once
+    the next phase has its own alias (the experts' outputs before combine's all-to-all)."""
+    from moe_lc.parallel.pipeline.overlap import PhasedRun
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def forward(x):
+        h = x @ w1
+        big = torch.tanh(h) @ w2                   # read by the next phase, saved by nothing there
+        aux = (h ** 2).mean()                      # a 0-dim output passed along
+        return h, big, aux
+
+    phases = [lambda x: forward(x), lambda h, big, aux: (h, big.roll(1, 0), aux),
+              lambda h, y, aux: ((h * y).sum() + aux,)]
+    run = PhasedRun(phases, x)
+    run.forward_phase()
+    assert run.outputs[0][1].untyped_storage().nbytes() == 4 * 8 * 4
+    run.forward_phase()
+    assert [t.untyped_storage().nbytes() for t in run.outputs[0]] == [4, 4, 4]  # one element each, graphs kept
+    run.forward_all()
+    run.backward_all(None)
+    got = (w1.grad.clone(), w2.grad.clone())
+    w1.grad = w2.grad = None
+    phases[2](*phases[1](*forward(x)))[0].backward()
+    assert torch.allclose(got[0], w1.grad) and torch.allclose(got[1], w2.grad)

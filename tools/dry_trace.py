@@ -284,8 +284,9 @@ class HostLiterals(TorchFunctionMode):
 class SavedActivations:
     """What a backward will read, labelled as saved activations: tensors packed by autograd's
     saved-tensor hooks, the inputs a non-reentrant checkpoint (recomputation) keeps in its closure
-    instead (tools/activation_memory.py measures these two), and under a pipeline the outputs of each
-    forward phase the runtime keeps for its backward (moe_lc/parallel/pipeline/overlap.py)."""
+    instead (tools/activation_memory.py measures these two), and under a pipeline the output of each
+    forward phase, kept until the next phase has run (then released unless a phase saved it) and the
+    chunk's output until its backward (moe_lc/parallel/pipeline/overlap.py)."""
 
     def __init__(self, memory: MemoryTracker):
         self.memory = memory
@@ -298,7 +299,7 @@ class SavedActivations:
     def hooks(self):
         forward_phase = PhasedRun.forward_phase
 
-        def phase_outputs_held(run):  # the pipeline keeps each phase's outputs until its backward
+        def phase_outputs_held(run):  # see the docstring
             forward_phase(run)
             for t in run.outputs[-1]:
                 if isinstance(t, torch.Tensor):

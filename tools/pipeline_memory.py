@@ -15,18 +15,12 @@ def pipeline_schedule(cfg: Config, deg):
     return pipeline_plan(cfg, microbatches(cfg, deg))[0]
 
 
-def stage_sizes(cfg: Config, deg, stages: list[dict], per_stage: list) -> dict[int, float]:
-    """{stage id: saved bytes of one micro-batch through it}: the estimate plus the phase boundaries."""
-    return {st["id"]: e.total + phase_boundary_bytes(cfg, deg, st) for st, e in zip(stages, per_stage)}
-
-
-def phase_boundary_bytes(cfg: Config, deg, stage: dict) -> float:
-    """Saved bytes a pipeline adds per micro-batch through a stage: the runtime runs stages phase by
-    phase (overlap.py) and keeps each phase's outputs for its backward; of those only the experts'
-    outputs (T/tp x top-k rows of D, compute dtype) are not saved by autograd anyway."""
-    m, t = cfg.model, cfg.train
-    rows = t.micro_batch * t.seq_len // deg.cp // deg.tp * m.moe.topk
-    return moe_blocks(cfg, stage) * rows * m.dim * cfg.precision.compute_dtype.itemsize
+def stage_sizes(stages: list[dict], per_stage: list) -> dict[int, float]:
+    """{stage id: saved bytes of one micro-batch through it}. The runtime runs a stage phase by phase
+    (overlap.py) but keeps a phase boundary's tensor only where a phase saves it anyway, so a pipeline
+    stage saves what the same layers save outside one (the experts' outputs, which only combine's
+    all-to-all reads, are freed once combine has run)."""
+    return {st["id"]: e.total for st, e in zip(stages, per_stage)}
 
 
 def phase_count(cfg: Config, stage: dict) -> int:

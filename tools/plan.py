@@ -150,7 +150,7 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
         if schedule is None:
             by_policy[policy] = per_stage[0].total
         else:
-            by_policy[policy] = schedule_peak(schedule, pp_rank, stage_sizes(cfg, deg, stages, per_stage),
+            by_policy[policy] = schedule_peak(schedule, pp_rank, stage_sizes(stages, per_stage),
                                               {st["id"]: phase_count(cfg, st) for st in stages})[0]
         # EP's expert terms follow the routing; PP's peak is checked by the dry run (tools/dryrun.py)
         checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1
@@ -186,7 +186,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
             head -= max(e.head for e in per_stage)
     if schedule is not None:
-        sizes = stage_sizes(cfg, deg, stages, per_stage)
+        sizes = stage_sizes(stages, per_stage)
         phases = {st["id"]: phase_count(cfg, st) for st in stages}
         held = {st["id"]: wgrad_held_bytes(cfg, deg, st["module"]) if schedule.split_backward else 0.0
                 for st in stages}

@@ -3,9 +3,16 @@
 DualPipe's F&B step overlaps the forward of one micro-batch with the backward of another: while
 one's tokens are in flight (expert dispatch / combine all-to-all), the other computes. That needs
 both passes cut at the same places. `PhasedRun` executes the chain of phases a model exposes
-(`Transformer.phases`: attention, dispatch, experts, combine per MoE block) and detaches every
-tensor at each boundary into a fresh leaf, so each phase owns a separate autograd graph whose
-backward can be called on its own, in reverse order, interleaved with anything else.
+(`Transformer.phases`: attention, dispatch, experts, combine per MoE block) and cuts every tensor at
+each boundary from the graph before it, so each phase owns a separate autograd graph whose backward
+can be called on its own, in reverse order, interleaved with anything else.
+
+A boundary keeps a tensor alive only where a phase saves it for its own backward (Megatron-LM's
+"deallocate_output_tensor", applied inside a stage): the next phase gets a detached alias whose
+gradient lands in a box (`_Cut`), not a leaf that its AccumulateGrad node would hold for as long as
+the graph lives, and the producing phase's output keeps only its graph, its data released. The
+experts' outputs (top-k rows of D per token), which combine's all-to-all reads but does not save, are
+then freed as soon as combine has run.
 
 `interleave(f_run, b_run, grad, ...)` alternates one forward phase of f_run with one backward phase
 of b_run (DualPipe's schedule within an F&B). On CPU this is only a different, equally correct
@@ -19,11 +26,43 @@ from contextlib import nullcontext
 import torch
 
 
-def _leaf(t):
-    """A boundary: floating tensors continue as new leaves (keeping requires_grad); others pass."""
-    if isinstance(t, torch.Tensor) and t.is_floating_point():
-        return t.detach().requires_grad_(t.requires_grad)
-    return t
+class _Cut(torch.autograd.Function):
+    """Identity on a detached tensor that starts a new graph; its backward puts the gradient in `box`.
+    `anchor` (an empty tensor that requires grad) only makes the output require grad."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, box: list):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box.append(grad)
+        return None, None, None
+
+
+class _Handoff(torch.autograd.Function):
+    """Identity whose output is a fresh alias only the runtime holds: its data can be released once the
+    next phase has its own alias, whatever the producing phase saved (ops save their own aliases)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _handoff(t):
+    return _Handoff.apply(t) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad else t
+
+
+def _release(t) -> None:
+    """Drop a handed-off output's data, keeping its graph: one element broadcast to its shape, so
+    autograd's shape check on the gradient still passes."""
+    if isinstance(t, torch.Tensor) and isinstance(t.grad_fn, _Handoff._backward_cls):
+        t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 class PhasedRun:
@@ -31,20 +70,33 @@ class PhasedRun:
 
     def __init__(self, phases: list, x):
         self.phases = phases
-        self.first = x
-        self.inputs: list[tuple] = []   # leaves each phase consumed
+        self.first = x                  # the chunk input: a leaf (received activation) or token ids
         self.outputs: list[tuple] = []  # what each phase produced (attached to its graph)
+        self.boxes: list[tuple] = []    # per phase after the first, per input: its gradient's box (or None)
         self._next = (x,)
+        self._anchor = torch.empty(0, requires_grad=True)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward_done(self) -> bool:
         return len(self.outputs) == len(self.phases)
 
+    def _cut(self, t):
+        """A boundary tensor as the next phase's input, and the box of its gradient."""
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            box = []
+            return _Cut.apply(t.detach(), self._anchor, box), box
+        return (t.detach() if isinstance(t, torch.Tensor) else t), None
+
     def forward_phase(self) -> None:
         k = len(self.outputs)
-        ins = self._next if k == 0 else tuple(_leaf(t) for t in self._next)
-        out = self.phases[k](*ins)
-        self.inputs.append(ins)
+        if k == 0:
+            ins, boxes = self._next, ()
+        else:
+            ins, boxes = zip(*(self._cut(t) for t in self._next)) if self._next else ((), ())
+            for t in self._next:  # the next phase holds its own aliases now
+                _release(t)
+        out = tuple(_handoff(t) for t in self.phases[k](*ins))
+        self.boxes.append(tuple(boxes))
         self.outputs.append(out)
         self._next = out
 
@@ -77,9 +129,12 @@ class PhasedRun:
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        ins = self.inputs[k]
-        self._grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.is_floating_point() else None for t in ins)
-        self.outputs[k] = self.inputs[k] = None  # free the phase's graph and boundary tensors
+        if k == 0:
+            x = self.first
+            self._grads = (x.grad if isinstance(x, torch.Tensor) and x.is_floating_point() else None,)
+        else:
+            self._grads = tuple(box[0] if box else None for box in self.boxes[k])
+        self.outputs[k] = self.boxes[k] = None  # free the phase's graph
         self._k -= 1
 
     def backward_all(self, grad, scale: float = 1.0, store=None) -> None:
