@@ -83,7 +83,8 @@ FORMULA_CASES = {
     "masked-data": ["data.source=synthetic", "train.seq_len=128"],
     "mla": MLA, "mla-qlora-bf16": MLA + ["model.mla.q_lora_rank=48", "precision.recipe=bf16"],
     "mla-dv-ne-dqk": MLA + ["model.mla.qk_nope_head_dim=8"],
-    "mtp1": ["model.mtp.depth=1"], "mtp2-mla-bf16-B1": MLA + ["model.mtp.depth=2", "precision.recipe=bf16",
+    "mtp1": ["model.mtp.depth=1"], "weighted-swiglu-bf16": ["model.moe.weighted_swiglu=true", "precision.recipe=bf16"],
+    "mtp2-mla-bf16-B1": MLA + ["model.mtp.depth=2", "precision.recipe=bf16",
                                                                "train.micro_batch=1"],
 }
 
@@ -111,9 +112,14 @@ def test_saved_activations_match_the_formula_in_process(overrides):
     ("selective", ["norm", "swiglu", "attention"], "bf16", MLA + ["model.mla.q_lora_rank=48"]),
     ("selective", ["mla_up"], "fp32", MLA + ["model.mla.q_lora_rank=48"]),
     ("selective", ["norm", "swiglu", "mla_up"], "bf16", MLA + ["model.mla.q_lora_rank=48"]),
-    ("selective", ["attention", "mla_up"], "bf16", MLA)],
+    ("selective", ["attention", "mla_up"], "bf16", MLA),
+    ("selective", ["norm", "swiglu"], "fp32", ["model.moe.weighted_swiglu=true"]),
+    ("selective", ["norm", "swiglu"], "bf16", ["model.moe.weighted_swiglu=true"]),
+    ("selective", ["norm", "swiglu", "router"], "bf16", []),
+    ("selective", ["router", "mla_up"], "bf16", MLA + ["model.moe.weighted_swiglu=true"])],
     ids=["full-fp32", "full-bf16", "norm-swiglu", "all-bf16", "attention", "mla-attention", "mla-attention-dv-ne-dqk",
-         "mla-all-qlora-bf16", "mla-up-qlora", "mla-up-norm-swiglu-bf16", "mla-up-attention-no-qlora-bf16"])
+         "mla-all-qlora-bf16", "mla-up-qlora", "mla-up-norm-swiglu-bf16", "mla-up-attention-no-qlora-bf16",
+         "weighted-swiglu", "weighted-swiglu-bf16", "router-bf16", "router-mla-up-weighted-bf16"])
 def test_saved_activations_fall_per_layer_by_what_the_planner_predicts(policy, selective, precision, model):
     """Issue 8: per layer, the bytes a recompute policy saves (measured `none` minus measured policy)
     equal the planner's predicted drop (to the byte today; 5% allowed). MLA's selective "attention"
@@ -211,6 +217,8 @@ OTHER_DIMS = [
     ("tp2", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.05),
     ("cp2", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4"], 0.05),
     ("ep2", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2"], 0.10),
+    ("ep2-weighted-swiglu", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2",
+                                "model.moe.weighted_swiglu=true"], 0.10),
     ("pp2", 2, ["parallel.pp=2", "parallel.dp=1", "train.micro_batch=2"], None),
 ]
 SLOW_DIMS = [("cp2-tp2", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.05),

@@ -24,6 +24,17 @@ def test_recompute_gives_exactly_the_same_losses(tmp_path, policy, items):
     assert all(torch.equal(again.final_state[k], v) for k, v in base.final_state.items())
 
 
+def test_router_recompute_is_exact_in_bf16(tmp_path):
+    """selective "router" rebuilds the router's fp32 input from bf16 (an exact upcast): bit-identical."""
+    bf16 = SMALL + ["precision.recipe=bf16", "recompute.policy=selective"]
+    base = run(load_config(RECIPE, bf16 + [f"train.output_dir={tmp_path}/a", "recompute.selective=norm,swiglu"]),
+               keep_final_state=True)
+    again = run(load_config(RECIPE, bf16 + [f"train.output_dir={tmp_path}/b", "recompute.selective=norm,swiglu,router"]),
+                keep_final_state=True)
+    assert again.losses == base.losses and again.grad_norms == base.grad_norms
+    assert all(torch.equal(again.final_state[k], v) for k, v in base.final_state.items())
+
+
 def saved_bytes(model, tokens):
     """Bytes of distinct storages autograd keeps for backward during one forward."""
     seen = {}

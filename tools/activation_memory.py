@@ -16,7 +16,10 @@ on the debug model, fp32 and bf16, exact to the byte), bytes per token:
     MoE                     normed input cD (+ 4D fp32 router input when c != 4), affinities 4E,
                             top-k ids 8k, gathered gates 4k, their sum 4, normalized gates ck,
                             dispatch ids 8k, sorted token copies ckD, expert SwiGLU c*4k*Fe, combine
-                            ids 8k, combined copies ckD, shared SwiGLU c*4Fs (+ 8E per layer: counts)
+                            ids 8k, combined copies ckD, shared SwiGLU c*4Fs (+ 8E per layer: counts);
+                            weighted_swiglu: no combined copies nor normalized gates, but gate order
+                            ids 8k, the SwiGLU's weight multiply ck + ckFe (selective "swiglu": fp32
+                            gates 4k instead)
     no dropout; the fused attention keeps no S x S matrix (Korthikanti's 5as/h term is gone).
 
 So in fp32 a dense block keeps 4*(7D + 2(H+K)Dh + (H+2K)Dh + H + 2 + 4F) bytes per token, and the loss
@@ -147,19 +150,29 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
         return terms + _swiglu("dense ffn", m.ffn_dim, c, "heads")
     k, E, Fe = m.moe.topk, m.moe.n_routed_experts, m.moe.ffn_dim
     terms += [
-        # in fp32 without TP the router's input is the normed input itself; else a copy / the shard
-        Saved("router: fp32 input (sequence shard)", 4 * D if c != 4 or tp > 1 else 0),
+        # in fp32 without TP the router's input is the normed input itself; else a copy / the shard.
+        # Selective "router" rebuilds the fp32 copy from its input: without TP the normed input the
+        # experts keep anyway, under TP the sequence shard
+        Saved("router: fp32 input (sequence shard)", 4 * D if c != 4 or tp > 1 else 0, dropped_by="router"),
+        Saved("router: input (the upcast's replay input)", (4 * D if tp > 1 else 0) if c == 4 else (c * D if tp > 1 else 0),
+              kept_by="router"),
         Saved("router: affinities", 4 * E),
         Saved("router: top-k ids", 8 * k),
         Saved("router: gathered gates + sum", 4 * k + 4),
-        Saved("router: normalized gates", c * k),
         Saved("dispatch: ids", 8 * k),
         Saved("dispatch: sorted token copies", c * k * D),
         Saved("experts: counts", per_layer=8 * E),
         *_swiglu("routed experts", k * Fe, c, "seq"),
         Saved("combine: ids", 8 * k),
-        Saved("combine: expert outputs in token order", c * k * D),
     ]
+    if m.moe.weighted_swiglu:  # the gates multiply the SwiGLU output; combine only sums
+        terms += [Saved("dispatch: gate order ids", 8 * k),
+                  Saved("routed experts: gates in the compute dtype", c * k, "seq", "swiglu"),
+                  Saved("routed experts: unweighted silu*up", c * k * Fe, "seq", "swiglu"),
+                  Saved("routed experts: fp32 gates (the replay's input)", 4 * k, "seq", kept_by="swiglu")]
+    else:
+        terms += [Saved("router: normalized gates", c * k),
+                  Saved("combine: expert outputs in token order", c * k * D)]
     if m.moe.n_shared_experts:
         terms += _swiglu("shared experts", m.moe.n_shared_experts * Fe, c, "heads")
     if m.moe.aux_loss_weight > 0:

@@ -184,7 +184,8 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     """EP hook (flat dispatcher, balanced routing): each of a rank's T*k token copies
     leaves the rank with probability (ep-1)/ep in dispatch and comes back in combine, forward and
     backward: 4 x T k D c (ep-1)/ep per MoE layer and micro-batch (under TP+SP T is the tp shard; with
-    precision.fp8_dispatch the forward dispatch's D c is D + 4 D/128 bytes);
+    precision.fp8_dispatch the forward dispatch's D c is D + 4 D/128 bytes; model.moe.weighted_swiglu sends
+    each copy's fp32 gate weight along, and its gradient back: 2 x 4 bytes more per copy);
     plus one all-gather of every rank's per-expert counts. The real all-to-all volume follows the
     routing: within ~7% of this at ep=2 on the debug model early in training."""
     m = cfg.model
@@ -195,7 +196,8 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     # FP8 dispatch: the forward dispatch moves FP8 rows with their 1 x 128 scales; combine and both
     # backward transfers stay in the compute dtype
     dispatch = fp8_row_bytes(m.dim) if cfg.precision.fp8_dispatch else m.dim * c
-    per_layer = copies * (dispatch + 3 * m.dim * c) * (dims.ep - 1) / dims.ep
+    weights = 2 * 4 if m.moe.weighted_swiglu else 0
+    per_layer = copies * (dispatch + 3 * m.dim * c + weights) * (dims.ep - 1) / dims.ep
     layout = ring_bytes("all_gather", dims.ep * m.moe.n_routed_experts * 8, dims.ep)  # per-expert int64 counts
     mb = microbatches(cfg, dims)
     stats = 8 * counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes())  # the dispatcher's fp64 counters

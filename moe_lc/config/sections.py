@@ -57,6 +57,8 @@ class MoEConfig:
     routed_scaling_factor: float = f(1.0, "gate weights are the (normalized) top-k affinities times this")
     bias_update_speed: float = f(1e-3, "aux-loss-free balancing: bias step per optimizer step (0 = off)")
     aux_loss_weight: float = f(0.0, "weight of the sequence-wise balance loss (0 = off)")
+    weighted_swiglu: bool = f(False, "gate weights multiply each expert's SwiGLU output before its down projection "
+                                     "(the same function; combine then only sums and saves no expert outputs)")
 
     def errors(self, n_layers: int) -> list[str]:
         e, p = [], "model.moe"

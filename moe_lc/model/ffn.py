@@ -9,15 +9,17 @@ from torch import nn
 from moe_lc.ops.linear import Linear
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up.  gate_up: (..., 2F) with gate first -> (..., F)."""
+def swiglu(gate_up: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up [* weight].  gate_up: (..., 2F) with gate first -> (..., F); weight: (...,) fp32,
+    a routed row's gate weight (model.moe.weighted_swiglu), cast to gate_up's dtype as combine casts it."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    h = F.silu(gate) * up
+    return h if weight is None else h * weight.to(h.dtype).unsqueeze(-1)
 
 
-def swiglu_then(down, gate_up: torch.Tensor, *args) -> torch.Tensor:
-    """The default `activation` seam: down(swiglu(gate_up), *args)."""
-    return down(swiglu(gate_up), *args)
+def swiglu_then(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The default `activation` seam: down(swiglu(gate_up, weight), *args)."""
+    return down(swiglu(gate_up, weight), *args)
 
 
 class SwiGLU(nn.Module):

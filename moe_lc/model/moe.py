@@ -46,13 +46,19 @@ def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def fp32_logits(gate, x_TD: torch.Tensor) -> torch.Tensor:
+    """The router's `logits` seam: gate(x) in fp32 (the gate's Linear keeps the fp32 copy for backward)."""
+    return gate(x_TD.float())
+
+
 class Router(nn.Module):
     """Affinities, selection and gate weights.  gate: (E, D), computed in fp32 (never FP8).
 
     Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
     `expert_load` (E,) fp32, tokens routed to each expert since the last bias update.
     Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
-    default (the dry run swaps in a balanced choice it knows the values of).
+    default (the dry run swaps in a balanced choice it knows the values of). Seam `logits`: (gate, x) ->
+    fp32 logits, `fp32_logits` by default (recomputation rebuilds the fp32 copy instead of keeping it).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -68,6 +74,7 @@ class Router(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.count_loads = True  # switched off while a recomputed forward replays this router
         self.select = route
+        self.logits = fp32_logits
 
     def init_buffers(self) -> None:
         """Zero the balancing state (after the model was built on the meta device)."""
@@ -76,7 +83,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
-        logits_TE = self.gate(x_TD.float())
+        logits_TE = self.logits(self.gate, x_TD)
         scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
         idx_TK = self.select(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk, self.group_score)
         weights_TK = scores_TE.gather(1, idx_TK)
@@ -111,9 +118,10 @@ class RoutedExperts(nn.Module):
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.activation = swiglu_then
 
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x: (T, D) rows sorted by local expert; counts: (E_local,) -> (T, D)."""
-        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E)
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, D) rows sorted by local expert; counts: (E_local,); weight: (T,) fp32 gate weight of each
+        row, applied to the SwiGLU output (weighted_swiglu), or None -> (T, D)."""
+        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T)
 
 
 class TokenDispatcher:
@@ -126,9 +134,22 @@ class TokenDispatcher:
         """-> (x_sorted (T', D) grouped by local expert, counts (E_local,), handle for combine)."""
         raise NotImplementedError
 
-    def combine(self, y_sorted: torch.Tensor, weights_TK: torch.Tensor, handle) -> torch.Tensor:
-        """Expert outputs back in token order, summed over each token's K experts by gate weight -> (T, D)."""
+    def sort_weights(self, weights_TK: torch.Tensor, handle) -> torch.Tensor:
+        """Gate weights (T, K) -> (T',) in the order of dispatch's rows (they travel as the rows do)."""
         raise NotImplementedError
+
+    def combine(self, y_sorted: torch.Tensor, weights_TK: torch.Tensor | None, handle) -> torch.Tensor:
+        """Expert outputs back in token order, summed over each token's K experts by gate weight (None:
+        already weighted, weighted_swiglu) -> (T, D)."""
+        raise NotImplementedError
+
+
+def weighted_sum(y_TKD: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    """(T, K, D) -> (T, D): over K, weighted by the gates unless the experts applied them. A sum in token
+    order: deterministic, unlike a scatter-add. Weighted, autograd keeps y for the gates' gradient."""
+    if weights_TK is None:
+        return y_TKD.sum(1)
+    return (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
 
 
 class LocalDispatcher(TokenDispatcher):
@@ -142,11 +163,13 @@ class LocalDispatcher(TokenDispatcher):
         rows = x_TD[order // K]
         return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K)
 
+    def sort_weights(self, weights_TK, handle):
+        order, _, _ = handle
+        return weights_TK.flatten()[order]
+
     def combine(self, y_sorted, weights_TK, handle):
         order, T, K = handle
-        y_TKD = y_sorted[order.argsort()].view(T, K, -1)
-        # a weighted sum over K in token order (deterministic, unlike a scatter-add)
-        return (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        return weighted_sum(y_sorted[order.argsort()].view(T, K, -1), weights_TK)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -185,6 +208,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(cfg.dim, cfg.moe.n_shared_experts * cfg.moe.ffn_dim) if cfg.moe.n_shared_experts else None
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.aux_loss_weight = cfg.moe.aux_loss_weight
+        self.weighted_swiglu = cfg.moe.weighted_swiglu
         self.aux_loss_scale = 1.0  # share of this micro-batch in the step's loss (set by the trainer)
         self.last_aux_loss: torch.Tensor | None = None  # detached, for metrics
 
@@ -197,19 +221,24 @@ class MoE(nn.Module):
     # compute (DualPipe's F&B). Tensors flow through the arguments (a phased run detaches them at
     # every boundary); `ctx` carries only non-differentiable routing state.
     def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor):
-        """x (B, S, D) -> (x, x_sorted (T', D) grouped by local expert, gate weights (T, K)[, aux loss])."""
+        """x (B, S, D) -> (x, x_sorted (T', D) grouped by local expert, gate weights (T, K), or (T',) along
+        with the rows under weighted_swiglu[, aux loss])."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         idx_TK, weights_TK, scores_TE = self.router(x_TD)
         x_sorted, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
+        if self.weighted_swiglu:
+            weights_TK = self.dispatcher.sort_weights(weights_TK, ctx["handle"])
         if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
             aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1),
                                                            self.n_experts)
             return x_BSD, x_sorted, weights_TK, aux
         return x_BSD, x_sorted, weights_TK
 
-    def expert_phase(self, ctx: dict, x_BSD, x_sorted, weights_TK, *aux):
-        return (x_BSD, self.experts(x_sorted, ctx["counts"]), weights_TK, *aux)
+    def expert_phase(self, ctx: dict, x_BSD, x_sorted, weights, *aux):
+        if self.weighted_swiglu:  # the rows' weights are applied here; combine only sums
+            return (x_BSD, self.experts(x_sorted, ctx["counts"], weights), None, *aux)
+        return (x_BSD, self.experts(x_sorted, ctx["counts"]), weights, *aux)
 
     def combine_phase(self, ctx: dict, x_BSD, y_sorted, weights_TK, aux=None) -> torch.Tensor:
         y_BSD = self.dispatcher.combine(y_sorted, weights_TK, ctx["handle"]).view_as(x_BSD)

@@ -14,6 +14,8 @@ Policies (`[recompute] policy`), applied from outside by `apply_recompute` throu
                  mla_up     MLA's latent norms, up-projections and RoPE: only the latents stay, the
                             core's q, k, v are rebuilt from them (the core itself is not replayed;
                             with "attention" too, MLA takes this path)
+                 router     the fp32 copy of the router's input (its gate runs in fp32), rebuilt
+                            from the compute-dtype input, which the experts keep anyway
 
 Recomputed forwards must not count expert loads twice: `checkpointed` switches the routers of the
 replayed region off while it replays.
@@ -34,7 +36,7 @@ from moe_lc.model.block import Block
 from moe_lc.model.ffn import SwiGLU, swiglu, swiglu_then
 from moe_lc.model.mla import MLAttention, attend
 from moe_lc.model.rope import apply_rope
-from moe_lc.model.moe import RoutedExperts
+from moe_lc.model.moe import RoutedExperts, Router, fp32_logits
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.seams import run_now
 
@@ -114,13 +116,17 @@ def recompute_from(source, output, remake, consumer, *args):
         return consumer(*outputs, *args)
 
 
-def swiglu_replayed(down, gate_up: torch.Tensor, *args) -> torch.Tensor:
-    """The `activation` seam under selective "swiglu": down(swiglu(gate_up), *args) keeping only gate_up
-    for backward: the activation is checkpointed and the copy `down` would save is rebuilt from gate_up."""
+def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The `activation` seam under selective "swiglu": down(swiglu(gate_up, weight), *args) keeping only
+    gate_up (and the gate weights) for backward: the activation is checkpointed and the copy `down` would
+    save is rebuilt from them."""
     if not torch.is_grad_enabled():
-        return swiglu_then(down, gate_up, *args)
-    h = checkpointed(swiglu, gate_up)
-    return recompute_from(gate_up, h, swiglu, down, *args)
+        return swiglu_then(down, gate_up, *args, weight=weight)
+    if weight is None:
+        h = checkpointed(swiglu, gate_up)
+        return recompute_from(gate_up, h, swiglu, down, *args)
+    h = checkpointed(swiglu, gate_up, weight)
+    return recompute_from((gate_up, weight), (h,), lambda g, w: (swiglu(g, w),), down, *args)
 
 
 def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tensor:
@@ -141,9 +147,18 @@ def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tenso
     return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale)
 
 
+def fp32_logits_replayed(gate, x_TD: torch.Tensor) -> torch.Tensor:
+    """The router's `logits` seam under selective "router": gate(x.float()) whose saved fp32 copy of x is
+    dropped and rebuilt from x (an exact upcast) when the gate's backward needs it."""
+    if not torch.is_grad_enabled() or x_TD.dtype == torch.float32:
+        return fp32_logits(gate, x_TD)
+    return recompute_from(x_TD, x_TD.float(), lambda t: t.float(), gate)
+
+
 def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[str, ...] = ("norm", "swiglu")) -> None:
     """Plug recomputation into the model's seams: `replay` of blocks (full), norms ("norm") and attention
-    modules ("attention", GQA and MLA); `activation` of SwiGLUs and routed experts ("swiglu").
+    modules ("attention", GQA and MLA); `activation` of SwiGLUs and routed experts ("swiglu"); `logits`
+    of routers ("router").
     Policy "none" puts the plain defaults back."""
     assert policy in POLICIES and set(selective) <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
     items = set(selective) if policy == "selective" else set()
@@ -152,6 +167,8 @@ def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[
             module.replay = partial(checkpointed, owner=module) if policy == "full" else run_now
         elif isinstance(module, RMSNorm):
             module.replay = checkpointed if "norm" in items else run_now
+        elif isinstance(module, Router):
+            module.logits = fp32_logits_replayed if "router" in items else fp32_logits
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             module.activation = swiglu_replayed if "swiglu" in items else swiglu_then
         elif isinstance(module, (Attention, MLAttention)):

@@ -8,6 +8,8 @@ defaults and never imports what plugs into them.
               backward. Pieces: an RMSNorm's fp32 math, attention's RoPE and core, a whole block.
   activation  `module.activation(down, gate_up, *args)` is a SwiGLU's down(silu(gate) * up, *args);
               recomputation plugs in one that keeps only gate|up for backward.
+  logits      a router's `logits(gate, x)`: gate(x) in fp32; recomputation plugs in one that rebuilds
+              the fp32 copy of x in backward instead of keeping it.
   core        an attention module's kernel call (LocalAttention; ring attention under CP).
   gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
   mtp_embed   the embedding the MTP modules use on a pipeline stage that holds none: a `Borrowed`

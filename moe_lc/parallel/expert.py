@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts
+from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, weighted_sum
 from moe_lc.ops.fp8 import pack_fp8_rows, unpack_fp8_rows
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
@@ -235,12 +235,17 @@ class AllToAllDispatcher(TokenDispatcher):
         regroup = _expert_major(recv_RL, sum(recv))
         return x_recv[regroup], recv_RL.sum(0), (order, regroup, send, recv, T, K)
 
+    def sort_weights(self, weights_TK, handle):
+        """Gate weights (T, K) -> the (T',) fp32 weights of the rows this rank's experts received (one more
+        all-to-all of 4 bytes per row; its backward returns the weights' gradients)."""
+        order, regroup, send, recv, T, K = handle
+        return AllToAll.apply(weights_TK.flatten()[order], recv, send, self.group)[regroup]
+
     def combine(self, y_sorted, weights_TK, handle):
-        """Expert outputs (T', D) -> back to their tokens' ranks -> weighted sum over K -> (T, D)."""
+        """Expert outputs (T', D) -> back to their tokens' ranks -> (weighted) sum over K -> (T, D)."""
         order, regroup, send, recv, T, K = handle
         y_back = AllToAll.apply(y_sorted[regroup.argsort()], send, recv, self.group)
-        y_TKD = y_back[order.argsort()].view(T, K, y_back.shape[-1])
-        return (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        return weighted_sum(y_back[order.argsort()].view(T, K, y_back.shape[-1]), weights_TK)
 
 
 @dataclass
@@ -303,6 +308,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         regroup = _expert_major(recv2_RL, sum(recv2))
         handle = _HierHandle(pair_t, pair_n, send1, recv1, slot_of_PK, order2, send2, recv2, regroup, x_pairs, T)
         return x_recv[regroup], recv2_RL.sum(0), handle
+
+    def sort_weights(self, weights_TK, handle):
+        raise NotImplementedError("model.moe.weighted_swiglu with the hierarchical dispatch is not built")
 
     def combine(self, y_sorted, weights_TK, h: _HierHandle):
         """Expert rows -> forwarders (stage 2 inverse); each forwarder sums its node's weighted outputs
