@@ -104,3 +104,56 @@ def perplexity_plot(result: dict, path: Path, title: str, trained_length: int | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def extension_figure(curves: dict[str, dict], path: Path, trained_lengths: list[int]) -> Path:
+    """A context extension at a glance, from one eval results.json per model (label -> results):
+    left, passkey exact match by length for every model (models whose label says "no training" dashed),
+    with each stage's training length dotted; middle, the last trained model's passkey depth x length
+    heatmap; right, held-out perplexity by length."""
+    plt = _plt()
+    fig, (acc, heat, ppl) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.1, 1.2, 1]})
+    labels = list(curves)
+    trained = [label for label in labels if "no training" not in label]
+    for k, (label, res) in enumerate(curves.items()):
+        style = "s--" if label not in trained else "o-"
+        passkey = res["tasks"].get("passkey", {}).get("by_length", {})
+        lengths = sorted(int(x) for x in passkey)
+        acc.plot(lengths, [passkey[str(x)]["exact"] for x in lengths], style, color=f"C{k}", label=label)
+        losses = res["tasks"].get("perplexity", {}).get("by_length", {})
+        ppl_lengths = sorted(int(x) for x in losses)
+        ppl.plot(ppl_lengths, [losses[str(x)]["ppl"] for x in ppl_lengths], style, color=f"C{k}", label=label)
+    for k, length in enumerate(trained_lengths):
+        for ax in (acc, ppl):
+            ax.axvline(length, color=f"C{k}", linestyle=":", linewidth=1)
+    for ax in (acc, ppl):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens; dotted: each stage's training length)")
+        ax.grid(alpha=0.3)
+    acc.set_ylim(-0.02, 1.02)
+    acc.set_ylabel("passkey exact match (mean over depths)")
+    acc.set_title("passkey retrieval by length (chance 1e-5)", fontsize=9)
+    acc.legend(fontsize=7, loc="lower left")
+    ppl.set_yscale("log")
+    ppl.set_ylabel("held-out perplexity (sliding window)")
+    ppl.set_title("perplexity by length", fontsize=9)
+    last = curves[trained[-1]]["tasks"].get("passkey")
+    if last and last["grid"]:
+        grid_lengths = sorted(int(x) for x in last["grid"])
+        depths = sorted({float(d) for cells in last["grid"].values() for d in cells})
+        values = np.array([[last["grid"][str(x)].get(f"{d:g}", {}).get("exact", np.nan) for x in grid_lengths]
+                           for d in depths], dtype=float)
+        im = heat.imshow(values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(grid_lengths)):
+                heat.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        heat.set_xticks(range(len(grid_lengths)), [str(x) for x in grid_lengths])
+        heat.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        heat.set_xlabel("context length (tokens)")
+        heat.set_ylabel("needle depth (0 = start)")
+        fig.colorbar(im, ax=heat, label="exact match")
+    heat.set_title(f"passkey exact match, {trained[-1]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -97,6 +97,8 @@ def evaluate(args: argparse.Namespace, progress=print) -> dict:
     cfg = load_eval_config(config_path, args.recipe, args.set)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     device = resolve_device(args.device)
+    # the multi-key needle as trained (data.needle_keys) unless --task-param says otherwise
+    params.setdefault("multikey_needle", {}).setdefault("n_keys", cfg.data.needle_keys)
     dims = eval_dims(cfg, device)
     if dims is not None and dims.rank != 0:  # every cp rank computes; rank 0 reports and writes
         progress = lambda *a, **k: None  # noqa: E731

@@ -358,6 +358,7 @@ class DataConfig:
     tokenizer: str = f("byte", "byte | a HuggingFace tokenizer.json | a directory holding one (a model's)")
     synthetic_tasks: list[SyntheticTask] = f(["passkey"], "synthetic long-context tasks mixed in")
     synthetic_weight: float = f(0.0, "fraction of samples drawn from synthetic_tasks, mixed into source (< 1)")
+    needle_keys: int = f(4, "multikey_needle: needles per sample (the queried one and its distractors)")
     val_fraction: float = f(0.02, "fraction of stdlib files held out for validation")
 
     @property
@@ -372,6 +373,8 @@ class DataConfig:
         if not 0 <= self.synthetic_weight < 1:
             e.append(f"data.synthetic_weight={self.synthetic_weight} must lie in [0, 1) "
                      "(source = 'synthetic' trains on synthetic tasks only)")
+        if self.needle_keys < 1:
+            e.append(f"data.needle_keys={self.needle_keys} must be >= 1")
         if not 0 < self.val_fraction < 1:
             e.append(f"data.val_fraction={self.val_fraction} must lie in (0, 1)")
         return e

@@ -237,6 +237,7 @@ def build_dataset(
     synthetic_kinds: Sequence[str] | None = None,
     synthetic_weight: float = 0.0,
     val_fraction: float = 0.02,
+    task_params: dict[str, dict] | None = None,
 ):
     """Dataset for a recipe's `[data] source`.
 
@@ -246,6 +247,7 @@ def build_dataset(
       "synthetic"         synthetic long-context tasks `synthetic_kinds` (default: all) only
       "stdlib+synthetic"  Mixture: synthetic with probability synthetic_weight (0 < w < 1), else stdlib
       "tokens+synthetic"  the same over a token file
+    task_params: per-task keyword arguments of `make_task`, e.g. {"multikey_needle": {"n_keys": 2}}
     """
     if source not in DATA_SOURCES:
         raise ValueError(f"data source {source!r} is not one of {', '.join(DATA_SOURCES)}")
@@ -260,7 +262,7 @@ def build_dataset(
     kinds = list(synthetic_kinds) if synthetic_kinds else list(TASKS)
 
     def synthetic() -> SyntheticTasks:
-        return SyntheticTasks(kinds, seq_len, seed, tokenizer, split=split)
+        return SyntheticTasks(kinds, seq_len, seed, tokenizer, split=split, task_params=task_params)
 
     if base == "synthetic":
         return synthetic()
@@ -297,4 +299,5 @@ def dataset_from_config(data_cfg, *, split: str, seq_len: int, seed: int, tokeni
         source = f"{source}+synthetic"
     return build_dataset(source, split=split, seq_len=seq_len, seed=seed, tokenizer=tokenizer,
                          path=data_cfg.path or None, synthetic_kinds=data_cfg.synthetic_tasks,
-                         synthetic_weight=weight, val_fraction=data_cfg.val_fraction)
+                         synthetic_weight=weight, val_fraction=data_cfg.val_fraction,
+                         task_params={"multikey_needle": {"n_keys": data_cfg.needle_keys}})

@@ -1,0 +1,210 @@
+"""Staged long-context extension, end to end: train each stage from the previous one, eval after each.
+
+    python tools/extend.py [STAGE.toml ...] [--runs DIR] [--out DIR] [--set KEY=VALUE ...]
+                           [--lengths 128,...,8192] [--samples N] [--eval-only] [--no-yarn-inference]
+
+Default stages: recipes/longctx/base.toml -> extend_2k.toml -> extend_4k.toml (256 -> 2K -> 4K tokens on
+CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature). For each stage, in order:
+  1. train: `python -m moe_lc.train STAGE` (through torchrun with pp x cp x tp x dp ranks) with
+     train.output_dir = RUNS/<stage name> and, after the first, checkpoint.init_from = the previous
+     stage's checkpoints: weights only, fresh optimizer, step and data, as DeepSeek-V3's extension
+     phases start. A stage whose metrics.jsonl already holds every step is not trained again.
+  2. eval: `python -m eval RUNS/<stage>` over --lengths (passkey and the multi-key needle over needle
+     depths, held-out perplexity) into OUT/<stage>/.
+After the first stage, the same checkpoint is also scored with the last stage's YaRN factor and no
+training ("YaRN at inference", as in the YaRN paper's figures) into OUT/<first stage>_yarn_x<factor>/.
+Finally OUT/longctx.png (passkey exact match by length for every stage, the last stage's depth x
+length heatmap, perplexity by length) and OUT/summary.md (the numbers, wall times, commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval import plots  # noqa: E402
+from moe_lc.config import ConfigError, load_config  # noqa: E402
+from tools.ablate import command, is_complete  # noqa: E402
+
+DEFAULT_STAGES = tuple(str(ROOT / "recipes" / "longctx" / f) for f in ("base.toml", "extend_2k.toml", "extend_4k.toml"))
+DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
+
+
+@dataclass
+class Stage:
+    """One training stage: its recipe, overrides (the chain's output_dir and init_from) and eval output."""
+
+    name: str
+    recipe: str
+    overrides: list[str]
+    nproc: int
+    steps: int
+    seq_len: int
+    rope: dict
+    run_dir: Path
+    eval_dir: Path
+    wall_s: dict = field(default_factory=dict)
+
+
+def plan_stages(recipes: list[str], runs: Path, out: Path, sets: list[str]) -> list[Stage]:
+    """The chain: each stage's overrides, rank count and directories; ConfigError names a bad recipe."""
+    stages: list[Stage] = []
+    for recipe in recipes:
+        name = Path(recipe).stem
+        overrides = [*sets, f"train.output_dir={runs / name}"]
+        if stages:
+            overrides.append(f"checkpoint.init_from={stages[-1].run_dir / 'checkpoints'}")
+        raw = load_config(recipe, overrides, check=False).parallel
+        nproc = raw.pp * raw.cp * raw.tp * max(raw.dp, 1)
+        cfg = load_config(recipe, overrides, world_size=nproc)
+        if cfg.checkpoint.interval == 0 or cfg.train.steps % cfg.checkpoint.interval:
+            raise ConfigError([f"{recipe}: checkpoint.interval={cfg.checkpoint.interval} must divide "
+                               f"train.steps={cfg.train.steps}: the next stage starts from the final checkpoint"])
+        rope = {"scaling": cfg.model.rope.scaling, "factor": cfg.model.rope.factor,
+                "original_seq_len": cfg.model.rope.original_seq_len}
+        stages.append(Stage(name, recipe, overrides, nproc, cfg.train.steps, cfg.train.seq_len, rope,
+                            runs / name, out / name))
+    return stages
+
+
+def eval_command(checkpoint: Path, out: Path, args, sets: list[str] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "eval", str(checkpoint), "--out", str(out), "--lengths", args.lengths,
+           "--samples", str(args.samples), "--tasks", args.tasks, "--ppl-tokens", str(args.ppl_tokens)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def yarn_inference_sets(first: Stage, last: Stage) -> list[str]:
+    """Score the first stage's weights with the last stage's YaRN (factor and original length)."""
+    return ["model.rope.scaling=yarn", f"model.rope.factor={last.rope['factor']}",
+            f"model.rope.original_seq_len={last.rope['original_seq_len']}"]
+
+
+def _run(cmd: list[str], log: Path, echo) -> float:
+    """Run cmd with its output teed to log and to the console; raises on failure; returns wall seconds."""
+    echo("$ " + " ".join(cmd))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "w") as f, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            f.write(line)
+            echo("  " + line.rstrip())
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed (exit {proc.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
+    """Train and eval every stage; returns the summary written to OUT/summary.json."""
+    summary = {"stages": [], "commands": []}
+    yarn_dir = None
+    for i, stage in enumerate(stages):
+        cmd = command(stage.recipe, stage.overrides, stage.nproc)
+        summary["commands"].append(" ".join(cmd))
+        if not args.eval_only and not is_complete(stage.run_dir, stage.steps):
+            stage.wall_s["train"] = _run(cmd, stage.run_dir / "train.log", echo)
+        cmd = eval_command(stage.run_dir, stage.eval_dir, args)
+        stage.wall_s["eval"] = _run(cmd, stage.eval_dir / "eval.log", echo)
+        summary["commands"].append(" ".join(cmd))
+        if i == 0 and len(stages) > 1 and args.yarn_inference:
+            yarn_dir = out / f"{stage.name}_yarn_x{stages[-1].rope['factor']:g}"
+            cmd = eval_command(stage.run_dir, yarn_dir, args, yarn_inference_sets(stage, stages[-1]))
+            stage.wall_s["eval_yarn_inference"] = _run(cmd, yarn_dir / "eval.log", echo)
+            summary["commands"].append(" ".join(cmd))
+        summary["stages"].append({"name": stage.name, "recipe": stage.recipe, "seq_len": stage.seq_len,
+                                  "nproc": stage.nproc, "steps": stage.steps, "rope": stage.rope,
+                                  "wall_s": stage.wall_s, "eval_dir": str(stage.eval_dir)})
+    curves = {f"{s.name} (trained at {s.seq_len})": _results(s.eval_dir) for s in stages}
+    if yarn_dir is not None:
+        curves[f"{stages[0].name} + YaRN x{stages[-1].rope['factor']:g}, no training"] = _results(yarn_dir)
+    trained = [s.seq_len for s in stages]
+    figure = plots.extension_figure(curves, out / "longctx.png", trained)
+    summary["figure"] = str(figure)
+    summary["table"] = passkey_table(curves)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(summary_markdown(summary, curves))
+    echo(f"wrote {figure}, {out / 'summary.md'}")
+    return summary
+
+
+def _results(eval_dir: Path) -> dict:
+    return json.loads((eval_dir / "results.json").read_text())
+
+
+def passkey_table(curves: dict[str, dict]) -> dict[str, dict]:
+    """{label: {length: {"passkey", "multikey_needle", "ppl"}}} from each eval's results.json."""
+    table = {}
+    for label, res in curves.items():
+        rows = {}
+        for length in res["lengths"]:
+            row = {}
+            for task in ("passkey", "multikey_needle"):
+                cell = res["tasks"].get(task, {}).get("by_length", {}).get(str(length))
+                row[task] = cell["exact"] if cell else None
+            ppl = res["tasks"].get("perplexity", {}).get("by_length", {}).get(str(length))
+            row["ppl"] = ppl["ppl"] if ppl else None
+            rows[str(length)] = row
+        table[label] = rows
+    return table
+
+
+def summary_markdown(summary: dict, curves: dict) -> str:
+    def cell(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = ["# Long-context extension", "", "![](longctx.png)", "",
+             "Exact match (passkey / multi-key needle, averaged over needle depths) and held-out perplexity by "
+             "context length:", ""]
+    lengths = next(iter(curves.values()))["lengths"]
+    lines.append("| model | " + " | ".join(str(x) for x in lengths) + " |")
+    lines.append("| --- |" + " --- |" * len(lengths))
+    for label, rows in summary["table"].items():
+        lines.append(f"| {label} | " + " | ".join(
+            f"{cell(r['passkey'], '.2f')} / {cell(r['multikey_needle'], '.2f')} / {cell(r['ppl'], '.2f')}"
+            for r in (rows[str(x)] for x in lengths)) + " |")
+    lines += ["", "Wall time (seconds, this machine):", ""]
+    for s in summary["stages"]:
+        lines.append(f"- {s['name']}: seq_len {s['seq_len']}, {s['nproc']} rank(s), {s['steps']} steps, "
+                     f"rope {s['rope']}: " + ", ".join(f"{k} {v:.0f}" for k, v in s["wall_s"].items()))
+    lines += ["", "Commands:", "", "```"] + summary["commands"] + ["```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/extend.py", description=__doc__.splitlines()[0])
+    ap.add_argument("stages", nargs="*", default=list(DEFAULT_STAGES), help="stage recipes, in order")
+    ap.add_argument("--runs", default="runs/longctx", help="training runs go to RUNS/<stage name>")
+    ap.add_argument("--out", default="runs/longctx/eval", help="eval results, figure and summary")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every stage")
+    ap.add_argument("--lengths", default=DEFAULT_LENGTHS)
+    ap.add_argument("--samples", type=int, default=10, help="samples per (length, depth) cell")
+    ap.add_argument("--tasks", default="passkey,multikey_needle,perplexity")
+    ap.add_argument("--ppl-tokens", type=int, default=16384)
+    ap.add_argument("--eval-only", action="store_true", help="score the stages' existing checkpoints")
+    ap.add_argument("--no-yarn-inference", dest="yarn_inference", action="store_false",
+                    help="skip scoring the first stage with the last stage's YaRN")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    try:
+        stages = plan_stages(args.stages, Path(args.runs), out, args.set)
+        run_pipeline(stages, out, args)
+    except (ConfigError, RuntimeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
