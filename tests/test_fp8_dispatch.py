@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_lc.config import ConfigError, load_config
-from moe_lc.ops.fp8 import FP8Rounded, fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
+from moe_lc.ops.fp8_storage import FP8Rounded, fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
 from tests.harness import RECIPES, TOLERANCE, assert_equivalent, reference, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_lc.config import ModelConfig, load_config
 from moe_lc.model.counting import param_counts, train_flops_per_token
@@ -222,3 +223,29 @@ def test_deferred_weight_used_twice_accumulates_once():
     lin.wgrad_store.flush()
     assert len(fired) == 1
     torch.testing.assert_close(fired[0], torch.ones(5, 3).t() @ x1 + 2 * torch.ones(2, 3).t() @ x2)
+
+
+def test_16bit_cross_entropy_keeps_the_logits_not_an_fp32_log_softmax():
+    """CrossEntropySum on bf16 logits: the loss of F.cross_entropy on their fp32 values (within fp32
+    rounding), gradients within bf16 rounding, and what backward keeps is the logits themselves and one
+    fp32 log-sum-exp per row (2V + 4 bytes a token, not 4V), in row chunks across the ROWS boundary."""
+    from tools.activation_memory import measure_saved_bytes
+
+    from moe_lc.model.transformer import CrossEntropy16, CrossEntropySum
+
+    torch.manual_seed(0)
+    T, V = CrossEntropy16.ROWS + 300, 320
+    logits = (torch.randn(1, T, V) * 3).to(torch.bfloat16).requires_grad_()
+    labels, mask = torch.randint(0, V, (1, T)), (torch.rand(1, T) > 0.3).float()
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = (F.cross_entropy(ref_logits[0], labels[0], reduction="none") * mask[0]).sum()
+    loss = CrossEntropySum()(logits, labels, mask)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    (loss * 0.5).backward()
+    (ref * 0.5).backward()
+    assert logits.grad.dtype == torch.bfloat16
+    assert (logits.grad.float() - ref_logits.grad).abs().max() <= 2 ** -9  # bf16 rounding of values <= 0.5
+    module = torch.nn.Linear(1, 1)  # measure_saved_bytes wants a model; the loss is all that runs
+    module.layers = torch.nn.ModuleDict()
+    saved = measure_saved_bytes(module, lambda: CrossEntropySum()(logits, labels, mask))
+    assert sum(saved.values()) == logits.nbytes + T * 4 + labels.nbytes + mask.nbytes

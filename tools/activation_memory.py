@@ -23,7 +23,8 @@ on the debug model, fp32 and bf16, exact to the byte), bytes per token:
     no dropout; the fused attention keeps no S x S matrix (Korthikanti's 5as/h term is gone).
 
 So in fp32 a dense block keeps 4*(7D + 2(H+K)Dh + (H+2K)Dh + H + 2 + 4F) bytes per token, and the loss
-adds a 4V fp32 log-softmax per token (the logits themselves are not kept).
+adds a 4V fp32 log-softmax per token (the logits themselves are not kept); with 16-bit logits the
+loss keeps those (cV) and an fp32 log-sum-exp per token instead (moe_lc/model/transformer.py).
 
 Recompute policies (moe_lc/model/recompute.py), also checked against measurement on the debug model:
     selective  drops the terms of its items: "norm" keeps each norm's input (cD) instead of its
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -74,6 +75,10 @@ class Saved:
     kept_by: str = ""  # the items that make it saved (a replay's input; "a|b": either); else always
     per_seq: float = 0.0
     per_layer: float = 0.0
+    fp8: str = ""  # the precision.fp8_cache item that keeps it in FP8 (see `_fp8_cached`)
+    fp8_width: int = 0  # row width of its 1 x 128 tiles ("swiglu", "attn_out"); 0: a Linear's input
+    fp8_unless: str = ""  # a selective item under which another part keeps it as is (no FP8 copy)
+    fp8_copies: int = 1  # Linears that each keep their own FP8 copy of it
 
 
 def _norm(name: str, D: int, c: int) -> list[Saved]:
@@ -84,26 +89,27 @@ def _norm(name: str, D: int, c: int) -> list[Saved]:
             Saved(f"{name}: input (the replay's input)", c * D, "seq", kept_by="norm")]
 
 
-def _swiglu(name: str, hidden: float, c: int, tp: str) -> list[Saved]:
-    return [Saved(f"{name}: gate|up", 2 * c * hidden, tp),
+def _swiglu(name: str, hidden: float, c: int, tp: str, row: int) -> list[Saved]:
+    """A SwiGLU of `hidden` units per token (k rows of `row` units for routed experts)."""
+    return [Saved(f"{name}: gate|up", 2 * c * hidden, tp, fp8="swiglu", fp8_width=2 * row),
             Saved(f"{name}: silu(gate)", c * hidden, tp, "swiglu"),
-            Saved(f"{name}: silu*up (w2 input)", c * hidden, tp, "swiglu")]
+            Saved(f"{name}: silu*up (w2 input)", c * hidden, tp, "swiglu", fp8="linear")]
 
 
 def _gqa_terms(m: ModelConfig, c: int, cp: int) -> list[Saved]:
     H, K, Dh = m.n_heads, m.n_kv_heads, m.head_size
     qkv = (Saved("attn: v (contiguous copy for the ring)", c * K * Dh, "heads") if cp > 1 else
            Saved("attn: qkv (v is a view)", c * (H + 2 * K) * Dh, "heads"))
-    return [Saved("attn: normed input (wqkv input)", c * m.dim, "full"), qkv,
+    return [Saved("attn: normed input (wqkv input)", c * m.dim, "full", fp8="linear"), qkv,
             Saved("attn: roped q", c * H * Dh, "heads", "attention"),
             Saved("attn: roped k", c * K * Dh, "heads", "attention"),
-            Saved("attn: out (and wo input)", c * H * Dh, "heads"),
+            Saved("attn: out (and wo input)", c * H * Dh, "heads", fp8="attn_out", fp8_width=Dh),
             Saved("attn: lse", 4 * H, "heads", "attention")]
 
 
 def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
-    """MLA (moe_lc/model/mla.py), decompressed. The fused backends pad the head dim to max(Dqk, Dv)
-    (CUDA: rounded up to 8), so out is stored padded and wo gets a contiguous copy when Dqk != Dv."""
+    """MLA (moe_lc/model/mla.py), decompressed. The fused backends that pad the head dim to max(Dqk, Dv)
+    hand out (and save) a D_v-wide copy (attention_backends.unpad_out), which wo reads as a view."""
     H, Cq, Ckv, Dr = m.n_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
     Dqk, Dv = m.mla.qk_nope_head_dim + Dr, m.mla.v_head_dim
     latent = ([Saved("mla: latents [c_q|c_kv|k_r] (fp32 norm inputs are views)", 4 * (Cq + Ckv + Dr), "full",
@@ -111,27 +117,24 @@ def _mla_terms(m: ModelConfig, c: int) -> list[Saved]:
               if c == 4 else [Saved("mla: fp32 copies of c_q, c_kv", 4 * (Cq + Ckv), "full", "norm|mla_up")])
     # recomputed latent norms (or "mla_up", which checkpoints everything from the latents) keep their
     # inputs, views of the latent [c_q | c_kv | k_r]: one storage
-    terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full"), *latent,
+    # without q_lora, wa and wq both take the normed input: two FP8 copies of one tensor under "linear"
+    terms = [Saved("attn: normed input (wa / wq input)", c * m.dim, "full", fp8="linear", fp8_copies=1 if Cq else 2),
+             *latent,
              Saved("mla: latents (the latent norms' replay input)", c * (Cq + Ckv + Dr), "full", kept_by="norm|mla_up")]
     for name, C in (("q_norm", Cq), ("kv_norm", Ckv)):
         if C:
             terms += [Saved(f"mla {name}: rsqrt", 4, "full", "norm|mla_up"),
                       Saved(f"mla {name}: x*rsqrt", 4 * C, "full", "norm|mla_up"),
                       Saved(f"mla {name}: fp32 weight copy", per_layer=4 * C if c != 4 else 0, dropped_by="norm|mla_up"),
-                      Saved(f"mla {name}: output (up-projection input)", c * C, "full", "mla_up")]
+                      Saved(f"mla {name}: output (up-projection input)", c * C, "full", "mla_up", fp8="linear")]
     # Under selective "attention" the replay (mla.py `_rope_and_core`) keeps its inputs: q before RoPE
-    # and the roped k_r; kv it keeps either way. The core's padded out goes unless it is wo's input too.
-    # Under "mla_up" (which takes MLA's place of "attention") only the latents stay of the up-projections'
-    # side, and the core keeps its output and LSE (its forward is not replayed).
-    padded = Dqk != Dv
+    # and the roped k_r; kv it keeps either way. Under "mla_up" (which takes MLA's place of "attention")
+    # only the latents stay of the up-projections' side, and the core keeps its LSE (its forward is not
+    # replayed); out is wo's input either way.
     terms += [Saved("mla: kv = [k_nope | v] (v is a view)", c * H * (m.mla.qk_nope_head_dim + Dv), "heads", "mla_up"),
               Saved("mla: q with roped part", c * H * Dqk, "heads", "attention|mla_up"),
               Saved("mla: k with shared roped part", c * H * Dqk, "heads", "attention|mla_up"),
-              Saved("mla: out (stored with the padded head dim)", c * H * max(Dqk, Dv), "heads",
-                    "attention|mla_up" if padded else ""),
-              Saved("mla: out, padded (kept under mla_up)", c * H * max(Dqk, Dv) if padded else 0, "heads",
-                    kept_by="mla_up"),
-              Saved("mla: wo input (contiguous copy)", c * H * Dv if padded else 0, "heads"),
+              Saved("mla: out (and wo input, a view)", c * H * Dv, "heads", fp8="attn_out", fp8_width=Dv),
               Saved("attn: lse", 4 * H, "heads", "attention|mla_up"),
               Saved("attn: lse (kept under mla_up)", 4 * H, "heads", kept_by="mla_up"),
               Saved("mla: q before RoPE (replay input)", c * H * Dqk, "heads", "mla_up", kept_by="attention"),
@@ -145,10 +148,13 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
     """What block `layer_id` keeps for backward under recompute policy "none"."""
     D = m.dim
     attention = _mla_terms(m, c) if m.attention == "mla" else _gqa_terms(m, c, cp)
-    terms = _norm("attn_norm", D, c) + attention + _norm("ffn_norm", D, c) + [Saved("ffn: normed input", c * D, "full")]
+    terms = _norm("attn_norm", D, c) + attention + _norm("ffn_norm", D, c)
     if not (m.moe.n_routed_experts > 0 and layer_id >= m.moe.n_dense_layers):
-        return terms + _swiglu("dense ffn", m.ffn_dim, c, "heads")
+        return terms + [Saved("ffn: normed input", c * D, "full", fp8="linear")] + _swiglu("dense ffn", m.ffn_dim, c, "heads", m.ffn_dim)
     k, E, Fe = m.moe.topk, m.moe.n_routed_experts, m.moe.ffn_dim
+    # the shared experts' w13 keeps it in FP8 under "linear", unless the router's replay keeps it anyway
+    terms.append(Saved("ffn: normed input", c * D, "full", fp8="linear" if m.moe.n_shared_experts else "",
+                       fp8_unless="router"))
     terms += [
         # in fp32 without TP the router's input is the normed input itself; else a copy / the shard.
         # Selective "router" rebuilds the fp32 copy from its input: without TP the normed input the
@@ -160,9 +166,9 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
         Saved("router: top-k ids", 8 * k),
         Saved("router: gathered gates + sum", 4 * k + 4),
         Saved("dispatch: ids", 8 * k),
-        Saved("dispatch: sorted token copies", c * k * D),
+        Saved("dispatch: sorted token copies", c * k * D, fp8="linear"),
         Saved("experts: counts", per_layer=8 * E),
-        *_swiglu("routed experts", k * Fe, c, "seq"),
+        *_swiglu("routed experts", k * Fe, c, "seq", Fe),
         Saved("combine: ids", 8 * k),
     ]
     if m.moe.weighted_swiglu:  # the gates multiply the SwiGLU output; combine only sums
@@ -174,7 +180,7 @@ def block_terms(m: ModelConfig, layer_id: int, c: int, tp: int = 1, cp: int = 1)
         terms += [Saved("router: normalized gates", c * k),
                   Saved("combine: expert outputs in token order", c * k * D)]
     if m.moe.n_shared_experts:
-        terms += _swiglu("shared experts", m.moe.n_shared_experts * Fe, c, "heads")
+        terms += _swiglu("shared experts", m.moe.n_shared_experts * Fe, c, "heads", m.moe.n_shared_experts * Fe)
     if m.moe.aux_loss_weight > 0:
         terms += [Saved("aux loss: affinity sums", 4), Saved("aux loss: f_e", per_seq=4 * E)]
     return terms
@@ -190,7 +196,7 @@ def model_terms(m: ModelConfig, c: int, micro_batch: int, seq_len: int, loss_mas
                  Saved("loss: label index + hit/valid masks", 8 + 1 + 1, "full")]
         embed = [Saved("vocab-parallel ids + outside mask", 8 + 1, "full")]
     else:
-        head += [Saved("loss: fp32 log-softmax", 4 * m.vocab_size, "heads"),
+        head += [_loss_saved("loss", m.vocab_size, c),
                  # tokens[:, 1:] is a view when B = 1; the zig-zag shard is a copy
                  Saved("loss: labels copy", 8 if micro_batch > 1 or cp > 1 else 0, "full"),
                  Saved("loss: total weight", per_layer=4)]
@@ -209,15 +215,27 @@ def _mtp_terms(m: ModelConfig, d: int, c: int, tp: int, cp: int) -> list[Saved]:
     bytes per token (views of the (B, D, S) targets or copies of their slices)."""
     D = m.dim
     h_input = 0 if d == 0 and c == 4 else 4 * D  # depth 0 normalizes h, which the final norm already keeps
-    terms = [Saved(f"mtp{d} hnorm: fp32 input", h_input, "seq", "norm")] + _norm(f"mtp{d} hnorm", D, c)[1:]
+    hnorm = _norm(f"mtp{d} hnorm", D, c)[1:]
+    if d == 0:  # its replay input is h, which the final norm's replay keeps already
+        hnorm[-1] = replace(hnorm[-1], what=f"{hnorm[-1].what}: the final norm's", per_token=0)
+    terms = [Saved(f"mtp{d} hnorm: fp32 input", h_input, "seq", "norm")] + hnorm
     terms += [Saved(f"mtp{d} embedding output / enorm fp32 input", 4 * D, "seq", "norm")] + _norm(f"mtp{d} enorm", D, c)[1:]
-    terms += [Saved(f"mtp{d}: [h; emb] (eh_proj input)", 2 * c * D, "seq")]
+    terms += [Saved(f"mtp{d}: [h; emb] (eh_proj input)", 2 * c * D, "seq", fp8="linear")]
     terms += block_terms(m, m.n_layers + d, c, tp, cp)
     terms += _norm(f"mtp{d} norm", D, c) + [Saved(f"mtp{d}: head input", c * D, "full")]
-    loss = 4 * m.vocab_size
-    terms += [Saved(f"mtp{d}: fp32 log-softmax", loss, "heads"), Saved(f"mtp{d}: ids, labels, mask", 20, "full"),
+    loss = Saved(f"mtp{d}: fp32 softmax (vocab shard)", 4 * m.vocab_size, "heads") if tp > 1 else \
+        _loss_saved(f"mtp{d}", m.vocab_size, c)
+    terms += [loss, Saved(f"mtp{d}: ids, labels, mask", 20, "full"),
               Saved(f"mtp{d}: total weight", per_layer=4)]
     return terms
+
+
+def _loss_saved(name: str, V: int, c: int) -> Saved:
+    """What the cross-entropy of one head keeps per token (without TP): fp32 logits' log-softmax, or
+    16-bit logits and their fp32 log-sum-exp."""
+    if c == 4:
+        return Saved(f"{name}: fp32 log-softmax", 4 * V, "heads")
+    return Saved(f"{name}: logits (compute dtype) + fp32 log-sum-exp", c * V + 4, "heads")
 
 
 def _tp_factor(term: Saved, tp: int, sequence_parallel: bool) -> float:
@@ -240,8 +258,18 @@ def _phase_inputs(m: ModelConfig, layer_id: int, c: int) -> list[Saved]:
     return kept
 
 
-def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selective, layer_id=None) -> list[Saved]:
-    """Terms kept under a recompute policy (`layer_id` None: the terms outside the blocks)."""
+def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selective, layer_id=None,
+                  fp8_cache=()) -> list[Saved]:
+    """Terms kept under a recompute policy and FP8 caching (`layer_id` None: the terms outside the blocks).
+    FP8 caching of "swiglu" keeps what selective "swiglu" keeps, in FP8."""
+    if "swiglu" in fp8_cache and policy != "full":
+        policy, selective = "selective", (*(selective if policy == "selective" else ()), "swiglu")
+    if fp8_cache:
+        return _fp8_cached(_apply_policy(terms, m, c, policy, selective, layer_id), c, fp8_cache, selective)
+    return _recompute_policy(terms, m, c, policy, selective, layer_id)
+
+
+def _recompute_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selective, layer_id) -> list[Saved]:
     if policy != "selective":
         terms = [t for t in terms if not t.kept_by]
     if policy == "none":
@@ -251,6 +279,20 @@ def _apply_policy(terms: list[Saved], m: ModelConfig, c: int, policy: str, selec
     chosen = set(selective)
     return [t for t in terms if not chosen & set(t.dropped_by.split("|"))
             and (not t.kept_by or chosen & set(t.kept_by.split("|")))]
+
+
+def _fp8_cached(terms: list[Saved], c: int, cache, items) -> list[Saved]:
+    """The terms under `precision.fp8_cache` (moe_lc/model/fp8_cache.py): a Linear's input kept as its
+    weight gradient quantizes it (FP8, and an fp32 scale per 128 tokens of each column), gate|up and the
+    attention output as 1 x 128 tiles of rows `fp8_width` wide (FP8, and an fp32 scale per tile)."""
+    out = []
+    for t in terms:
+        if t.fp8 in cache and not (t.fp8_unless and t.fp8_unless in items):
+            elems = t.per_token / c
+            tiles = elems / 128 if not t.fp8_width else elems / t.fp8_width * -(-t.fp8_width // 128)
+            t = replace(t, what=f"{t.what} [fp8 {t.fp8}]", per_token=t.fp8_copies * (elems + 4 * tiles))
+        out.append(t)
+    return out
 
 
 def _bytes(terms: list[Saved], tokens: int, seqs: int, tp: int, sp: bool) -> float:
@@ -277,10 +319,11 @@ class ActivationEstimate:
 def estimate(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int, *, policy: str = "none",
              selective=("norm", "swiglu"), tp: int = 1, sequence_parallel: bool = True, cp: int = 1,
              loss_mask: bool = False, layers=None, first_stage: bool = True,
-             last_stage: bool = True) -> ActivationEstimate:
+             last_stage: bool = True, fp8_cache=()) -> ActivationEstimate:
     """Saved bytes per layer and outside the layers for one micro-batch (see the module docstring).
 
     seq_len is the full sequence; cp divides it. `layers` are the block ids on this rank (default all).
+    `fp8_cache`: the precision.fp8_cache items.
     """
     if policy not in POLICIES:
         raise ValueError(f"recompute policy {policy!r} must be one of {', '.join(POLICIES)}")
@@ -292,9 +335,14 @@ def estimate(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int,
     per_layer, working = {}, 0.0
     for i in layers:
         full = block_terms(m, i, c, tp, cp)
-        per_layer[i] = _bytes(_apply_policy(full, m, c, policy, selective, i), tokens, micro_batch, tp, sequence_parallel)
-        working = max(working, _bytes(full, tokens, micro_batch, tp, sequence_parallel) - per_layer[i])
-    outside = {k: _apply_policy(v, m, c, policy, selective) for k, v in model_terms(m, c, micro_batch, S, loss_mask, tp, cp).items()}
+        kept = _apply_policy(full, m, c, policy, selective, i, fp8_cache)
+        per_layer[i] = _bytes(kept, tokens, micro_batch, tp, sequence_parallel)
+        # what backward re-creates: the dropped terms, not the FP8 copies' savings
+        unshrunk = [t for t in full if t.what in {k.what.split(" [fp8")[0] for k in kept}]
+        working = max(working, _bytes(full, tokens, micro_batch, tp, sequence_parallel)
+                      - _bytes(unshrunk, tokens, micro_batch, tp, sequence_parallel))
+    outside = {k: _apply_policy(v, m, c, policy, selective, fp8_cache=fp8_cache)
+               for k, v in model_terms(m, c, micro_batch, S, loss_mask, tp, cp).items()}
     part = {k: _bytes(v, tokens, micro_batch, tp, sequence_parallel) for k, v in outside.items()}
     # measured (tests/test_plan.py): every policy on GQA blocks without MTP at tp = cp = 1; policy
     # "none" also with MLA + MTP at tp = cp = 1, and on GQA under tp2, cp2 and cp2 x tp2

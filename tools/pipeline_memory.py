@@ -81,18 +81,35 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
 
 def wgrad_held_bytes(cfg: Config, deg, module) -> float:
     """Bytes a split backward (B) of one micro-batch through `module` keeps for its W: the output
-    gradient of every Linear (moe_lc/ops/linear.py defers `weight_grad` with dy), in the compute dtype
-    (the router's in fp32). Rows: the cp shard of the sequence (column/row-parallel layers see it whole
-    under SP), the tp shard x top-k for experts, the tp shard for the router."""
+    gradient of every Linear that defers its W (moe_lc/ops/linear.py; the router's does not), and the
+    input of those whose input B rebuilt (recomputation: the down projections under a SwiGLU replay,
+    MLA's up-projections under "mla_up", every Linear under full recomputation), in the compute dtype
+    or, where FP8 caching holds them for the wgrad GEMM (`HoldFp8ForWgrad`), as an FP8 byte and an fp32
+    scale per 128 tokens per element. Rows: the cp shard of the sequence (column/row-parallel layers see
+    it whole under SP), the tp shard x top-k for experts."""
+    from moe_lc.model.ffn import swiglu_then
+    from moe_lc.model.mla import MLAttention
+    from moe_lc.model.moe import RoutedExperts
+    from moe_lc.model.ffn import SwiGLU
+    from moe_lc.model.recompute import mla_up_replayed
+    from moe_lc.ops.fp8_linear import HoldFp8ForWgrad
     from moe_lc.ops.linear import GroupedLinear, Linear
 
     m, t, c = cfg.model, cfg.train, cfg.precision.compute_dtype.itemsize
     tokens = t.micro_batch * t.seq_len // deg.cp
+    rebuilt = set()
+    for mod in module.modules():
+        if isinstance(mod, (SwiGLU, RoutedExperts)) and mod.activation is not swiglu_then:
+            rebuilt.add(id(mod.w2))
+        if isinstance(mod, MLAttention) and mod.attend is mla_up_replayed:
+            rebuilt |= {id(x) for x in (mod.wq_b, mod.wkv_b) if x is not None}
     total = 0.0
     for mod in module.modules():
-        if isinstance(mod, GroupedLinear):
-            total += tokens // deg.tp * m.moe.topk * mod.weight.shape[1] * c
-        elif isinstance(mod, Linear):
-            router = not getattr(mod, "fp8_eligible", True)
-            total += (tokens // deg.tp * 4 if router else tokens * c) * mod.weight.shape[0]
+        if not isinstance(mod, (Linear, GroupedLinear)) or not mod.defer_wgrad:
+            continue
+        per_elem = 1 + 4 / 128 if isinstance(mod.keep_input, HoldFp8ForWgrad) else c
+        rows = tokens // deg.tp * m.moe.topk if isinstance(mod, GroupedLinear) else tokens
+        total += rows * mod.weight.shape[-2] * per_elem
+        if id(mod) in rebuilt or cfg.recompute.policy == "full":
+            total += rows * mod.weight.shape[-1] * per_elem
     return total

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.activation_memory import CHECKED, POLICIES, UNCHECKED, estimate  # noqa: E402
 from moe_lc.config import Config, ConfigError, load_config  # noqa: E402
 from moe_lc.model.counting import param_counts  # noqa: E402
+from moe_lc.model.transformer import CrossEntropy16  # noqa: E402
 from tools.placement_semantics import (  # noqa: E402
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
@@ -138,7 +139,8 @@ def _estimates(cfg: Config, deg, stages: list[dict], policy: str) -> list:
     t, r = cfg.train, cfg.recompute
     return [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy, selective=tuple(r.selective),
                      tp=deg.tp, cp=deg.cp, loss_mask=cfg.data.has_loss_mask, layers=st["layers"],
-                     first_stage=st["first"], last_stage=st["last"]) for st in stages]
+                     first_stage=st["first"], last_stage=st["last"], fp8_cache=tuple(cfg.precision.fp8_cache))
+            for st in stages]
 
 
 def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
@@ -166,7 +168,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
       recompute replay   one block's recomputed pieces, re-created in backward
       loss head          on the last stage, the logits of the local sequence (B, S/cp, V/tp) in the
                          compute dtype for the main head and each MTP head, and the loss's fp32 copy and
-                         fp32 log-softmax of one of them
+                         fp32 log-softmax of one of them; with 16-bit logits and no TP (the loss keeps
+                         the logits, CrossEntropy16) one head's logits gradient and fp32 row chunks
       step               at the forward/backward peak, above the most saved activations: one replay,
                          plus without a pipeline the loss head (which runs when its own saved terms
                          are not saved yet), under one what `schedule_peak` finds with the head at the
@@ -181,7 +184,11 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     head = 0.0
     if any(st["last"] for st in stages):
         logits = t.micro_batch * t.seq_len // deg.cp * (m.vocab_size // deg.tp)
-        head = logits * (c * (1 + m.mtp.depth) + 8)
+        if c == 4 or deg.tp > 1:
+            head = logits * (c * (1 + m.mtp.depth) + 8)
+        else:  # 16-bit logits are kept (saved terms); the loss works on fp32 row chunks of them
+            rows = min(CrossEntropy16.ROWS, t.micro_batch * t.seq_len // deg.cp)
+            head = logits * c + 3 * rows * m.vocab_size * 4
         out["loss head"] = head
         if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
             head -= max(e.head for e in per_stage)
@@ -230,8 +237,9 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]
     if cfg.precision.recipe == "fp8":
-        notes.append("fp8: activations assume bf16 saved inputs; the FP8 copies of a GEMM's operands live only "
-                     "during that GEMM (transients)")
+        kept = (f"precision.fp8_cache {list(cfg.precision.fp8_cache)} keeps those in FP8, the rest in bf16"
+                if cfg.precision.fp8_cache else "activations are kept in bf16")
+        notes.append(f"fp8: {kept}; the FP8 copies of a GEMM's operands live only during that GEMM (transients)")
     degrees = dict(world=deg.world, pp=deg.pp, dp=deg.dp, cp=deg.cp, tp=deg.tp, ep=deg.ep, edp=deg.edp,
                    mirror=deg.pp_mirror)
     return Plan(recipe, degrees, policy, ranks, notes)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from moe_lc.config import Config
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
-from moe_lc.ops.fp8 import fp8_row_bytes
+from moe_lc.ops.fp8_storage import fp8_row_bytes
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized

@@ -120,6 +120,9 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
     if m.moe.weighted_swiglu and p.expert_dispatch != "flat":
         e.append(f"model.moe.weighted_swiglu with parallel.expert_dispatch={p.expert_dispatch!r} is not built: the "
                  "gate weights travel with the rows through the flat dispatcher only")
+    if cfg.precision.fp8_cache and r.policy == "full":
+        e.append(f"precision.fp8_cache={cfg.precision.fp8_cache} with recompute.policy='full': full recomputation "
+                 "keeps only each block's input, so there is nothing to cache")
     if cfg.precision.fp8_dispatch and not m.has_moe:
         e.append("precision.fp8_dispatch needs MoE layers (model has none)")
     if m.has_moe and m.moe.aux_loss_weight > 0:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_lc.config.choices import (
-    AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8Scaling, GroupScore,
-    LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc, SyntheticTask,
+    AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling,
+    GroupScore, LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc,
+    SyntheticTask,
 )
 
 
@@ -259,6 +260,9 @@ class PrecisionConfig:
     adam_moments: AdamMoments = f("fp32", "dtype of Adam moments (DeepSeek-V3 keeps them in bf16)")
     fp8_dispatch: bool = f(False, "tokens enter the experts FP8-rounded (1x128 tiles) and cross the EP all-to-all "
                                   "in FP8 (DeepSeek-V3); combine and gradients stay in the compute dtype")
+    fp8_cache: list[Fp8CacheItem] = f([], "activations kept for backward in FP8 (DeepSeek-V3 3.3.3): linear = FP8 "
+                                          "Linears' inputs as their wgrad quantizes them (exact), swiglu = SwiGLU "
+                                          "inputs, output recomputed, attn_out = the attention output (wo's input)")
 
     @property
     def compute_dtype(self):
@@ -267,7 +271,12 @@ class PrecisionConfig:
         return torch.float32 if self.recipe == "fp32" else torch.bfloat16
 
     def errors(self) -> list[str]:
-        return []
+        e = []
+        if "linear" in self.fp8_cache and (self.recipe != "fp8" or self.fp8_scaling == "delayed"):
+            e.append(f"precision.fp8_cache item 'linear' keeps FP8 GEMM inputs as their weight gradient quantizes "
+                     f"them: it needs precision.recipe='fp8' with fp8_scaling 'blockwise' or 'tensorwise' (got "
+                     f"recipe={self.recipe!r}, fp8_scaling={self.fp8_scaling!r}; delayed scaling quantizes at GEMM time)")
+        return e
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Legend: B batch, S sequence (local: the full sequence on one device, a zig-zag s
 H query heads, K key/value heads (H % K == 0), Dh head dim, D model dim. Under TP the heads of this
 module are the local ones (set by `moe_lc.parallel.tensor`), and the core is swapped for ring
 attention under CP (`moe_lc.parallel.context`); this file stays single-device code. Seams (see
-moe_lc/model/seams.py): `core`, and `replay` around RoPE + core (selective recomputation keeps q|k|v).
+moe_lc/model/seams.py): `core`, `replay` around RoPE + core (selective recomputation keeps q|k|v), and
+`out_proj` around the whole attention and wo (FP8 activation caching keeps the output once, in FP8).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.rope import apply_rope
-from moe_lc.model.seams import run_now
+from moe_lc.model.seams import project_now, run_now
 from moe_lc.ops.attention import attention, get_backend
 from moe_lc.ops.linear import Linear
 
@@ -47,12 +48,11 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim ** -0.5  # YaRN's temperature is in cos/sin (rope.py), as in transformers
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
+        self.out_proj = project_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
-        out_BSHD = self.replay(self._rope_and_core, qkv, cos, sin)
-        B, S = qkv.shape[:2]
-        return self.wo(out_BSHD.reshape(B, S, -1))
+        return self.out_proj(self.wo, lambda: self.replay(self._rope_and_core, qkv, cos, sin))
 
     def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qkv (B, S, (H + 2K) * Dh) -> attention output (B, S, H, Dh)."""

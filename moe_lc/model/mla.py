@@ -15,7 +15,8 @@ backend and the ring handle that.
 Seams (moe_lc/model/seams.py): `core`; `replay` around the queries' RoPE, the key assembly and the
 core (selective recomputation of "attention" keeps q, [k_nope | v] and the roped k_r, like GQA's q|k|v);
 `attend` (module, c_q or q, c_kv, k_r, cos, sin) -> attention output, the whole path from the latents
-("mla_up" recomputes the up-projections from the latents in backward, DeepSeek-V3 3.2.2).
+("mla_up" recomputes the up-projections from the latents in backward, DeepSeek-V3 3.2.2); `out_proj`
+(wo, attend) -> wo(attention output), as GQA's.
 
 With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-Lite). The softmax
 scale is (Dn + Dr)^-0.5 times m(s, rope.mscale_all_dim)^2 under YaRN, as DeepSeek-V3 applies it. Under tensor
@@ -32,7 +33,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.attention import LocalAttention
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import apply_rope, yarn_get_mscale
-from moe_lc.model.seams import run_now
+from moe_lc.model.seams import project_now, run_now
 from moe_lc.ops.linear import Linear
 
 
@@ -62,17 +63,16 @@ class MLAttention(nn.Module):
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
         self.attend = attend
+        self.out_proj = project_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.gather(self.wa(x_BSD))
-        B, S, _ = a.shape
         if self.q_lora_rank:
             q_src, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
         else:
             c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_src = self.wq(x_BSD)
-        out_BSHV = self.attend(self, q_src, c_kv, k_r, cos, sin)
-        return self.wo(out_BSHV.reshape(B, S, -1))
+        return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin))
 
     def up_project(self, q_src, c_kv):
         """The up-projections: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora), kv (B, S, H*(Dn+Dv))."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.ffn import SwiGLU, swiglu_then
-from moe_lc.ops.fp8 import FP8Rounded
+from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
 
 
@@ -70,6 +70,9 @@ class Router(nn.Module):
         self.bias_update_speed = cfg.moe.bias_update_speed
         self.gate = Linear(cfg.dim, cfg.moe.n_routed_experts)
         self.gate.fp8_eligible = False
+        # its W is a GEMM of E rows: deferring it to a zero-bubble W fills no bubble, and would hold the
+        # fp32 copy of the input and the logits' gradient from B until W
+        self.gate.defer_wgrad = False
         self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.count_loads = True  # switched off while a recomputed forward replays this router

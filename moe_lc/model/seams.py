@@ -7,10 +7,14 @@ defaults and never imports what plugs into them.
               recompute.py) plugs in a replay that keeps only the piece's inputs and runs it again in
               backward. Pieces: an RMSNorm's fp32 math, attention's RoPE and core, a whole block.
   activation  `module.activation(down, gate_up, *args)` is a SwiGLU's down(silu(gate) * up, *args);
-              recomputation plugs in one that keeps only gate|up for backward.
+              recomputation plugs in one that keeps only gate|up for backward, FP8 activation caching
+              one that keeps gate|up in FP8.
   logits      a router's `logits(gate, x)`: gate(x) in fp32; recomputation plugs in one that rebuilds
               the fp32 copy of x in backward instead of keeping it.
   core        an attention module's kernel call (LocalAttention; ring attention under CP).
+  out_proj    an attention module's `out_proj(wo, attend)`: wo(attend()), attend() the (B, S, H, Dv)
+              attention output; FP8 activation caching (moe_lc/model/fp8_cache.py) plugs in one that
+              keeps that output once, in FP8, for both the core's backward and wo's weight gradient.
   gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
   mtp_embed   the embedding the MTP modules use on a pipeline stage that holds none: a `Borrowed`
               reference to the one of the rank's first stage (DualPipe keeps both ends on one rank).
@@ -22,6 +26,11 @@ from __future__ import annotations
 def run_now(fn, *args):
     """The default replay seam: fn(*args), nothing special."""
     return fn(*args)
+
+
+def project_now(wo, attend):
+    """The default out_proj seam: wo(attend()) with the (B, S, H, Dv) output flattened over its heads."""
+    return wo(attend().flatten(2))
 
 
 class Borrowed:

@@ -47,6 +47,13 @@ def trim_head_dim(x: Tensor, head_dim: int) -> Tensor:
     return x if x.shape[-1] == head_dim else x.narrow(-1, 0, head_dim)
 
 
+def unpad_out(out: Tensor, d_v: int) -> Tensor:
+    """A kernel's output at the head dim D_v in a storage of its own. A padded output is copied once
+    here, so the padded buffer is freed: what autograd saves for backward (which pads it again) and
+    what the output projection reads as a view is D_v wide, not max(D_qk, D_v) plus a copy."""
+    return out if out.shape[-1] == d_v else trim_head_dim(out, d_v).contiguous()
+
+
 def unit_last_stride(x: Tensor) -> Tensor:
     # CUDA flash kernels take any row/head strides but need a unit stride in the head dim.
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -157,7 +164,7 @@ class TorchBackend(AttentionBackend):
         out_BHQD, lse_BHQ = aten._scaled_dot_product_flash_attention_for_cpu(
             q_, k_, v_, 0.0, causal, attn_mask=None, scale=scale)
         # lse is float32 for fp32/bf16/fp16 (float() is then a no-op) and float64 for fp64 inputs.
-        return trim_head_dim(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ.float()
+        return unpad_out(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         check_attention_inputs(q, k, v, causal)
@@ -190,7 +197,7 @@ class TorchBackend(AttentionBackend):
         q_, k_, v_ = (unit_last_stride(pad_head_dim(x, head_dim)).transpose(1, 2) for x in (q, k, v))
         out_BHQD, lse_BHQ, *_ = aten._scaled_dot_product_flash_attention(
             q_, k_, v_, 0.0, causal, False, scale=scale)
-        return trim_head_dim(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ
+        return unpad_out(out_BHQD.transpose(1, 2), v.shape[-1]), lse_BHQ
 
     def _cuda_backward(self, dout, q, k, v, out, lse, causal, scale):
         if fallback_reason(q, v, CUDA_FLASH_DTYPES) is not None:

@@ -13,7 +13,8 @@ import torch
 from moe_lc.ops.device import gpu_capability
 from moe_lc.ops.attention_backends import (CUDA_FLASH_DTYPES, CUDA_FLASH_MAX_HEAD_DIM, REFERENCE, AttentionBackend,
                                            check_attention_inputs, fallback_reason, pad_head_dim, round_up,
-                                           trim_head_dim, unit_last_stride, unpad_grads, warn_fallback)
+                                           trim_head_dim, unit_last_stride, unpad_grads, unpad_out,
+                                           warn_fallback)
 
 
 # --------------------------------------------------------------------------- flash-attn package
@@ -70,7 +71,7 @@ class FlashAttnBackend(AttentionBackend):
             q_, k_, v_, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
             alibi_slopes=None, return_softmax=False, **self._window_kwargs())
         out_padded, lse_BHQ = (outputs[0], outputs[1]) if self._new_api else (outputs[4], outputs[5])
-        return trim_head_dim(out_padded, v.shape[-1]), lse_BHQ
+        return unpad_out(out_padded, v.shape[-1]), lse_BHQ
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         check_attention_inputs(q, k, v, causal)
@@ -147,7 +148,7 @@ class FlashAttn4Backend(AttentionBackend):
         q_, k_ = (pad_head_dim(x, d_qk) for x in (q, k))
         out, lse = self._fa._flash_attn_fwd(q_, k_, pad_head_dim(v, d_v), softmax_scale=scale, causal=causal,
                                             return_lse=True)[:2]
-        return trim_head_dim(out, v.shape[-1]), lse
+        return unpad_out(out, v.shape[-1]), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         check_attention_inputs(q, k, v, causal)

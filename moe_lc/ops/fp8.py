@@ -23,11 +23,14 @@ Two ways to run a GEMM: ``fp8_*_emulated`` (quantize, dequantize to fp32 -- q * 
 --, fp32 matmul; runs anywhere; models scale granularity and E4M3 rounding, not Hopper's limited-precision
 (~14-bit, per DeepSeek-V3) tensor-core accumulation inside a 128-chunk) and
 ``fp8_*_scaled_mm`` (``torch._scaled_mm`` where ``scaled_mm_backend`` finds one, else the emulation).
+Either takes an operand that is already ``Quantized`` (``wgrad_operand``): FP8 activation caching
+quantizes a Linear's input in forward exactly as its weight-gradient GEMM would in backward, and keeps that.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,17 +66,21 @@ def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x
 
 
-def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize per 1 x ``tile`` group along the last dim (activations, output grads).
 
     x: (..., K) any float dtype. Returns x_fp8 (..., K) float8_e4m3fn and scale (..., ceil(K/tile)) float32.
     The last tile may be short (K % tile != 0); its amax is taken over the elements that exist.
+    ``pow2``: scales rounded up to a power of two (DeepSeek-V3's "round scaled" factors), so x_fp8 * scale
+    is exact in any float format and a later requantization in other tiles adds no error of its own.
     """
     if tile < 1:
         raise ValueError(f"tile={tile} must be >= 1")
     k = x.shape[-1]
     x_tiles = _pad_last(x.float(), tile).unflatten(-1, (-1, tile))  # (..., Kt, tile)
     scale = _amax_to_scale(x_tiles.abs().amax(dim=-1))  # (..., Kt)
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     x_fp8 = _to_fp8(x_tiles / scale.unsqueeze(-1)).flatten(-2)[..., :k]
     return x_fp8.contiguous(), scale
 
@@ -82,39 +89,6 @@ def dequantize_rowwise_tiles(x_fp8: torch.Tensor, scale: torch.Tensor, tile: int
     """Inverse of ``quantize_rowwise_tiles``: (..., K) fp8 and (..., ceil(K/tile)) -> (..., K) float32."""
     k = x_fp8.shape[-1]
     return x_fp8.float() * scale.repeat_interleave(tile, dim=-1)[..., :k]
-
-
-def pack_fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (n, K) -> (n, K + 4 ceil(K/128)) uint8: each row's 1 x 128-tile FP8 values, then its fp32 scales
-    (the payload of FP8 dispatch: one all-to-all moves both, and rows stay rows)."""
-    x_fp8, scale = quantize_rowwise_tiles(x)
-    return torch.cat([x_fp8.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
-
-
-def unpack_fp8_rows(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``pack_fp8_rows``: (n, K + 4 ceil(K/128)) uint8 -> (n, K) ``dtype``."""
-    x_fp8 = packed[:, :k].contiguous().view(FP8_DTYPE)
-    scale = packed[:, k:].contiguous().view(torch.float32)
-    return dequantize_rowwise_tiles(x_fp8, scale).to(dtype)
-
-
-def fp8_row_bytes(k: int) -> int:
-    """Bytes of one packed row of K values (``pack_fp8_rows``)."""
-    return k + 4 * -(-k // BLOCK)
-
-
-class FP8Rounded(torch.autograd.Function):
-    """x rounded through the FP8 wire format (``pack_fp8_rows`` then unpack), in x's dtype; the gradient
-    passes straight through. What FP8 dispatch does to tokens when no all-to-all carries them (ep = 1),
-    so every layout computes the same numbers."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return unpack_fp8_rows(pack_fp8_rows(x), x.shape[-1], x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +125,8 @@ def quantize_tensorwise(
     (dequantize to +-amax): never inf, and NaN only from NaN inputs. Returns x_fp8 (x's shape) and a 0-dim
     float32 scale.
     """
-    if amax is None:
-        amax = x.detach().abs().amax()
+    if amax is None:  # (an empty x, e.g. an expert without tokens, has amax 0: scale 1)
+        amax = x.detach().abs().amax() if x.numel() else 0.0
     scale = _amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
     return _to_fp8(x.float() / scale), scale
 
@@ -206,12 +180,39 @@ class DelayedScaling:
 # GEMMs. Each is lhs (R, C) @ rhs (P, C)^T -> (R, P), contracting C; see _gemm_operands for the mapping.
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """A GEMM operand already quantized the way the GEMM here would quantize it: ``data`` fp8 (R, C) and
+    ``scale`` of ``granularity`` ("tile": (R, ceil(C/128)); "tensor": 0-dim), in the (lhs or rhs) layout
+    of ``_gemm_operands``. Every GEMM path takes it in place of the tensor it came from and computes the
+    same numbers: FP8 activation caching keeps these for the weight gradient instead of the tensor."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self) -> torch.Tensor:
+        return _dequantize(self.data, self.scale, self.granularity)
+
+
 def _check_recipe(recipe: str) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe={recipe!r} must be one of {RECIPES}")
 
 
-def _quantize(t: torch.Tensor, granularity: str, amax) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(t: torch.Tensor | Quantized, granularity: str, amax) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(t, Quantized):
+        if t.granularity != granularity or amax is not None:
+            raise ValueError(f"a {t.granularity}-quantized operand where the GEMM quantizes by {granularity}")
+        return t.data, t.scale
     if granularity == "tensor":
         return quantize_tensorwise(t, amax)
     if amax is not None:
@@ -240,12 +241,21 @@ def _gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tupl
         if w.dim() != 2 or dy.shape[-1] != w.shape[0]:
             raise ValueError(f"dgrad needs dy (..., N) and w (N, K); got {tuple(dy.shape)} and {tuple(w.shape)}")
         return dy.reshape(-1, dy.shape[-1]), w.t()
-    dy, x = first, second
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    if dy2.shape[0] != x2.shape[0]:
+    dy, x = first, second  # either may come as its Quantized lhs / rhs, (N, M) / (K, M), see wgrad_operand
+    lhs = dy if isinstance(dy, Quantized) else dy.reshape(-1, dy.shape[-1]).t()
+    rhs = x if isinstance(x, Quantized) else x.reshape(-1, x.shape[-1]).t()
+    if lhs.shape[1] != rhs.shape[1]:
         shapes = f"{tuple(dy.shape)} and {tuple(x.shape)}"
         raise ValueError(f"wgrad needs dy (..., N) and x (..., K) over the same tokens; got {shapes}")
-    return dy2.t(), x2.t()
+    return lhs, rhs
+
+
+def wgrad_operand(t: torch.Tensor, recipe: str) -> Quantized:
+    """dy (M, N) or x (M, K) quantized now exactly as the wgrad GEMM of ``recipe`` will quantize it: its
+    transpose in 1 x 128 tiles along the M tokens (blockwise), or one current scale (tensorwise)."""
+    _check_recipe(recipe)
+    granularity = _GRANULARITY[recipe]["wgrad"][1]
+    return Quantized(*_quantize(t.reshape(-1, t.shape[-1]).t(), granularity, None), granularity)
 
 
 def _run_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax) -> torch.Tensor:
@@ -337,9 +347,15 @@ def scaled_mm_support(device, recipe: str) -> bool:
     return scaled_mm_backend(device, recipe) != "emulated"
 
 
-def _pad_rows_cols(t: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:
-    """Zero-pad a 2-D tensor; zeros change no amax and add nothing to a product, so padding is exact."""
-    return F.pad(t, (0, -t.shape[1] % col_multiple, 0, -t.shape[0] % row_multiple))
+def _pad_rows_cols(t: torch.Tensor | Quantized, row_multiple: int, col_multiple: int) -> torch.Tensor | Quantized:
+    """Zero-pad a 2-D tensor; zeros change no amax and add nothing to a product, so padding is exact. A
+    Quantized operand is padded as its tensor would quantize: zero codes, and scale 1 for all-zero rows."""
+    pad = (0, -t.shape[1] % col_multiple, 0, -t.shape[0] % row_multiple)
+    if not isinstance(t, Quantized):
+        return F.pad(t, pad)
+    data = F.pad(t.data.view(torch.uint8), pad).view(FP8_DTYPE)  # code 0 is 0.0
+    scale = t.scale if t.granularity == "tensor" else F.pad(t.scale, (0, 0, 0, pad[3]), value=1.0)
+    return Quantized(data, scale, t.granularity)
 
 
 def _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax) -> torch.Tensor:

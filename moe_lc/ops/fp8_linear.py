@@ -23,7 +23,7 @@ from torch import nn
 
 from moe_lc.config.choices import Fp8Backend, Fp8Scaling, names
 from moe_lc.ops import fp8, fp8_te
-from moe_lc.ops.linear import GroupedLinear, Linear
+from moe_lc.ops.linear import GroupedLinear, KeepInput, Linear
 
 SCALINGS = names(Fp8Scaling)
 BACKENDS = names(Fp8Backend)
@@ -58,6 +58,7 @@ class Fp8Gemms:
         """Delayed scaling: the history's amax (None on the first step), then record t's amax."""
         if self.history is None:
             return None
+        assert not isinstance(t, fp8.Quantized), "delayed scaling quantizes at GEMM time (no FP8 input cache)"
         hist = self.history[role]
         amax = hist.scale_amax()
         hist.update(t.detach().abs().amax().float())
@@ -67,7 +68,8 @@ class Fp8Gemms:
         """a, b: the 2-D inputs of `gemm`, (x, w) / (dy, w) / (dy, x); delayed scaling reads their roles' amaxes."""
         amaxes = self._amax(roles[0], a), self._amax(roles[1], b)
         impl = self.implementation(a.device)
-        if impl == "te":
+        if impl == "te":  # TE quantizes for itself: a cached wgrad operand goes in dequantized (M, .) fp32
+            a, b = (t.dequantize().t() if isinstance(t, fp8.Quantized) else t for t in (a, b))
             out = fp8_te.te_gemm(gemm, a, b, self.recipe, *amaxes, out_dtype=out_dtype)
         elif impl == "scaled_mm":
             out = fp8._run_scaled_mm(gemm, a, b, self.recipe, *amaxes, out_dtype)
@@ -95,15 +97,57 @@ class Fp8Gemms:
         return self._per_expert(lambda de, e: self.dgrad(de, w[e]), dy, counts, w.shape[2])
 
     def grouped_wgrad(self, dy, x, counts):
+        """dy (T, N), x (T, K), or each a list of its experts' `Quantized` operands (KeepFp8ForWgrad)."""
         sizes = counts.tolist()
-        return torch.stack([self.wgrad(d, xe) if len(d) else dy.new_zeros(dy.shape[1], x.shape[1], dtype=torch.float32)
-                            for d, xe in zip(dy.split(sizes), x.split(sizes))])
+        dys = dy if isinstance(dy, list) else dy.split(sizes)
+        xs = x if isinstance(x, list) else x.split(sizes)
+        n, k = (t[0].shape[0] if isinstance(t, list) else t.shape[1] for t in (dy, x))
+        device = (dy[0] if isinstance(dy, list) else dy).device
+        return torch.stack([self.wgrad(d, xe) if rows else torch.zeros(n, k, dtype=torch.float32, device=device)
+                            for d, xe, rows in zip(dys, xs, sizes)])
 
     @staticmethod
     def _per_expert(gemm, rows, counts, out_features):
         parts = [gemm(r, e) if len(r) else rows.new_zeros(0, out_features)
                  for e, r in enumerate(rows.split(counts.tolist()))]
         return torch.cat(parts)
+
+
+class HoldFp8ForWgrad(KeepInput):
+    """A deferred W (ZB-H1, DualPipe) of an FP8 Linear holds dy and x from B until W quantized now,
+    exactly as its weight-gradient GEMM will quantize them (`fp8.wgrad_operand`: 1 x 128 tiles along
+    the tokens, per expert for grouped layers): about half the bytes of bf16, no number changes. The
+    input itself is kept as is (another part keeps or recomputes it). Blockwise and tensorwise
+    (current) scaling only: delayed scaling's scale is known at GEMM time only."""
+
+    def hold_dy(self, dy2, counts, gemms):
+        return _operands(dy2, counts, gemms)
+
+    def hold_input(self, saved, counts, gemms):
+        return _operands(self.restore(saved, counts, gemms), counts, gemms)
+
+
+def _operands(t: torch.Tensor, counts, gemms):
+    if counts is None:
+        return fp8.wgrad_operand(t, gemms.recipe)
+    return [fp8.wgrad_operand(part, gemms.recipe) for part in t.split(counts.tolist())]
+
+
+class KeepFp8ForWgrad(HoldFp8ForWgrad):
+    """FP8 activation caching of a Linear's input (`precision.fp8_cache` item "linear"): keep x from
+    forward on quantized as its weight-gradient GEMM will quantize it (see `HoldFp8ForWgrad`)."""
+
+    def save(self, x2, counts, gemms):
+        ops = _operands(x2, counts, gemms)
+        return tuple(t for op in ([ops] if counts is None else ops) for t in (op.data, op.scale))
+
+    def restore(self, saved, counts, gemms):
+        granularity = fp8._GRANULARITY[gemms.recipe]["wgrad"][1]
+        ops = [fp8.Quantized(saved[i], saved[i + 1], granularity) for i in range(0, len(saved), 2)]
+        return ops[0] if counts is None else ops
+
+    def hold_input(self, saved, counts, gemms):
+        return self.restore(saved, counts, gemms)
 
 
 def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto", device=None) -> int:

@@ -9,6 +9,9 @@ Parallel and precision features plug in here instead of wrapping modules again a
              runs them in the compute dtype, an FP8 recipe (`moe_lc.ops.fp8`) quantizes their inputs.
 - `wgrad_store`: when it is deferring, the weight-gradient GEMM is queued instead of run, for a
              later "W" action of a zero-bubble / DualPipe schedule (`WeightGradStore`).
+- `keep_input`: how the input is kept for the weight-gradient GEMM (`KeepInput`: as is by default;
+             FP8 activation caching keeps it quantized, `moe_lc.ops.fp8_linear.KeepFp8ForWgrad`); a
+             caller that already keeps the input in another form passes its own to `forward`.
 
 Compute dtype = the input's dtype; the weight is cast to it (bf16 weights with fp32 input compute in
 fp32, which the router uses). Weight gradients come back in the weight's dtype.
@@ -98,8 +101,8 @@ class WeightGradStore:
         grads: dict[int, list] = {}
         for param, compute in queue:
             entry = grads.setdefault(id(param), [param, None])
-            g = compute()
-            entry[1] = g if entry[1] is None else entry[1] + g
+            g = compute()  # a fresh tensor: summed in place, so a weight used twice costs two, not three
+            entry[1] = g if entry[1] is None else entry[1].add_(g)
         for param, grad in grads.values():
             accumulate_grad(param, grad)
 
@@ -119,22 +122,44 @@ def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
         hook(param)
 
 
+class KeepInput:
+    """How a Linear keeps its input x2 (T, in) for the weight gradient: `save` -> the tensors autograd
+    saves, `restore` -> the wgrad GEMM's operand again; `hold_dy` / `hold_input` -> what a deferred W
+    holds of the output gradient and of the input from B until W. This one keeps all as they are."""
+
+    def save(self, x2, counts, gemms) -> tuple:
+        return (x2,)
+
+    def restore(self, saved, counts, gemms):
+        return saved[0]
+
+    def hold_dy(self, dy2, counts, gemms):
+        return dy2
+
+    def hold_input(self, saved, counts, gemms):
+        return self.restore(saved, counts, gemms)
+
+
+KEEP_AS_IS = KeepInput()
+
+
 class _LinearFn(torch.autograd.Function):
     """y = x W^T (+ b) with an explicit backward so that W's gradient can be deferred or quantized.
 
     x: (..., in) compute dtype; weight: (out, in) or grouped (E, out, in) with `counts` (E,) giving
-    rows of x per expert; bias: (out,) or None. Returns (..., out) in x's dtype.
+    rows of x per expert; bias: (out,) or None; keep: a `KeepInput`. Returns (..., out) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, counts, gemms, store, param):
+    def forward(ctx, x, weight, bias, counts, gemms, store, param, keep):
         w = weight.to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         y = gemms.fprop(x2, w) if counts is None else gemms.grouped_fprop(x2, w, counts)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight, counts)
-        ctx.gemms, ctx.store, ctx.has_bias, ctx.x_shape = gemms, store, bias is not None, x.shape
+        ctx.save_for_backward(weight, counts, *keep.save(x2, counts, gemms))
+        ctx.gemms, ctx.store, ctx.keep, ctx.has_bias = gemms, store, keep, bias is not None
+        ctx.x_shape, ctx.dtype = x.shape, x.dtype
         # The Parameter itself, for a deferred W: what ctx.saved_tensors returns under saved-tensor
         # hooks (activation checkpointing) is an alias, and a gradient set on it would be lost.
         ctx.param = param
@@ -142,24 +167,26 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, counts = ctx.saved_tensors
-        gemms = ctx.gemms
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
-        w = weight.to(x2.dtype)
+        weight, counts, *kept = ctx.saved_tensors
+        gemms, keep, dtype = ctx.gemms, ctx.keep, ctx.dtype
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        w = weight.to(dtype)
         dx = gemms.dgrad(dy2, w) if counts is None else gemms.grouped_dgrad(dy2, w, counts)
+        deferring = ctx.store is not None and ctx.store.is_deferring
 
-        def weight_grad():
-            g = gemms.wgrad(dy2, x2) if counts is None else gemms.grouped_wgrad(dy2, x2, counts)
+        def weight_grad(dy_w, x_w):
+            g = gemms.wgrad(dy_w, x_w) if counts is None else gemms.grouped_wgrad(dy_w, x_w, counts)
             return g.to(weight.dtype)
 
         dw = None
         if ctx.needs_input_grad[1]:
-            if ctx.store is not None and ctx.store.is_deferring:
-                ctx.store.push(ctx.param, weight_grad)
+            if deferring:  # W later: hold dy and x in the form `keep` asks (FP8 caching: quantized now)
+                held = keep.hold_dy(dy2, counts, gemms), keep.hold_input(kept, counts, gemms)
+                ctx.store.push(ctx.param, lambda: weight_grad(*held))
             else:
-                dw = weight_grad()
+                dw = weight_grad(dy2, keep.restore(kept, counts, gemms))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx.view(ctx.x_shape), dw, db, None, None, None, None
+        return dx.view(ctx.x_shape), dw, db, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -174,11 +201,18 @@ class Linear(nn.Module):
         self.gemms = PLAIN
         self.fp8_eligible = True  # the precision step quantizes only eligible layers
         self.wgrad_store: WeightGradStore | None = None
+        self.defer_wgrad = True  # a split-backward schedule may defer its W (False: always in B)
+        self.keep_input: KeepInput = KEEP_AS_IS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: KeepInput | None = None) -> torch.Tensor:
+        """x (..., in) -> (..., out). `keep`: how to keep x for the weight gradient, if not `keep_input`
+        (it must describe x as the GEMM sees it: the TP role's `enter` may not change it)."""
         if self.tp is not None:
-            x = self.tp.enter(x)
-        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store, self.weight)
+            entered = self.tp.enter(x)
+            assert keep is None or entered is x, "a kept input must be the GEMM's input"
+            x = entered
+        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store, self.weight,
+                            keep or self.keep_input)
         return self.tp.exit(y) if self.tp is not None else y
 
     def extra_repr(self) -> str:
@@ -196,10 +230,13 @@ class GroupedLinear(nn.Module):
         self.gemms = PLAIN
         self.fp8_eligible = True
         self.wgrad_store: WeightGradStore | None = None
+        self.defer_wgrad = True
+        self.keep_input: KeepInput = KEEP_AS_IS
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x: (T, in) rows sorted by expert, counts: (n_experts,) int64 -> (T, out)."""
-        return _LinearFn.apply(x_TD, self.weight, None, counts_E, self.gemms, self.wgrad_store, self.weight)
+        return _LinearFn.apply(x_TD, self.weight, None, counts_E, self.gemms, self.wgrad_store, self.weight,
+                               self.keep_input)
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, in={self.in_features}, out={self.out_features}, gemms={self.gemms.name}"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, weighted_sum
-from moe_lc.ops.fp8 import pack_fp8_rows, unpack_fp8_rows
+from moe_lc.ops.fp8_storage import pack_fp8_rows, unpack_fp8_rows
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -66,7 +66,7 @@ class AllToAll(torch.autograd.Function):
 
 class FP8AllToAll(AllToAll):
     """AllToAll for token rows in FP8 (DeepSeek-V3's dispatch): each row is quantized in 1 x 128 tiles and
-    travels as K FP8 bytes plus its fp32 scales (`moe_lc.ops.fp8.pack_fp8_rows`), and is dequantized
+    travels as K FP8 bytes plus its fp32 scales (`moe_lc.ops.fp8_storage.pack_fp8_rows`), and is dequantized
     to x's dtype on arrival. Backward: the gradient returns in x's dtype (straight through the rounding).
     """
 

@@ -1,6 +1,7 @@
 """Apply parallelism to a plain single-device model, in one documented order (the order of the code):
 
-    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs, FP8 dispatch -> recomputation    (ZeRO-1 lives in the optimizer)
+    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs, FP8 dispatch -> recomputation -> FP8 activation caching
+    (ZeRO-1 lives in the optimizer)
 
 The model arrives either fully initialized (tests; every rank holds the same values and keeps its
 slices) or built on the meta device (the trainer): each step swaps parallel-aware pieces into the
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import PrecisionConfig, RecomputeConfig
+from moe_lc.model.fp8_cache import apply_fp8_cache
 from moe_lc.model.init import init_buffers, init_rules, normal_rows
 from moe_lc.model.moe import MoE, RoutedExperts
 from moe_lc.model.mtp import mtp_targets
@@ -69,6 +71,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
             moe.dispatcher.fp8_tokens = True
     if recompute is not None:
         apply_recompute(model, recompute.policy, recompute.selective)
+    if precision is not None and precision.fp8_cache:  # after recomputation: it reads what that keeps
+        apply_fp8_cache(model, precision.fp8_cache)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.aux_loss_scale = aux_loss_scale
     local = dict(model.named_parameters())

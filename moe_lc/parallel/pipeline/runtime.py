@@ -45,7 +45,7 @@ class PipelineRuntime:
         self.store = WeightGradStore()
         for chunk in chunks:
             for module in chunk.modules():
-                if isinstance(module, (Linear, GroupedLinear)):
+                if isinstance(module, (Linear, GroupedLinear)) and module.defer_wgrad:
                     module.wgrad_store = self.store
         self.trace: list[tuple] = []  # what was executed, in order (compared with the schedule in tests)
 
