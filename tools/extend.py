@@ -8,7 +8,8 @@ CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature). For each stage, in or
   1. train: `python -m moe_lc.train STAGE` (through torchrun with pp x cp x tp x dp ranks) with
      train.output_dir = RUNS/<stage name> and, after the first, checkpoint.init_from = the previous
      stage's checkpoints: weights only, fresh optimizer, step and data, as DeepSeek-V3's extension
-     phases start. A stage whose metrics.jsonl already holds every step is not trained again.
+     phases start. A stage whose metrics.jsonl already holds every step is not trained again (its
+     logged step times are summed for the summary).
   2. eval: `python -m eval RUNS/<stage>` over --lengths (passkey and the multi-key needle over needle
      depths, held-out perplexity) into OUT/<stage>/.
 After the first stage, the same checkpoint is also scored with the last stage's YaRN factor and no
@@ -112,17 +113,19 @@ def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
     yarn_dir = None
     for i, stage in enumerate(stages):
         cmd = command(stage.recipe, stage.overrides, stage.nproc)
-        summary["commands"].append(" ".join(cmd))
+        summary["commands"].append(shown(cmd))
         if not args.eval_only and not is_complete(stage.run_dir, stage.steps):
             stage.wall_s["train"] = _run(cmd, stage.run_dir / "train.log", echo)
+        else:  # trained before: its own step times
+            stage.wall_s["train (sum of step times)"] = train_seconds(stage.run_dir)
         cmd = eval_command(stage.run_dir, stage.eval_dir, args)
         stage.wall_s["eval"] = _run(cmd, stage.eval_dir / "eval.log", echo)
-        summary["commands"].append(" ".join(cmd))
+        summary["commands"].append(shown(cmd))
         if i == 0 and len(stages) > 1 and args.yarn_inference:
             yarn_dir = out / f"{stage.name}_yarn_x{stages[-1].rope['factor']:g}"
             cmd = eval_command(stage.run_dir, yarn_dir, args, yarn_inference_sets(stage, stages[-1]))
             stage.wall_s["eval_yarn_inference"] = _run(cmd, yarn_dir / "eval.log", echo)
-            summary["commands"].append(" ".join(cmd))
+            summary["commands"].append(shown(cmd))
         summary["stages"].append({"name": stage.name, "recipe": stage.recipe, "seq_len": stage.seq_len,
                                   "nproc": stage.nproc, "steps": stage.steps, "rope": stage.rope,
                                   "wall_s": stage.wall_s, "eval_dir": str(stage.eval_dir)})
@@ -137,6 +140,20 @@ def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
     (out / "summary.md").write_text(summary_markdown(summary, curves))
     echo(f"wrote {figure}, {out / 'summary.md'}")
     return summary
+
+
+def shown(cmd: list[str]) -> str:
+    """cmd as a user types it from the repository root: `python`, paths relative to the root."""
+    root = str(ROOT) + os.sep
+    return " ".join("python" if part == sys.executable else part.replace(root, "") for part in cmd)
+
+
+def train_seconds(run_dir: Path) -> float:
+    """Sum of the step times a run logged (metrics.jsonl), 0 where it has none."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    return sum(json.loads(line).get("step_time", 0.0) for line in path.read_text().splitlines() if line.strip())
 
 
 def _results(eval_dir: Path) -> dict:
