@@ -205,9 +205,9 @@ def main(argv=None) -> int:
     world = p.pp * (p.dp or 1) * p.cp * p.tp
     the_plan = plan(cfg, world, args.recipe)
     results = []
-    for rank in pick_ranks(args.ranks, cfg, world, the_plan):
-        if not args.json:
-            print(f"tracing rank {rank} of {world} ...", file=sys.stderr, flush=True)
+    ranks = pick_ranks(args.ranks, cfg, world, the_plan)
+    for i, rank in enumerate(ranks):  # progress on stderr, also under --json (stdout stays one document)
+        print(f"[{i + 1}/{len(ranks)}] tracing rank {rank} of {world} ...", file=sys.stderr, flush=True)
         report = trace_rank(cfg, world, rank)
         rank_plan = the_plan.ranks[report["coords"]["pp"]]
         cmp = compare(report, rank_plan)

@@ -405,7 +405,10 @@ def _cuda_native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype) -> 
             _cuda_blockwise_scale(rhs_scale, g_rhs, is_rhs=True), recipe_enum[g_rhs],
             output_dtype=out_dtype,
         )
-    return out[:n_rows, :n_cols]
+    if out.shape == (n_rows, n_cols):
+        return out
+    # a copy, not a view: wherever the output is saved for backward, a view would keep the padded buffer
+    return out[:n_rows, :n_cols].clone(memory_format=torch.contiguous_format)
 
 
 def _run_scaled_mm(gemm, first, second, recipe, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
