@@ -133,7 +133,6 @@ def extension_figure(curves: dict[str, dict], path: Path, trained_lengths: list[
     acc.set_ylim(-0.02, 1.02)
     acc.set_ylabel("passkey exact match (mean over depths)")
     acc.set_title("passkey retrieval by length (chance 1e-5)", fontsize=9)
-    acc.legend(fontsize=7, loc="lower left")
     ppl.set_yscale("log")
     ppl.set_ylabel("held-out perplexity (sliding window)")
     ppl.set_title("perplexity by length", fontsize=9)
@@ -153,7 +152,9 @@ def extension_figure(curves: dict[str, dict], path: Path, trained_lengths: list[
         heat.set_ylabel("needle depth (0 = start)")
         fig.colorbar(im, ax=heat, label="exact match")
     heat.set_title(f"passkey exact match, {trained[-1]}", fontsize=9)
-    fig.tight_layout()
+    # one legend for both line panels, under the figure: inside, it hides the short-length points
+    fig.legend(*acc.get_legend_handles_labels(), loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
