@@ -156,3 +156,26 @@ def test_phased_run_gradients_equal_one_graph_and_boundaries_are_released():
     w1.grad = w2.grad = None
     phases[2](*phases[1](*forward(x)))[0].backward()
     assert torch.allclose(got[0], w1.grad) and torch.allclose(got[1], w2.grad)
+
+
+def test_a_sent_chunk_output_keeps_no_data_and_its_backward_is_unchanged():
+    """A chunk's output, once the next stage has it, is released (data one element, graph kept); the
+    chunk's backward from the output gradient still gives the gradients of one graph."""
+    from moe_lc.parallel.pipeline.overlap import PhasedRun
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x, dy = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    phases = [lambda x: (x @ w,), lambda h: (torch.tanh(h) + h,)]  # tanh saves its output, not the sum
+    run = PhasedRun(phases, x)
+    sent = run.forward_all().detach().clone()
+    run.release_output()
+    assert run.output.untyped_storage().nbytes() == 4 and run.output.shape == (4, 8)
+    run.backward_all(dy)
+    got = (w.grad.clone(), run.input_grad.clone())
+    w.grad = None
+    x2 = x.detach().requires_grad_()
+    y = phases[1](*phases[0](x2))[0]
+    y.backward(dy)
+    assert torch.equal(sent, y.detach())
+    assert torch.allclose(got[0], w.grad) and torch.allclose(got[1], x2.grad)

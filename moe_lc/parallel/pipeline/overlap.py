@@ -109,6 +109,12 @@ class PhasedRun:
     def output(self) -> torch.Tensor:
         return self.outputs[-1][0]
 
+    def release_output(self) -> None:
+        """Drop the chunk output's data once the next stage has it (sent, or handed over on this rank):
+        no phase of this chunk saves it, and its backward needs only its graph and shape (Megatron's
+        deallocate_output_tensor)."""
+        _release(self.output)
+
     # -- backward ---------------------------------------------------------------------------------
     def start_backward(self, grad: torch.Tensor | None, scale: float = 1.0) -> None:
         """grad: gradient of the chunk output; None when the output is the loss (scaled by `scale`)."""

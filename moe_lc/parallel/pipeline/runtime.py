@@ -110,6 +110,7 @@ class PipelineRuntime:
             self.loss_sum += run.output.detach().double()
         elif self._is_local(s + 1, mb):  # DualPipeV's turn: hand over to the next stage on this rank
             self.acts[(s + 1, mb)] = run.output.detach()
+            run.release_output()  # the next stage's alias keeps the data
 
     def _forward(self, chunk: int, mb: int) -> None:
         s, run = self._start_forward(chunk, mb)
@@ -153,12 +154,12 @@ class PipelineRuntime:
 
     # -- communication ------------------------------------------------------------------------------
     def _communicate(self, group: CommGroup) -> None:
-        ops, landing = [], []
+        ops, landing, sent = [], [], []
         for p2p in group.ops:
             s = self._stage(p2p.chunk, p2p.mb)
             if p2p.op == SEND_F:
-                ops.append(comm.p2p_op("send", self.outputs[(s, p2p.mb)].output.detach().contiguous(), p2p.peer,
-                                       self.pp_group))
+                sent.append(self.outputs[(s, p2p.mb)])
+                ops.append(comm.p2p_op("send", sent[-1].output.detach().contiguous(), p2p.peer, self.pp_group))
             elif p2p.op == SEND_B:
                 ops.append(comm.p2p_op("send", self.input_grads.pop((s, p2p.mb)).contiguous(), p2p.peer, self.pp_group))
             elif p2p.op in (RECV_F, RECV_B):
@@ -170,5 +171,7 @@ class PipelineRuntime:
         self.trace.append(("COMM", tuple((p.op, p.peer, self._stage(p.chunk, p.mb), p.mb) for p in group.ops)))
         for work in comm.batch_isend_irecv(ops, self.pp_group):
             work.wait()
+        for run in sent:  # the peer has it now
+            run.release_output()
         for table, key, buf in landing:
             table[key] = buf
