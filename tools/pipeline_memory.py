@@ -87,10 +87,9 @@ def wgrad_held_bytes(cfg: Config, deg, module) -> float:
     or, where FP8 caching holds them for the wgrad GEMM (`HoldFp8ForWgrad`), as an FP8 byte and an fp32
     scale per 128 tokens per element. Rows: the cp shard of the sequence (column/row-parallel layers see
     it whole under SP), the tp shard x top-k for experts."""
-    from moe_lc.model.ffn import swiglu_then
+    from moe_lc.model.ffn import SwiGLU, swiglu_then
     from moe_lc.model.mla import MLAttention
     from moe_lc.model.moe import RoutedExperts
-    from moe_lc.model.ffn import SwiGLU
     from moe_lc.model.recompute import mla_up_replayed
     from moe_lc.ops.fp8_linear import HoldFp8ForWgrad
     from moe_lc.ops.linear import GroupedLinear, Linear

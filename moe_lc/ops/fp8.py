@@ -250,11 +250,16 @@ def _gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tupl
     return lhs, rhs
 
 
+def wgrad_granularity(recipe: str) -> str:
+    """How the wgrad GEMM of ``recipe`` quantizes its operands ("tile" or "tensor"; dy and x alike)."""
+    _check_recipe(recipe)
+    return _GRANULARITY[recipe]["wgrad"][1]
+
+
 def wgrad_operand(t: torch.Tensor, recipe: str) -> Quantized:
     """dy (M, N) or x (M, K) quantized now exactly as the wgrad GEMM of ``recipe`` will quantize it: its
     transpose in 1 x 128 tiles along the M tokens (blockwise), or one current scale (tensorwise)."""
-    _check_recipe(recipe)
-    granularity = _GRANULARITY[recipe]["wgrad"][1]
+    granularity = wgrad_granularity(recipe)
     return Quantized(*_quantize(t.reshape(-1, t.shape[-1]).t(), granularity, None), granularity)
 
 

@@ -142,7 +142,7 @@ class KeepFp8ForWgrad(HoldFp8ForWgrad):
         return tuple(t for op in ([ops] if counts is None else ops) for t in (op.data, op.scale))
 
     def restore(self, saved, counts, gemms):
-        granularity = fp8._GRANULARITY[gemms.recipe]["wgrad"][1]
+        granularity = fp8.wgrad_granularity(gemms.recipe)
         ops = [fp8.Quantized(saved[i], saved[i + 1], granularity) for i in range(0, len(saved), 2)]
         return ops[0] if counts is None else ops
 
