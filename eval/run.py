@@ -27,7 +27,7 @@ from eval.model_io import checkpoint_step, eval_dims, load_eval_config, load_mod
 from moe_lc.checkpoint import CheckpointError
 from moe_lc.config import ConfigError
 from moe_lc.data import load_tokenizer
-from moe_lc.train import resolve_device
+from moe_lc.preflight import resolve_device
 
 ALL_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
 

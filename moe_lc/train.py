@@ -25,7 +25,6 @@ from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token
-from moe_lc.model.transformer import state_shapes
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.parallel import comm
@@ -34,6 +33,7 @@ from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroAdamW
+from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.train_step import StepResult, balance_routers, forward_backward, mtp_losses, step_token_count
 
 
@@ -44,12 +44,6 @@ class TrainResult:
     final_state: dict | None = None  # unsharded parameters (rank 0, when asked for)
     comm_per_step: list[dict] = field(default_factory=list)
     optimizer_state_bytes: int = 0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 class Trainer:
@@ -249,48 +243,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     ap.add_argument("--docs", action="store_true", help="with --print-config: a comment per field")
     return ap.parse_args(argv)
-
-
-def init_from_checkpoint(cfg: Config) -> Path:
-    """The checkpoint `checkpoint.init_from` names, vetted against the recipe's model (ConfigError)."""
-    try:
-        path = ckpt.find_checkpoint(cfg.checkpoint.init_from)
-    except (ckpt.CheckpointError, FileNotFoundError) as exc:
-        raise ConfigError([f"checkpoint.init_from: {exc}"]) from None
-    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, state_shapes(cfg.model))]
-    if errors:
-        raise ConfigError(errors[:8] + ([f"... and {len(errors) - 8} more"] if len(errors) > 8 else []))
-    return path
-
-
-def preflight(cfg: Config, world: int) -> None:
-    """Checks of this machine against the recipe, before any process group: ConfigError naming the problem.
-    (The recipe's own rules ran in load_config; these depend on the filesystem and the device.)"""
-    errors = []
-    for key, value in (("train.output_dir", cfg.train.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-        clash = next((q for q in (Path(value), *Path(value).parents) if q.exists() and not q.is_dir()), None)
-        if value and clash is not None:
-            errors.append(f"{key}={value!r}: {clash} is a file, not a directory")
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        per_rank = torch.cuda.get_device_properties(device).total_memory
-    else:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        per_rank = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local_ranks, 1)
-    counts = param_counts(cfg.model)
-    n_params = counts["total"] + counts.get("mtp", 0)
-    need = n_params * (4 if cfg.precision.recipe == "fp32" else 2) / world  # parameters alone, perfectly sharded
-    if need > per_rank:
-        errors.append(f"the model has {n_params:.3g} parameters: even spread evenly over {world} rank(s) they need "
-                      f"{need / 2**30:,.1f} GiB per rank, more than the {per_rank / 2**30:,.1f} GiB this machine has per "
-                      f"rank ({device.type}); check model sizes or use more ranks")
-    if cfg.checkpoint.init_from:
-        try:
-            init_from_checkpoint(cfg)
-        except ConfigError as exc:
-            errors += exc.errors
-    if errors:
-        raise ConfigError(errors)
 
 
 def _recipe_error(exc: ConfigError, rank: int, world: int) -> int:
