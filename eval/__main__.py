@@ -1,6 +1,5 @@
 """`python -m eval RUN_DIR_or_CHECKPOINT ...`: see eval/run.py."""
 
-from eval.run import main
-from moe_lc.parallel.mesh import exit_process
+from .run import cli
 
-exit_process(main())
+cli()

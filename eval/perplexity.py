@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from eval.model_io import forward_logits
+from .model_io import forward_logits
 from moe_lc.data import open_token_file, stdlib_token_stream
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from eval import perplexity, plots, tasks
-from eval.model_io import checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
+from . import perplexity, plots, tasks
+from .model_io import checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
 from moe_lc.checkpoint import CheckpointError
 from moe_lc.config import ConfigError
 from moe_lc.data import load_tokenizer
+from moe_lc.parallel.mesh import exit_process
 from moe_lc.preflight import resolve_device
 
 ALL_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
@@ -157,3 +158,8 @@ def main(argv=None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
+
+
+def cli() -> None:
+    """The `moe-eval` console script (as `python -m eval`)."""
+    exit_process(main())

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moe_lc.data.synthetic import make_task
-from eval.model_io import forward_logits
+from .model_io import forward_logits
 
 RETRIEVAL_TASKS = ("passkey", "multikey_needle", "variable_tracking")
 TASK_IDS = {"passkey": 1, "multikey_needle": 2, "variable_tracking": 3, "associative_recall": 4}

@@ -315,7 +315,12 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `moe-train` console script: main() with the exit a multi-process job needs."""
     from moe_lc.parallel.mesh import exit_process
 
     exit_process(main())
+
+
+if __name__ == "__main__":
+    cli()

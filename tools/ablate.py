@@ -18,6 +18,12 @@ brackets: --grid data.synthetic_tasks=[passkey],[passkey,variable_tracking].
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/ablate.py` from a checkout: run as tools.ablate
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.ablate", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import csv
 import itertools
@@ -32,10 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moe_lc.config import ConfigError, load_config
 
-from moe_lc.config import ConfigError, load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = ("run", "status", "steps", "final_loss", "min_loss", "tokens_per_s", "wall_s", "error")
 

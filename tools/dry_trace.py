@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from moe_lc.parallel.pipeline.overlap import PhasedRun
-from tools.activation_memory import held_checkpoint_inputs
+from .activation_memory import held_checkpoint_inputs
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 21

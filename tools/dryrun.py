@@ -21,25 +21,29 @@ are token ids on the meta device, routing is balanced (tools/dry_trace.py).
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/dryrun.py` from a checkout: run as tools.dryrun
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.dryrun", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend warns once per group about hooks
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from moe_lc.config import ConfigError, load_config  # noqa: E402
-from moe_lc.model.moe import Router  # noqa: E402
-from moe_lc.ops.device import GpuSpec, meta_as_gpu  # noqa: E402
-from moe_lc.train import Trainer  # noqa: E402
-from tools.dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select  # noqa: E402
-from tools.plan import plan  # noqa: E402
+from moe_lc.config import ConfigError, load_config
+from moe_lc.model.moe import Router
+from moe_lc.ops.device import GpuSpec, meta_as_gpu
+from moe_lc.train import Trainer
+from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select
+from .plan import plan
 
 META = torch.device("meta")
 EXACT = ("params", "grads", "optimizer")

@@ -20,6 +20,12 @@ length heatmap, perplexity by length) and OUT/summary.md (the numbers, wall time
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/extend.py` from a checkout: run as tools.extend
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.extend", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import json
 import os
@@ -29,12 +35,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import importlib
 
-from eval import plots  # noqa: E402
-from moe_lc.config import ConfigError, load_config  # noqa: E402
-from tools.ablate import command, is_complete  # noqa: E402
+from moe_lc.config import ConfigError, load_config
+
+from .ablate import command, is_complete
+
+ROOT = Path(__file__).resolve().parents[1]
+# the eval harness beside this package: `eval` in a checkout, `moe_lc_eval` where pip installed the tools
+EVAL = "eval" if __package__ == "tools" else "moe_lc_eval"
+plots = importlib.import_module(f"{EVAL}.plots")
 
 DEFAULT_STAGES = tuple(str(ROOT / "recipes" / "longctx" / f) for f in ("base.toml", "extend_2k.toml", "extend_4k.toml"))
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
@@ -78,7 +88,7 @@ def plan_stages(recipes: list[str], runs: Path, out: Path, sets: list[str]) -> l
 
 
 def eval_command(checkpoint: Path, out: Path, args, sets: list[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "eval", str(checkpoint), "--out", str(out), "--lengths", args.lengths,
+    cmd = [sys.executable, "-m", EVAL, str(checkpoint), "--out", str(out), "--lengths", args.lengths,
            "--samples", str(args.samples), "--tasks", args.tasks, "--ppl-tokens", str(args.ppl_tokens)]
     for s in sets:
         cmd += ["--set", s]

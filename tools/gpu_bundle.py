@@ -15,6 +15,12 @@ Python's site-packages. A machine with a registry needs none of this: `pip insta
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/gpu_bundle.py` from a checkout: run as tools.gpu_bundle
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.gpu_bundle", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import shutil
 import subprocess

@@ -19,6 +19,12 @@ skips the install and runs the tests (which skip without CUDA, each with its rea
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/gpu_check.py` from a checkout: run as tools.gpu_check
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.gpu_check", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import datetime as _dt
 import importlib
@@ -101,7 +107,7 @@ def install(args, out: Path) -> dict:
         return {"flash_attn4": "already importable"}
     te = "not installed (its torch part builds from source; see DEVELOPERS.md)"
     if args.bundle:
-        from tools.gpu_bundle import unpack
+        from .gpu_bundle import unpack
 
         where = unpack(Path(args.bundle))
         importlib.invalidate_caches()

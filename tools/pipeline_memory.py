@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moe_lc.config import Config
 from moe_lc.parallel.build import pipeline_plan
-from tools.plan_layout import microbatches, moe_blocks
+from .plan_layout import microbatches, moe_blocks
 
 
 def pipeline_schedule(cfg: Config, deg):

@@ -15,23 +15,27 @@ repo root without installing.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/plan.py` from a checkout: run as tools.plan
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.plan", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.activation_memory import CHECKED, POLICIES, UNCHECKED, estimate  # noqa: E402
-from moe_lc.config import Config, ConfigError, load_config  # noqa: E402
-from moe_lc.model.counting import param_counts  # noqa: E402
-from moe_lc.model.transformer import CrossEntropy16  # noqa: E402
-from tools.placement_semantics import (  # noqa: E402
+from .activation_memory import CHECKED, POLICIES, UNCHECKED, estimate
+from moe_lc.config import Config, ConfigError, load_config
+from moe_lc.model.counting import param_counts
+from moe_lc.model.transformer import CrossEntropy16
+from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
-from tools.pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes  # noqa: E402
-from tools.plan_layout import HOOKS, RankLayout, rank_layouts, trainer_traffic  # noqa: E402
+from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
+from .plan_layout import HOOKS, RankLayout, rank_layouts, trainer_traffic
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -285,7 +289,7 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
                    + f" | peak {_mib(r.peak_bytes())}")
         out.append("Saved activations per rank by recompute policy (MiB): " + ", ".join(
             f"{k} {_mib(v)}" + ("" if r.activation_status[k] == CHECKED else " [formula]") for k, v in r.activations.items()))
-        out.append(f"Communication per step, bytes this rank sends (status: exact unless marked):")
+        out.append("Communication per step, bytes this rank sends (status: exact unless marked):")
         for t in r.traffic:
             mark = "" if t.status == "exact" else f"   [{t.status}]"
             out.append(f"  {t.key:<36}{t.bytes:>16,.0f}   {t.what}{mark}")

@@ -34,7 +34,7 @@ from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
 from moe_lc.parallel.zero import bucket_elems, bucket_sizes
-from tools.placement_semantics import Traffic, ring_bytes
+from .placement_semantics import Traffic, ring_bytes
 
 ESTIMATE = "estimate: balanced routing"
 

@@ -12,16 +12,21 @@ document is followed by EOS. Output appears atomically when a split is complete.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/prepare_data.py` from a checkout: run as tools.prepare_data
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.prepare_data", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from moe_lc.data.corpus import is_val_file, list_text_files, read_text  # noqa: E402
-from moe_lc.data.token_file import TokenFileWriter, token_dtype  # noqa: E402
-from moe_lc.data.tokenizer import load_tokenizer  # noqa: E402
+from moe_lc.data.corpus import is_val_file, list_text_files, read_text
+from moe_lc.data.token_file import TokenFileWriter, token_dtype
+from moe_lc.data.tokenizer import load_tokenizer
 
 ENCODE_BATCH_FILES = 64  # files per encode_batch call (HF tokenizers encode a batch in parallel)
 PROGRESS_EVERY_S = 1.0

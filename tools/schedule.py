@@ -12,14 +12,18 @@ in the DualPipe README figure. Runs from the repo root without installing the pa
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/schedule.py` from a checkout: run as tools.schedule
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    runpy.run_module("tools.schedule", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_lc.parallel.pipeline import (  # noqa: E402
+from moe_lc.parallel.pipeline import (
     FB, SCHEDULE_NAMES, CommGroup, Costs, Schedule, SimResult, build_schedule, published_figures,
     simulate,
 )

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lc.ops.attention import attention_with_lse, available_backends, get_backend
-from tools.bench.common import Context, Recorder, memory_mark, peak_bytes_since, tflops, time_fn
+from .common import Context, Recorder, memory_mark, peak_bytes_since, tflops, time_fn
 
 PART = "attention"
 TOKEN_BUDGET = 32768

@@ -38,7 +38,7 @@ from moe_lc.config import load_config
 from moe_lc.model.transformer import Transformer
 from moe_lc.ops import fp8, fp8_te
 from moe_lc.ops.linear import GroupedLinear, Linear
-from tools.bench.common import ROOT, Context, Recorder, tflops, time_fn
+from .common import ROOT, Context, Recorder, tflops, time_fn
 
 PART = "gemm"
 DEFAULT_RECIPES = ("recipes/moe16b_128k.toml", "recipes/deepseek_v3_671b.toml")

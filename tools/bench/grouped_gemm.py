@@ -29,7 +29,7 @@ import torch
 
 from moe_lc.ops.grouped_gemm import _use_grouped_mm, grouped_mm
 from moe_lc.ops.linear import GroupedLinear
-from tools.bench.common import Context, Recorder, tflops, time_fn
+from .common import Context, Recorder, tflops, time_fn
 
 PART = "grouped_gemm"
 MODELS = {"moe16b": (2048, 1408), "dsv3": (7168, 2048)}

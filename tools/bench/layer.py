@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from tools.activation_memory import estimate
+from ..activation_memory import estimate
 from moe_lc.config import load_config
 from moe_lc.model.recompute import apply_recompute
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.model.block import Block
 from moe_lc.model.init import init_weights
-from tools.bench.common import ROOT, Context, Recorder, Timing, free_memory, sync, time_fn
+from .common import ROOT, Context, Recorder, Timing, free_memory, sync, time_fn
 
 PART = "layer"
 DEFAULT_RECIPE = "recipes/moe16b_128k.toml"

@@ -40,7 +40,7 @@ import torch
 
 from moe_lc.config import load_config
 from moe_lc.model.counting import attention_core_flops, param_counts, train_flops_per_token
-from tools.bench.common import ROOT, Context, Recorder, Timing, free_memory, memory_mark, sync, time_fn
+from .common import ROOT, Context, Recorder, Timing, free_memory, memory_mark, sync, time_fn
 
 PART = "model_step"
 DEFAULT_RECIPE = "recipes/moe16b_128k.toml"

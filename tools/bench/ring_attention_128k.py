@@ -23,6 +23,12 @@ Numbers are only meaningful on a GPU; the dry run only proves the script runs.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/bench/ring_attention_128k.py` from a checkout: run as tools.bench.ring_attention_128k
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    runpy.run_module("tools.bench.ring_attention_128k", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import json
 import platform
@@ -33,12 +39,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from moe_lc.config import load_config
+from moe_lc.ops.attention import attention_with_lse, get_backend
+from moe_lc.parallel.context import LoopbackRing, ring_attention_with_lse
 
-from moe_lc.config import load_config  # noqa: E402
-from moe_lc.ops.attention import attention_with_lse, get_backend  # noqa: E402
-from moe_lc.parallel.context import LoopbackRing, ring_attention_with_lse  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def shapes_from_recipe(path: Path, dry_run: bool) -> dict:

@@ -22,6 +22,12 @@ per-command time limit, run the parts one by one (they merge into the same file)
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/bench/run.py` from a checkout: run as tools.bench.run
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    runpy.run_module("tools.bench.run", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
 import argparse
 import importlib
 import json
@@ -30,13 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from tools.bench.common import (  # noqa: E402
+from .common import (
     RESULTS_DIR, Context, Recorder, Timing, device_facts, free_memory, slug, write_json, write_markdown)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PARTS = ("attention", "gemm", "grouped_gemm", "model_step", "layer")
 
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
         body["entries"] = rec.entries
         t0 = time.perf_counter()
         try:
-            importlib.import_module(f"tools.bench.{part}").run(ctx, rec)
+            importlib.import_module(f"{__package__}.{part}").run(ctx, rec)
         except Exception as exc:  # noqa: BLE001 - a broken part must not lose the others
             body["error"] = f"{type(exc).__name__}: {str(exc).strip()[:1000]}"
             print(f"[{key}] PART FAILED: {body['error']}", flush=True)
@@ -159,7 +164,7 @@ def _write(results: dict, json_path: Path, md_path: Path) -> None:
     renderers = {}
     for key in results["parts"]:
         try:
-            mod = importlib.import_module(f"tools.bench.{key.split('[')[0]}")
+            mod = importlib.import_module(f"{__package__}.{key.split('[')[0]}")
             renderers[key] = (mod.COLUMNS, getattr(mod, "extra_markdown", None))
         except Exception:  # noqa: BLE001 - the JSON is already written; the table is a convenience
             renderers[key] = (None, None)
