@@ -1,18 +1,22 @@
 """`from-hf`: a Hugging Face model directory -> our recipe + a step-0 DCP checkpoint, streamed.
 
     DIR/recipe.toml          [model] of the architecture, [data] tokenizer, [checkpoint] init_from = DIR
-    DIR/tokenizer/           the tokenizer files, copied
+    DIR/tokenizer/           the tokenizer files, copied (checked first), and hf_token_ids.json: the
+                             bos / eos / pad ids of the source config.json, which to-hf writes back
     DIR/checkpoint/step_00000000/    committed DCP checkpoint: "model" entries as boxes of full tensors
 
-Everything that can be refused is refused before any weight is read: the config (hf_config), then
-every expected tensor's presence and shape against the safetensors headers, and any tensor that
-would be left over. The checkpoint is then written box by box: DCP asks each `LazyChunks` box for
-its data only when it writes it, one file per box, so the resident set stays near one box plus
+Everything that can be refused is refused before any weight is read: --out (out_dir: never into a
+training run, over an earlier conversion only with overwrite, writable), the config (hf_config), the
+tokenizer files, then every expected tensor's presence and shape against the safetensors headers
+(a truncated shard fails there), and any tensor that would be left over. DIR is written beside
+itself and swapped in whole. The checkpoint is written box by box: DCP asks each `LazyChunks` box
+for its data only when it writes it, one file per box, so the resident set stays near one box plus
 the open shard (boxes are one tensor, or a run of experts of at most `box_bytes`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -23,9 +27,11 @@ import torch
 
 from moe_lc.checkpoint import save_checkpoint
 from moe_lc.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
-from moe_lc.convert.hf_config import ConvertError, from_hf_config
-from moe_lc.convert.hf_files import HFWeights, copy_tokenizer
+from moe_lc.convert.hf_config import ConvertError, check_field_types, from_hf_config
+from moe_lc.convert.hf_files import (TOKEN_IDS, HFWeights, check_tokenizer, copy_tokenizer, require_hf_extra,
+                                     tokenizer_files)
 from moe_lc.convert.hf_names import Piece, mtp_copies, pieces, to_ours
+from moe_lc.convert.out_dir import CONVERSION_HEAD, check_out, is_conversion, staged
 from moe_lc.model.transformer import state_shapes
 from moe_lc.parallel.checkpoint_state import Chunks
 
@@ -76,17 +82,37 @@ def _boxes(name: str, shape, parts: list[Piece], weights: HFWeights, dtype, rope
     return out
 
 
-def plan(hf_dir: Path):
-    """Read config.json and the headers; refuse anything we cannot convert exactly.
-    Returns (ModelConfig, family, HFWeights, {our name: [Piece]})."""
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json as a dict, or one ConvertError naming the file (absent, not JSON, not an object)."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
         raise ConvertError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    hf = json.loads(config_path.read_text())
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConvertError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{path} is not a JSON object")
+    check_field_types(hf)
+    return hf
+
+
+def plan(hf_dir: Path, hf: dict | None = None):
+    """Read config.json (unless given as `hf`) and the headers; refuse anything we cannot convert exactly.
+    Returns (ModelConfig, family, HFWeights, {our name: [Piece]})."""
+    hf = read_hf_config(hf_dir) if hf is None else hf
     try:
         weights = HFWeights(hf_dir, hf.get("quantization_config"))
     except (FileNotFoundError, ValueError) as exc:
         raise ConvertError(str(exc)) from None
+    try:
+        return _check_weights(hf_dir, hf, weights)
+    except BaseException:
+        weights.close()
+        raise
+
+
+def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
     n_layers = hf.get("num_hidden_layers", 0)
     mtp_layers = len({k.split(".")[2] for k in weights.keys()
                       if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")
@@ -114,25 +140,44 @@ def plan(hf_dir: Path):
     return cfg, family, weights, dict(by_name)
 
 
+def checked_tokenizer(hf_dir: Path) -> dict[str, Path]:
+    """The tokenizer files to copy, each loaded first: a garbage tokenizer.json is refused, not copied."""
+    files = tokenizer_files(hf_dir)
+    try:
+        check_tokenizer(files)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        raise ConvertError(str(exc)) from None
+    return files
+
+
 def recipe_text(cfg, family: str, hf_dir: Path, out: Path, tokenizer: str, seq_len: int) -> str:
     recipe = Config(model=cfg, data=DataConfig(tokenizer=tokenizer),
                     train=TrainConfig(seq_len=seq_len, output_dir=f"runs/{out.name}"),
                     checkpoint=CheckpointConfig(init_from=str(out)))
-    head = (f"# Converted from {hf_dir} ({family}) by `python -m moe_lc.convert from-hf`.\n"
-            f"# Train from these weights with `extends = \"{out / 'recipe.toml'}\"` in your recipe; the\n"
-            "# [model] tables must stay as they are (weight shapes), everything else is yours to change.\n\n")
+    head = (f"{CONVERSION_HEAD}{hf_dir} ({family}) by `python -m moe_lc.convert from-hf`.\n"
+            "# Train from these weights with a recipe of your own, e.g. my_run.toml:\n"
+            f"#     extends = \"{out / 'recipe.toml'}\"\n"
+            "#     [train]\n"
+            "#     output_dir = \"runs/my_run\"\n"
+            "# then `python -m moe_lc.convert to-hf runs/my_run --out hf/my_run` exports the run's newest checkpoint.\n"
+            "# The [model] tables must stay as they are (weight shapes); everything else is yours to change.\n\n")
     return head + to_toml(recipe)
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, *, box_bytes: int = BOX_BYTES, log=print) -> Path:
-    """Convert; returns the committed checkpoint directory. See the module docstring."""
-    hf_dir, out = Path(hf_dir).resolve(), Path(out).resolve()
-    cfg, family, weights, by_name = plan(hf_dir)
+def _seq_len(hf: dict) -> int:
+    try:
+        return min(int(hf.get("max_position_embeddings") or 4096), 4096)
+    except (TypeError, ValueError):
+        raise ConvertError(f"max_position_embeddings={hf['max_position_embeddings']!r} is not an integer") from None
+
+
+def _model_state(cfg, weights: HFWeights, by_name: dict, box_bytes: int, log) -> dict[str, LazyChunks]:
+    """Our tensors as LazyChunks over the HF files (nothing read yet), with progress logged as DCP writes."""
     shapes = state_shapes(cfg)
     missing = [n for n in shapes if n not in by_name and not n.endswith("expert_bias")]
     assert not missing, f"pieces table misses {missing[:4]}"  # the table and the model disagree: a bug here
     total = sum(math.prod(shapes[n]) * weights.out_dtype(ps[0].theirs).itemsize for n, ps in by_name.items())
-    log(f"from-hf: {family}, {len(by_name)} tensors, {total / 2**30:.2f} GiB from {hf_dir}")
+    log(f"  {len(by_name)} tensors, {total / 2**30:.2f} GiB")
     done, start = [0], time.perf_counter()
 
     def progress(nbytes: int) -> None:
@@ -141,22 +186,42 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, box_bytes: int = BOX_BYTES, 
         if done[0] * 10 // total > before:
             log(f"  {done[0] / 2**30:.2f} / {total / 2**30:.2f} GiB written ({time.perf_counter() - start:.0f} s)")
 
-    model_state = {}
+    state = {}
     for name, parts in by_name.items():
         dtype = weights.out_dtype(parts[0].theirs)
         boxes = _boxes(name, shapes[name], parts, weights, dtype, cfg.mla.qk_rope_head_dim, box_bytes, progress)
-        model_state[name] = LazyChunks(shapes[name], boxes, dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    copied = copy_tokenizer(hf_dir, out / "tokenizer")
-    tokenizer = str(out / "tokenizer") if "tokenizer.json" in copied else "byte"
-    if tokenizer == "byte":
-        log(f"from-hf: {hf_dir} has no tokenizer.json; the recipe keeps data.tokenizer = 'byte'")
-    hf = json.loads((hf_dir / "config.json").read_text())
-    seq_len = min(int(hf.get("max_position_embeddings") or 4096), 4096)
-    (out / "recipe.toml").write_text(recipe_text(cfg, family, hf_dir, out, tokenizer, seq_len))
-    try:
-        path = save_checkpoint(out / "checkpoint", 0, {"model": model_state}, is_writer=True, file_per_tensor=True)
-    finally:
-        weights.close()
+        state[name] = LazyChunks(shapes[name], boxes, dtype)
+    return state
+
+
+def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, box_bytes: int = BOX_BYTES,
+            log=print) -> Path:
+    """Convert; returns the committed checkpoint directory. See the module docstring."""
+    require_hf_extra("from-hf")
+    hf_dir, out = Path(hf_dir).resolve(), Path(out).resolve()
+    start = time.perf_counter()
+    check = functools.partial(check_out, out, overwrite=overwrite, kind="an earlier conversion",
+                              replaceable=is_conversion, inputs=(hf_dir,))
+    with staged(out, "from-hf", check) as tmp:
+        hf = read_hf_config(hf_dir)
+        seq_len = _seq_len(hf)
+        tok_files = checked_tokenizer(hf_dir)
+        cfg, family, weights, by_name = plan(hf_dir, hf)
+        log(f"from-hf: {family} from {hf_dir}")
+        try:
+            state = _model_state(cfg, weights, by_name, box_bytes, log)
+            tokenizer = "byte"
+            if "tokenizer.json" in tok_files:
+                copy_tokenizer(tok_files, tmp / "tokenizer")
+                ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+                (tmp / "tokenizer" / TOKEN_IDS).write_text(json.dumps(ids, indent=2) + "\n")
+                tokenizer = str(out / "tokenizer")
+            else:
+                log(f"from-hf: {hf_dir} has no tokenizer.json; the recipe keeps data.tokenizer = 'byte'")
+            (tmp / "recipe.toml").write_text(recipe_text(cfg, family, hf_dir, out, tokenizer, seq_len))
+            path = save_checkpoint(tmp / "checkpoint", 0, {"model": state}, is_writer=True, file_per_tensor=True)
+        finally:
+            weights.close()
+    path = out / path.relative_to(tmp)
     log(f"from-hf: wrote {out / 'recipe.toml'} and {path} in {time.perf_counter() - start:.1f} s")
     return path

@@ -93,15 +93,42 @@ def _dense_gqa(hf: dict, family: str) -> ModelConfig:
                        moe=MoEConfig(n_dense_layers=common["n_layers"], n_routed_experts=0, n_shared_experts=0))
 
 
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "head_dim", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+               "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_field_types(hf: dict) -> None:
+    """Name the field when config.json gives a size as a string or a rope table as a word; what gets
+    past this (a rarer field) is still refused in one line, without the name (from_hf_config)."""
+    for name in _INT_FIELDS:
+        value = hf.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConvertError(f"config.json: {name}={value!r} is not an integer")
+    for name in ("rope_parameters", "rope_scaling", "quantization_config"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise ConvertError(f"config.json: {name}={hf[name]!r} is not an object")
+
+
 def from_hf_config(hf: dict, mtp_layers: int = 0) -> tuple[ModelConfig, str]:
     """(our ModelConfig, family) for an HF config.json; `mtp_layers`: MTP layers present in the weights."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConvertError(f"model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})")
-    cfg = _deepseek(hf, family) if family.startswith("deepseek") else _dense_gqa(hf, family)
-    if mtp_layers:
-        cfg = dataclasses.replace(cfg, mtp=MTPConfig(depth=mtp_layers))
-    errors = cfg.errors()
+    check_field_types(hf)
+    try:
+        cfg = _deepseek(hf, family) if family.startswith("deepseek") else _dense_gqa(hf, family)
+        if mtp_layers:
+            cfg = dataclasses.replace(cfg, mtp=MTPConfig(depth=mtp_layers))
+        errors = cfg.errors()
+    except KeyError as exc:
+        raise ConvertError(f"config.json has no {exc.args[0]!r} (model_type={family!r} needs it)") from None
+    except ConvertError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type: "64", a list, ...
+        raise ConvertError(f"config.json: a field of model_type={family!r} has the wrong type "
+                           f"({type(exc).__name__}: {exc})") from None
     if errors:
         raise ConvertError("the converted [model] is invalid: " + "; ".join(errors))
     return cfg, family

@@ -16,9 +16,16 @@ from pathlib import Path
 
 import torch
 
+from moe_lc.convert.hf_config import ConvertError
+from moe_lc.data.tokenizer import read_tokenizer_file
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# from-hf's record, beside the copied tokenizer files, of the source config.json's bos / eos / pad ids:
+# they can differ from the tokenizer's named specials (Llama 3 lists several eos ids), and to-hf writes
+# them back into config.json
+TOKEN_IDS = "hf_token_ids.json"
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32}
@@ -33,23 +40,11 @@ class HFWeights:
 
         self._open_fn = safe_open
         self.dir = Path(directory)
-        if (self.dir / INDEX).is_file():
-            weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
-        elif (self.dir / SINGLE).is_file():
-            weight_map = None
-        else:
-            raise FileNotFoundError(f"{self.dir}: neither {INDEX} nor {SINGLE}")
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
         self.file_of: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, torch.dtype] = {}
-        for name in files:
-            with safe_open(self.dir / name, framework="pt") as fh:
-                for key in fh.keys():
-                    view = fh.get_slice(key)
-                    self.file_of[key] = name
-                    self.shape[key] = tuple(view.get_shape())
-                    self.dtype[key] = _DTYPES.get(view.get_dtype(), torch.float32)
+        for name in self._shard_names():
+            self._read_header(name)
         self.block = None
         if quantization:
             method = quantization.get("quant_method")
@@ -58,6 +53,35 @@ class HFWeights:
                                  "weights are read (dequantize others first)")
             self.block = tuple(quantization["weight_block_size"])
         self._file, self._handle = None, None
+
+    def _shard_names(self) -> list[str]:
+        index = self.dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        if (self.dir / SINGLE).is_file():
+            return [SINGLE]
+        raise FileNotFoundError(f"{self.dir}: neither {INDEX} nor {SINGLE}")
+
+    def _read_header(self, name: str) -> None:
+        """Shapes and dtypes of one shard. safetensors checks the header against the file's size, so a
+        shard cut short (an interrupted download) is refused here, before any weight is read."""
+        path = self.dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing (named in {INDEX})")
+        try:
+            with self._open_fn(path, framework="pt") as fh:
+                for key in fh.keys():
+                    view = fh.get_slice(key)
+                    self.file_of[key] = name
+                    self.shape[key] = tuple(view.get_shape())
+                    self.dtype[key] = _DTYPES.get(view.get_dtype(), torch.float32)
+        except Exception as exc:  # safetensors' SafetensorError derives from Exception only
+            raise ValueError(f"{path}: unreadable safetensors file ({exc}): truncated, or a partial "
+                             "download?") from None
 
     def keys(self) -> list[str]:
         return list(self.file_of)
@@ -131,18 +155,54 @@ class ShardWriter:
             (self.dir / tmp).rename(self.dir / final)
             weight_map.update({k: final for k in keys})
             paths.append(self.dir / final)
-        if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        # the index even for one shard: transformers reads model.safetensors (its one-shard name) and
+        # ignores it, tools that list the weights through the index (total_size, weight_map) find it
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return paths
 
 
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files present in directory `src` to `dst`; returns their names."""
-    copied = []
+def tokenizer_files(src: Path) -> dict[str, Path]:
+    """{name in the model directory: source file} for a tokenizer given as a directory (the files of
+    TOKENIZER_FILES it holds) or as one tokenizer.json file (under any name, plus its directory's others)."""
+    src = Path(src)
+    found = {"tokenizer.json": src} if src.is_file() else {}
+    directory = src.parent if src.is_file() else src
     for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            dst.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
-    return copied
+        if name not in found and (directory / name).is_file():
+            found[name] = directory / name
+    return found
+
+
+def check_tokenizer(files: dict[str, Path]) -> None:
+    """ValueError naming the first file that would be copied but that nothing could read back: tokenizer.json
+    must load in `tokenizers`, the other files must be JSON objects. Copying garbage would hand the
+    converted model a tokenizer that fails only when training or transformers first loads it."""
+    for name, path in files.items():
+        if name == "tokenizer.json":
+            read_tokenizer_file(path)
+            continue
+        try:
+            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc})") from None
+
+
+def copy_tokenizer(files: dict[str, Path], dst: Path) -> list[str]:
+    """Copy `files` (from `tokenizer_files`, checked by `check_tokenizer`) into `dst`; returns their names."""
+    for name, path in files.items():
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dst / name)
+    return list(files)
+
+
+def require_hf_extra(command: str) -> None:
+    """Refuse, in one line naming the extra, to convert without safetensors and tokenizers (the `[hf]`
+    extra): without it the first weight or tokenizer read fails with a bare ModuleNotFoundError."""
+    for module in ("safetensors", "tokenizers"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ConvertError(f"{command} needs the {module!r} package of the [hf] extra: "
+                               "pip install -e '.[hf]'") from None

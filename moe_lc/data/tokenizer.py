@@ -66,6 +66,27 @@ _BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "<|begin▁of▁sentence
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
 
 
+def read_tokenizer_file(path: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or one line saying why not: the Rust library raises
+    a bare Exception ("expected value at line 1 column 1") that names neither the file nor the cause, and
+    a truncated download or an HTML error page saved as tokenizer.json is a common way to get one."""
+    try:
+        import tokenizers  # lazy: only needed for real-vocabulary runs
+    except ImportError as exc:
+        raise ImportError(
+            f"loading tokenizer {str(path)!r} needs the HuggingFace 'tokenizers' package (pip install -e '.[hf]', "
+            "or pip install tokenizers), or use the built-in tokenizer 'byte'"
+        ) from exc
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a plain Exception for any unreadable file
+        raise ValueError(f"{path} is not a tokenizer the `tokenizers` library can load ({exc}): a truncated or "
+                         "partial download, or not a tokenizer.json?") from None
+
+
 class HFTokenizer:
     """A HuggingFace `tokenizers` JSON file (tokenizer.json) behind the ByteTokenizer interface.
 
@@ -81,18 +102,9 @@ class HFTokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
     ):
-        try:
-            import tokenizers  # lazy: only needed for real-vocabulary runs
-        except ImportError as exc:
-            raise ImportError(
-                f"loading tokenizer {str(path)!r} needs the HuggingFace 'tokenizers' package "
-                "(pip install tokenizers), or use the built-in tokenizer 'byte'"
-            ) from exc
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
         self.path = path
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        self._tok = read_tokenizer_file(path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         # The name must change whenever the vocabulary does, so it carries a content hash.
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
@@ -148,7 +160,12 @@ def _special_tokens(directory: Path) -> dict:
         return {}
     import json
 
-    raw = json.loads(config.read_text(encoding="utf-8"))
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as exc:  # not JSON, or not UTF-8: name the file, not only the position
+        raise ValueError(f"{config} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config} is not a JSON object")
     out = {}
     for role in ("bos", "eos", "pad"):
         value = raw.get(f"{role}_token")
