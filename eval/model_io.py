@@ -29,7 +29,7 @@ from torch import nn
 from moe_lc.checkpoint import (CheckpointError, checkpoint_keys, find_checkpoint, load_checkpoint, recipe_beside,
                                weight_errors)
 from moe_lc.config import Config, ConfigError, load_config
-from moe_lc.model.transformer import Transformer
+from moe_lc.model.transformer import Transformer, state_shapes
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 
 
@@ -83,16 +83,24 @@ class ContextParallelLM(nn.Module):
         return zigzag_unshard(logits.float().contiguous(), group, dim=1)[:, :S]
 
 
+def check_fit(step_dir: Path, cfg: Config) -> None:
+    """CheckpointError when the checkpoint's model and the recipe's differ: a tensor either lacks (a
+    4-layer checkpoint under `--set model.n_layers=3` would otherwise drop layers.3.* without a word)
+    or a shape. Read from the checkpoint's metadata and a meta-device build, before any weights exist."""
+    errors = [e.replace(str(step_dir), "the checkpoint") for e in weight_errors(step_dir, state_shapes(cfg.model))]
+    if errors:
+        more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise CheckpointError(f"{step_dir} does not fit the recipe's model (wrong --recipe or --set?): "
+                              + "; ".join(errors[:3]) + more)
+
+
 def load_model(step_dir: Path, cfg: Config, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, dims: ParallelDims | None = None) -> nn.Module:
     """The checkpoint's weights in a full model (eval mode, `dtype` parameters): tokens -> logits; with
     `dims` (cp > 1) its attention runs the zig-zag ring over the cp group (`ContextParallelLM`)."""
+    check_fit(step_dir, cfg)
     model = Transformer(cfg.model)
     state = model.state_dict()
-    errors = weight_errors(step_dir, {name: tuple(t.shape) for name, t in state.items()})
-    if errors:
-        raise CheckpointError(f"{step_dir}: the checkpoint does not fit the recipe's model (wrong --recipe or "
-                              "--set?): " + "; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
     keys = checkpoint_keys(step_dir)
     load_checkpoint(step_dir, {"model": {n: t for n, t in state.items() if f"model.{n}" in keys}})
     model.load_state_dict(state)

@@ -72,7 +72,8 @@ def loss_by_position(model, tokens: np.ndarray, length: int, batch_size: int = 8
 
 def run_perplexity(model, tokens: np.ndarray, lengths: list[int], stride: int, batch_size: int = 8,
                    progress=print) -> dict:
-    """Perplexity per length (stride capped at L/2) and the loss by position at the largest length."""
+    """Perplexity per length (stride capped at L/2) and the loss by position at the largest length.
+    `progress` gets exactly one line per length (run.py numbers them)."""
     out = {"by_length": {}, "skipped": {}, "stride": stride, "heldout_tokens": int(len(tokens))}
     for length in lengths:
         try:

@@ -2,20 +2,26 @@
 
     python -m eval RUN_DIR_or_CHECKPOINT [--recipe RECIPE] [--set KEY=VALUE ...]
         [--tasks passkey,multikey_needle,variable_tracking,perplexity] [--lengths 128,256,512]
-        [--depths 0,0.25,0.5,0.75,1] [--samples N] [--seed S] [--task-param KIND.NAME=VALUE ...]
-        [--ppl-tokens N] [--stride N] [--batch-size N] [--threads N] [--device auto|cpu|cuda] [--out DIR]
+        [--depths 0,0.25,0.5,0.75,1] [--samples N] [--seed S] [--task-param TASK.NAME=VALUE ...]
+        [--ppl-tokens N] [--stride N] [--batch-size N] [--threads N] [--device auto|cpu|cuda]
+        [--out DIR] [--overwrite]
     torchrun --nproc-per-node N -m eval ...      # context parallel: zig-zag ring attention over N ranks
 
 Writes DIR/results.json (every number, the chance levels, the checkpoint and settings),
 DIR/<task>_heatmap.png (exact match over needle depth x length, passkey and multikey_needle),
 DIR/accuracy_by_length.png and DIR/perplexity.png. --samples is per (length, depth) cell for needle
 tasks and per length for variable tracking. Default DIR: <run dir>/eval/step_XXXXXXXX.
+
+A DIR that holds an earlier eval's outputs is refused (nothing is loaded); --overwrite replaces them,
+removing the earlier results.json and figures once the new numbers exist (eval/outputs.py). Every
+mistake a user can fix (flags, paths, recipe, checkpoint vs recipe, device) is one `error:` line and
+exit status 2, reported before the model is built (eval/inputs.py). One progress line per (task,
+length) as it finishes: `[done/total elapsed] task length L: scores`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,45 +29,25 @@ from pathlib import Path
 import torch
 
 from . import perplexity, plots, tasks
-from .model_io import checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
+from .inputs import ALL_TASKS, Inputs, UsageError, check_inputs
+from .model_io import check_fit, checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
+from .outputs import clear_earlier, earlier_outputs, open_output, write_results
 from moe_lc.checkpoint import CheckpointError
 from moe_lc.config import ConfigError
 from moe_lc.data import load_tokenizer
 from moe_lc.parallel.mesh import exit_process
 from moe_lc.preflight import resolve_device
 
-ALL_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one `error:` line (UsageError), like every other mistake here,
+    instead of the usage block and a SystemExit from inside parse_args."""
 
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _task_params(items: list[str]) -> dict[str, dict]:
-    """['multikey_needle.n_keys=2'] -> {'multikey_needle': {'n_keys': 2}}."""
-    out: dict[str, dict] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        kind, dot, name = key.partition(".")
-        if not sep or not dot or kind not in tasks.TASK_IDS:
-            raise ValueError(f"--task-param {item!r}: expected KIND.NAME=VALUE with KIND one of {', '.join(tasks.TASK_IDS)}")
-        for cast in (int, float):
-            try:
-                out.setdefault(kind, {})[name] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out.setdefault(kind, {})[name] = value
-    return out
+    def error(self, message):
+        raise UsageError([f"{message} (see python -m eval --help)"])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m eval", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m eval", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="run directory, checkpoint root, one step_XXXXXXXX directory, or a from-hf directory")
     ap.add_argument("--recipe", help="recipe the model was trained with (default: the run's config.toml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
@@ -70,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (0 = start of the context)")
     ap.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--task-param", action="append", default=[], metavar="KIND.NAME=VALUE",
+    ap.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
                     help="task parameter, e.g. multikey_needle.n_keys=2")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for perplexity")
     ap.add_argument("--stride", type=int, default=256, help="sliding-window stride (capped at length/2)")
@@ -79,57 +65,105 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: cuda (cuda:LOCAL_RANK under torchrun) when available")
     ap.add_argument("--out", help="output directory (default: <run dir>/eval/<step dir name>)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier eval's results.json and figures in the output directory")
     return ap.parse_args(argv)
 
 
-def evaluate(args: argparse.Namespace, progress=print) -> dict:
-    """Run the eval described by parsed arguments; returns the results (also written to --out)."""
-    chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = sorted(set(chosen) - set(ALL_TASKS))
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(ALL_TASKS)}")
-    lengths, depths = _ints(args.lengths), _floats(args.depths)
-    if not lengths or min(lengths) < 2 or any(not 0 <= d <= 1 for d in depths) or args.samples < 1:
-        raise ValueError("--lengths must be integers >= 2, --depths within [0, 1], --samples >= 1")
-    params = _task_params(args.task_param)
+def say(line: str) -> None:
+    """Print now: under a pipe (tools/extend.py) stdout is block-buffered and would sit silent for minutes."""
+    print(line, flush=True)
+
+
+class CellProgress:
+    """Numbers the one line run_retrieval / run_perplexity give per (task, length) as it finishes:
+    `[3/12 1m05s] passkey length 512: ...`, so a long eval shows how far it is."""
+
+    def __init__(self, total: int, write=say):
+        self.total, self.done, self.write, self.start = total, 0, write, time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        self.done += 1
+        elapsed = int(time.perf_counter() - self.start)
+        self.write(f"[{self.done}/{self.total} {elapsed // 60}m{elapsed % 60:02d}s] {line.strip()}")
+
+
+def evaluate(args: argparse.Namespace, progress=say) -> dict:
+    """Run the eval described by parsed arguments; returns the results (also written to the output
+    folder). Every check that needs no model (arguments, checkpoint, recipe, output folder, the
+    checkpoint's tensors against the recipe's) runs before the model is built."""
+    inputs = check_inputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_eval_config(config_path, args.recipe, args.set)
+    check_fit(step_dir, cfg)  # before a process group or a model exists (load_model checks again)
+    out = Path(args.out) if args.out else step_dir.parent.parent / "eval" / step_dir.name
+    problem = open_output(out, args.overwrite)
+    if problem:
+        raise UsageError([problem])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     device = resolve_device(args.device)
     # the multi-key needle as trained (data.needle_keys) unless --task-param says otherwise
-    params.setdefault("multikey_needle", {}).setdefault("n_keys", cfg.data.needle_keys)
+    inputs.params.setdefault("multikey_needle", {}).setdefault("n_keys", cfg.data.needle_keys)
     dims = eval_dims(cfg, device)
     if dims is not None and dims.rank != 0:  # every cp rank computes; rank 0 reports and writes
         progress = lambda *a, **k: None  # noqa: E731
-    model = load_model(step_dir, cfg, device, dims=dims)
-    out = Path(args.out) if args.out else step_dir.parent.parent / "eval" / step_dir.name
-    out.mkdir(parents=True, exist_ok=True)
-    progress(f"eval {step_dir} (step {checkpoint_step(step_dir)}) -> {out}"
+    cells = len(inputs.tasks) * len(inputs.lengths)
+    progress(f"eval {step_dir} (step {checkpoint_step(step_dir)}) -> {out}: {len(inputs.tasks)} task(s) x "
+             f"{len(inputs.lengths)} length(s) = {cells} cells"
              + (f" | context parallel over {dims.cp} ranks" if dims is not None else ""))
-    start = time.perf_counter()
+    model = load_model(step_dir, cfg, device, dims=dims)
+    start, cell = time.perf_counter(), CellProgress(cells, progress)
     results = {"checkpoint": str(step_dir), "step": checkpoint_step(step_dir),
                "recipe": str(args.recipe or config_path), "trained_seq_len": cfg.train.seq_len,
-               "tokenizer": tokenizer.name,
-               "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": depths,
+               "tokenizer": tokenizer.name, "seed": args.seed, "samples": args.samples,
+               "lengths": inputs.lengths, "depths": inputs.depths,
                "scoring": "teacher-forced: mean log-prob of the answer tokens; exact = greedy argmax "
                           "reproduces every answer token; token_acc = fraction of answer tokens reproduced",
                "tasks": {}, "files": []}
-    for kind in chosen:
-        if kind == "perplexity":
-            held = perplexity.heldout_tokens(cfg.data, tokenizer, args.ppl_tokens)
-            results["tasks"][kind] = perplexity.run_perplexity(model, held, lengths, args.stride, args.batch_size, progress)
-        else:
-            results["tasks"][kind] = tasks.run_retrieval(model, kind, lengths, depths, args.samples, args.seed,
-                                                         tokenizer, args.batch_size, progress, **params.get(kind, {}))
+    for kind in inputs.tasks:
+        results["tasks"][kind] = _score(kind, model, inputs, args, cfg, tokenizer, cell)
     results["elapsed_s"] = time.perf_counter() - start
     results["context_parallel"] = dims.cp if dims is not None else 1
     if dims is None or dims.rank == 0:
-        results["files"] = _draw(results, out)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        progress(f"wrote {out / 'results.json'} and {', '.join(Path(f).name for f in results['files'])}")
+        _write(results, out, args.overwrite, progress)
     return results
+
+
+def _score(kind: str, model, inputs: Inputs, args: argparse.Namespace, cfg, tokenizer, cell: CellProgress) -> dict:
+    """One task over every length (`cell` is called once per length)."""
+    if kind == "perplexity":
+        held = perplexity.heldout_tokens(cfg.data, tokenizer, args.ppl_tokens)
+        return perplexity.run_perplexity(model, held, inputs.lengths, args.stride, args.batch_size, cell)
+    return tasks.run_retrieval(model, kind, inputs.lengths, inputs.depths, args.samples, args.seed, tokenizer,
+                               args.batch_size, cell, **inputs.params.get(kind, {}))
+
+
+def _free_sibling(out: Path) -> Path:
+    """out_2, out_3, ...: the first that holds no eval."""
+    k = 2
+    while earlier_outputs(out.with_name(f"{out.name}_{k}")):
+        k += 1
+    return out.with_name(f"{out.name}_{k}")
+
+
+def _write(results: dict, out: Path, overwrite: bool, say_line) -> None:
+    """Figures, then results.json, into `out`; --overwrite first removes the earlier eval's outputs (only
+    now, so a failed eval keeps them). An eval that landed in `out` while this one ran is kept too."""
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        removed = clear_earlier(out)
+        if removed:
+            say_line(f"--overwrite: removed the earlier eval's {', '.join(p.name for p in removed)} from {out}")
+    elif earlier_outputs(out):
+        moved = _free_sibling(out)
+        say_line(f"{out} gained another eval's results while this one ran; writing to {moved} instead")
+        out = moved
+        out.mkdir(parents=True, exist_ok=True)
+    results["files"] = _draw(results, out)
+    path = write_results(out, results)
+    say_line(f"wrote {', '.join([str(path), *(Path(f).name for f in results['files'])])}")
 
 
 def _draw(results: dict, out: Path) -> list[str]:
@@ -148,10 +182,14 @@ def _draw(results: dict, out: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """Exit status 0, or 2 with one `error: ...` line per mistake (no traceback) for anything a user can fix."""
     try:
-        evaluate(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        evaluate(parse_args(argv))
+    except (UsageError, ConfigError) as exc:  # several mistakes, one line each
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -20,17 +20,41 @@ Chance (a guesser that knows the answer format but not the context; byte tokeniz
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from moe_lc.data.synthetic import make_task
+from moe_lc.data import ByteTokenizer
+from moe_lc.data.synthetic import TASKS, make_task
 from .model_io import forward_logits
 
 RETRIEVAL_TASKS = ("passkey", "multikey_needle", "variable_tracking")
 TASK_IDS = {"passkey": 1, "multikey_needle": 2, "variable_tracking": 3, "associative_recall": 4}
 DEPTH_TASKS = ("passkey", "multikey_needle")  # tasks with a needle depth (the heatmap's rows)
+_SET_BY_HARNESS = ("rng", "length", "tokenizer", "depth")
+
+
+def param_names(kind: str) -> tuple[str, ...]:
+    """The parameters --task-param may set for `kind`: its generator's keywords the harness does not set."""
+    return tuple(p for p in inspect.signature(TASKS[kind]).parameters if p not in _SET_BY_HARNESS)
+
+
+def param_error(kind: str, params: dict) -> str | None:
+    """Why `params` cannot make a sample of `kind` (None when they can), found by making one 1-token
+    sample: the generator checks its parameters before the length, so "too short" means they passed.
+    Why here: run_retrieval records a generator's ValueError as that length being too short, so a bad
+    parameter would otherwise skip every length and the eval would end "successfully" with no numbers."""
+    defaults = inspect.signature(TASKS[kind]).parameters
+    for name, value in params.items():
+        if isinstance(defaults[name].default, int) and not isinstance(value, int):
+            return f"{name}={value!r} must be an integer"
+    try:
+        make_task(kind, np.random.default_rng(0), 1, ByteTokenizer(), **params)
+    except ValueError as exc:
+        return None if "too short" in str(exc) else str(exc)
+    return None
 
 
 @dataclass
@@ -100,7 +124,7 @@ def run_retrieval(model, kind: str, lengths: list[int], depths: list[float], n: 
                   batch_size: int = 8, progress=print, **params) -> dict:
     """One retrieval task over lengths (x depths for needle tasks):
     {"by_length": {L: summary}, "grid": {L: {depth: summary}} (needle tasks), "skipped": {L: why},
-     "chance": {...}}."""
+     "chance": {...}}. `progress` gets exactly one line per length (run.py numbers them)."""
     out = {"by_length": {}, "grid": {}, "skipped": {}, "chance": chance(kind, params), "params": params}
     cells = list(enumerate(depths)) if kind in DEPTH_TASKS else [(0, None)]
     for length in lengths:

@@ -88,7 +88,7 @@ def plan_stages(recipes: list[str], runs: Path, out: Path, sets: list[str]) -> l
 
 
 def eval_command(checkpoint: Path, out: Path, args, sets: list[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", EVAL, str(checkpoint), "--out", str(out), "--lengths", args.lengths,
+    cmd = [sys.executable, "-m", EVAL, str(checkpoint), "--out", str(out), "--overwrite", "--lengths", args.lengths,
            "--samples", str(args.samples), "--tasks", args.tasks, "--ppl-tokens", str(args.ppl_tokens)]
     for s in sets:
         cmd += ["--set", s]
