@@ -1,7 +1,7 @@
 """Ablation runner: one training run per combination of grid values, then a table and loss curves.
 
     python tools/ablate.py RECIPE --grid KEY=V1,V2 [--grid KEY=...] [--set KEY=VALUE ...] --out DIR
-                           [--nproc N] [--quiet]
+                           [--nproc N] [--quiet] [--rerun-changed]
 
 Every combination of the --grid values (the cartesian product, in the order given) runs
 sequentially as `python -m moe_lc.train RECIPE --set ...` (through torchrun when --nproc > 1) with
@@ -10,10 +10,15 @@ Afterwards DIR/results.csv and DIR/results.md list per run: status, steps, final
 median tokens/s and wall time; DIR/loss_curves.png overlays the loss curves.
 
 Resumable: a combination whose metrics.jsonl already holds every step is skipped; an unfinished one
-runs again with checkpoint.resume=true (continuing from its newest checkpoint, if it saved any). A
-run that fails (bad value, a feature the trainer refuses, a crash) is reported with its error and
-the others continue; the exit status is 1 when any run failed. List values in a grid are written in
-brackets: --grid data.synthetic_tasks=[passkey],[passkey,variable_tracking].
+runs again with checkpoint.resume=true (continuing from its newest checkpoint, if it saved any; the
+trainer restarts one that died before its first save). Each run's settings (recipe, grid point,
+--set) are kept in its ablate_settings.json: rerun into the same DIR with other settings, the runs
+they change are refused (exit status 2, one line naming them and the keys) unless --rerun-changed
+moves them to DIR/_stale/ and trains them anew (tools/ablate_settings.py). So ablate never starts a
+fresh run over a used directory, and never needs train.overwrite. A run that fails (bad value, a
+feature the trainer refuses, a crash) is reported with its error and the others continue; the exit
+status is 1 when any run failed. List values in a grid are written in brackets:
+--grid data.synthetic_tasks=[passkey],[passkey,variable_tracking].
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_lc.config import ConfigError, load_config
+
+from . import ablate_settings as settings
+from .ablate_plot import plot_losses
+from .out_path import out_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,10 +201,10 @@ def run_one(recipe: str, combo: Combo, sets: list[str], out: Path, nproc: int, e
         _write_status(run_dir, "invalid", None, 0.0, " / ".join(exc.errors), [])
         echo(f"    invalid: {' / '.join(exc.errors)}")
         return "invalid"
+    settings.write(run_dir, settings.record(recipe, combo.values, sets, nproc))  # equal to any stored one
     if is_complete(run_dir, cfg.train.steps):
         echo(f"    skipped: complete ({cfg.train.steps} steps in {run_dir / 'metrics.jsonl'})")
         return "skipped"
-    run_dir.mkdir(parents=True, exist_ok=True)
     cmd = command(recipe, overrides, nproc)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
@@ -278,38 +287,15 @@ def write_reports(results: list[RunResult], grid_keys: list[str], out: Path, tit
     plot_losses(results, out / "loss_curves.png", title)
 
 
-def plot_losses(results: list[RunResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    drawn = 0
-    styles = ("-", "--", ":", "-.")  # identical runs (e.g. exact recomputation) stay visible on top of each other
-    for r in results:
-        if r.losses:
-            steps, losses = zip(*r.losses)
-            ax.plot(steps, losses, styles[drawn % len(styles)], label=f"{r.combo.name} ({r.status})", linewidth=1.4)
-            drawn += 1
-    if not drawn:
-        ax.text(0.5, 0.5, "no run logged a step", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.legend(fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run_ablation(recipe: str, grid: list[tuple[str, list[str]]], sets: list[str], out: Path, nproc: int = 1,
-                 echo=print, timeout_s: float | None = None) -> list[RunResult]:
-    """Run (or skip) every combination, then collect and write the reports; returns the results."""
+                 echo=print, timeout_s: float | None = None, rerun_changed: bool = False) -> list[RunResult]:
+    """Run (or skip) every combination, then collect and write the reports; returns the results.
+    settings.ChangedRuns, before anything runs, when `out` holds runs trained with other settings
+    (moved aside instead with `rerun_changed`)."""
     out.mkdir(parents=True, exist_ok=True)
     combos = combinations(grid)
+    records = {c.name: settings.record(recipe, c.values, sets, nproc) for c in combos}
+    settings.set_aside_changed(out, records, rerun_changed, echo)
     for i, combo in enumerate(combos, 1):
         echo(f"[{i}/{len(combos)}] {combo.name}: {' '.join(combo.overrides()) or '(base recipe)'}")
         run_one(recipe, combo, sets, out, nproc, echo, timeout_s)
@@ -334,21 +320,28 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun when > 1)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before a run is killed")
     ap.add_argument("--quiet", action="store_true", help="only one line per run")
+    ap.add_argument("--rerun-changed", action="store_true",
+                    help="runs in --out trained with other settings: move them to --out/_stale/ and train anew")
     args = ap.parse_args(argv)
-    try:
-        grid = parse_grid(args.grid)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.nproc < 1:
-        print(f"error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
-        return 2
 
     def echo(text: str) -> None:
         if not (args.quiet and text.startswith("    step")):
             print(text, flush=True)
 
-    results = run_ablation(args.recipe, grid, args.set, Path(args.out), args.nproc, echo, args.timeout)
+    try:
+        grid = parse_grid(args.grid)
+        if args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        out_dir("--out", args.out)
+    except ValueError as exc:  # a bad --grid / --nproc / --out (OutPathError)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        results = run_ablation(args.recipe, grid, args.set, Path(args.out), args.nproc, echo, args.timeout,
+                               args.rerun_changed)
+    except settings.ChangedRuns as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"\n{Path(args.out) / 'results.md'}:")
     print((Path(args.out) / "results.md").read_text())
     bad = [r for r in results if r.status != "ok"]

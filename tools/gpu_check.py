@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from .out_path import out_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("env", "install", "tests", "bench")
 OPTIONAL = {"flash_attn": "flash_attn", "flash_attn4": "flash_attn.cute", "transformer_engine": "transformer_engine"}
@@ -53,10 +55,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="no GPU needed: tests skip, benchmarks on tiny CPU shapes")
     args = ap.parse_args(argv)
     args.steps = [s.strip() for s in args.steps.split(",") if s.strip()]
-    unknown = [s for s in args.steps if s not in STEPS]
-    if unknown:
-        ap.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
     return args
+
+
+def argument_errors(args) -> list[str]:
+    """Every mistake in the arguments, found before any step runs: the env and install steps take
+    minutes (and install packages) before the benchmark step would have read a bad --parts."""
+    from .bench.run import PARTS
+
+    errors = []
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown or not args.steps:
+        errors.append(f"--steps: unknown step(s) {', '.join(unknown) or '(none given)'}; "
+                      f"choose from {', '.join(STEPS)}")
+    parts = [p.strip() for p in (args.parts or "").split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or (args.parts is not None and not parts):
+        errors.append(f"--parts: unknown part(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(PARTS)}")
+    for flag, folder in (("--wheels", args.wheels), ("--bundle", args.bundle)):
+        if folder is not None and not Path(folder).is_dir():
+            errors.append(f"{flag} {folder}: not a directory")
+    if args.wheels and args.bundle:
+        errors.append("--wheels and --bundle: give one of them")
+    bench = _bench_argument_error(_bench_argv(args, Path(".")))
+    if bench and not bad:
+        errors.append(f"--bench-arg: {bench}")
+    return errors
+
+
+def _bench_argument_error(argv: list[str]) -> str | None:
+    """The benchmark runner's own complaint about `argv` (its parser, quietly), or None."""
+    import contextlib
+    import io
+
+    from .bench.run import parse_args as bench_parse_args
+
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(text):
+            bench_parse_args(argv)
+    except SystemExit:
+        lines = [ln for ln in text.getvalue().splitlines() if "error:" in ln]
+        return lines[-1].split("error:", 1)[1].strip() if lines else text.getvalue().strip()
+    return None
 
 
 def importable(module: str) -> str | None:
@@ -136,9 +177,16 @@ def run_logged(cmd: list[str], log: Path) -> int:
 
 
 def main(argv=None) -> int:
+    """Exit status 0, 1 when a step failed, 2 with one `error: ` line for bad arguments (nothing ran)."""
     args = parse_args(argv)
-    out = Path(args.out or ROOT / "runs" / f"gpu_check-{_dt.date.today().isoformat()}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        errors = argument_errors(args)
+        if errors:
+            raise ValueError("; ".join(errors))
+        out = out_dir("--out", args.out or ROOT / "runs" / f"gpu_check-{_dt.date.today().isoformat()}").resolve()
+    except ValueError as exc:  # OutPathError too
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     summary, status = [f"# GPU bring-up ({'DRY RUN on CPU' if args.dry_run else 'GPU'}), {_dt.datetime.now():%Y-%m-%d %H:%M}", ""], 0
     for step in args.steps:
@@ -179,12 +227,17 @@ def _step_tests(args, out: Path) -> str:
     return f"{verdict}: {tail[0] if tail else ''}"
 
 
+def _bench_argv(args, out: Path) -> list[str]:
+    argv = ["--out", str(out)] + (["--dry-run"] if args.dry_run else [])
+    argv += ["--parts", args.parts] if args.parts else []
+    argv += ["--quick"] if args.quick else []
+    return argv + list(args.bench_arg)
+
+
 def _step_bench(args, out: Path) -> str:
-    cmd = [sys.executable, "tools/bench/run.py", "--out", str(out)]
-    cmd += ["--dry-run"] if args.dry_run else []
-    cmd += ["--parts", args.parts] if args.parts else []
-    cmd += ["--quick"] if args.quick else []
-    cmd += list(args.bench_arg)
+    # as a module of this package (tools.bench.run, or moe_lc_tools.bench.run when installed): no path
+    # that holds only in a checkout
+    cmd = [sys.executable, "-m", f"{__package__ or 'tools'}.bench.run", *_bench_argv(args, out)]
     code = run_logged(cmd, out / "bench.log")
     return "done" if code == 0 else f"FAILED (exit {code})"
 

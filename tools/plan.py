@@ -318,6 +318,9 @@ def main(argv=None) -> int:
     ap.add_argument("--terms", action="store_true", help="list every saved tensor of a block")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it
+        print(f"error: --world must be a positive integer, got {args.world}", file=sys.stderr)
+        return 2
     sets = args.set + ([f"recompute.policy={args.policy}"] if args.policy else [])
     try:
         cfg = load_config(args.recipe, sets, world_size=args.world)
