@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from moe_lc.config.rules import ConfigError, validate
+from moe_lc.config.rules import ConfigError, recipe_warnings, validate
 from moe_lc.config.sections import SECTIONS, Config, ModelConfig
 
 # [model] keys that moved into sub-tables: old flat name -> new dotted name under model.
@@ -64,12 +64,39 @@ def read_recipe(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: malformed TOML: {exc}"]) from None
     base = raw.pop("extends", None)
+    stray = [f"{path}: `{key} = {_toml_value(value)}` sits before any [section] header{_section_hint(key)}"
+             for key, value in raw.items() if key not in SECTIONS and not isinstance(value, dict)]
+    if stray:
+        raise ConfigError(stray)
     if base is None:
         return raw
     if not isinstance(base, str):
         raise ConfigError([f"{path}: extends={base!r} must be a path string"])
     merged = read_recipe(path.parent / base, (*_seen, path.resolve()))
     return _deep_merge(merged, raw)
+
+
+def _section_hint(key: str) -> str:
+    """Where a key written above every header belongs: the one section with a field of that name (or
+    of the nearest name), or the sections that share it."""
+    owners: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for name, where in _field_owners(cls, section):
+            owners.setdefault(name, []).append(where)
+    if len(owners.get(key, ())) > 1:
+        return f" (a key of {' and '.join(f'[{o}]' for o in owners[key])}: put it under one of them)"
+    close = key if key in owners else next(iter(difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)), "")
+    return f" (did you mean [{owners[close][0]}] {close}?)" if close and len(owners[close]) == 1 else ""
+
+
+def _field_owners(cls, path: str):
+    """(field name, dotted section) of every leaf field of section class `cls`, sub-tables included."""
+    hints = get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[fl.name]):
+            yield from _field_owners(hints[fl.name], f"{path}.{fl.name}")
+        else:
+            yield fl.name, path
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -163,13 +190,27 @@ def build_config(raw: dict) -> Config:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: int | None = None,
-                check: bool = True) -> Config:
-    """Recipe file + overrides -> validated Config (ConfigError lists every problem)."""
-    raw, errors = apply_overrides(read_recipe(path), list(overrides))
+                check: bool = True, warnings: list[str] | None = None) -> Config:
+    """Recipe file + overrides -> validated Config (ConfigError lists every problem). `warnings`, when
+    given, receives the legal but likely mistaken settings (`recipe_warnings`), one line each."""
+    recipe = read_recipe(path)
+    raw, errors = apply_overrides(recipe, list(overrides))
     if errors:
         raise ConfigError(errors)
     cfg = build_config(raw)
-    return validate(cfg, world_size) if check else cfg
+    cfg = validate(cfg, world_size) if check else cfg
+    if warnings is not None:
+        warnings += [f"recipe {path} sets no keys: every field takes its default"] if not given_keys(recipe) else []
+        warnings += recipe_warnings(cfg, given_keys(raw))
+    return cfg
+
+
+def given_keys(raw: dict, prefix: str = "") -> set[str]:
+    """The dotted names of the keys raw tables set (`data.synthetic_tasks`), sub-tables' keys included."""
+    keys = set()
+    for key, value in raw.items():
+        keys |= given_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
 
 
 def _check(value, typ) -> str | None:

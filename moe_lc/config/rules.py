@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from moe_lc.config.sections import SECTIONS, Config, ParallelConfig
+from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig
 
 
 class ConfigError(ValueError):
@@ -201,3 +201,22 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError(errors)
     return cfg
+
+
+def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
+    """Legal settings that are likely mistakes, one line each (the run goes on). `given`: the dotted keys
+    the recipe and its --set overrides wrote, so a default (or a printed config repeating one) never warns."""
+    d, t, rope, w = cfg.data, cfg.train, cfg.model.rope, []
+    if ("data.synthetic_tasks" in given and d.synthetic_tasks != DataConfig().synthetic_tasks
+            and d.synthetic_weight == 0 and d.source != "synthetic"):
+        w.append(f"data.synthetic_tasks={d.synthetic_tasks} is set, but data.synthetic_weight = 0 with "
+                 f"data.source={d.source!r}: the tasks are never drawn (set synthetic_weight > 0)")
+    reach = rope.original_seq_len * rope.factor
+    if rope.scaling == "yarn" and t.seq_len > reach:
+        w.append(f"train.seq_len={t.seq_len} is beyond what YaRN is scaled for: model.rope.original_seq_len x "
+                 f"factor = {rope.original_seq_len} x {rope.factor:g} = {reach:g}; positions past it extrapolate "
+                 f"(raise model.rope.factor to {t.seq_len / rope.original_seq_len:g})")
+    if t.warmup_steps > t.steps:
+        w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
+                 f"warmup and never trains at train.lr={t.lr:g}")
+    return w

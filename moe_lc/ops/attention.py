@@ -37,16 +37,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_lc.config.choices import AttnBackend, names
-from moe_lc.ops.device import is_gpu, meta_gpu
-from moe_lc.ops.attention_backends import (REFERENCE, AttentionBackend, ReferenceBackend, TorchBackend,
-                                           check_attention_inputs)
+from moe_lc.ops.device import gpu_capability, is_gpu, meta_gpu
+from moe_lc.ops.attention_backends import (CUDA_FLASH_DTYPES, CUDA_FLASH_MAX_HEAD_DIM, REFERENCE, AttentionBackend,
+                                           ReferenceBackend, TorchBackend, check_attention_inputs, round_up)
 from moe_lc.ops.flash_attention import (FlashAttn4Backend, FlashAttnBackend, flash_attn4_device_ok,
                                         flash_attn4_interface, flash_attn_interface)
 
 aten = torch.ops.aten
 __all__ = ["AUTO_ORDER", "BACKEND_NAMES", "AttentionBackend", "ReferenceBackend", "TorchBackend", "FlashAttnBackend",
            "FlashAttn4Backend", "attention", "attention_with_lse", "available_backends", "check_attention_inputs",
-           "get_backend"]
+           "get_backend", "keeps_scores", "resolved_backend", "unusable_reason"]
 
 BACKEND_NAMES = names(AttnBackend)  # the recipe's choices: "auto" plus every class of _BACKEND_CLASSES
 # "auto" takes the first of these that is usable on the device: fastest first by the published
@@ -92,6 +92,39 @@ def _backend_for(name: str, device: torch.device, meta_gpu) -> AttentionBackend:
         usable = available_backends(device)
         name = next(n for n in AUTO_ORDER if n in usable)
     return REFERENCE if name == "reference" else _BACKEND_CLASSES[name]()
+
+
+def resolved_backend(name: str, device: torch.device | str = "cpu") -> str:
+    """The concrete backend `name` stands for on `device` ("auto": the first usable of AUTO_ORDER)."""
+    return next(n for n in AUTO_ORDER if n in available_backends(device)) if name == "auto" else name
+
+
+def unusable_reason(name: str, device: torch.device | str = "cpu") -> str | None:
+    """Why backend `name` cannot run on `device` in this process (None when it can). Preflight asks this
+    before any process group, so a recipe naming a kernel this machine lacks stops with one line, not
+    with the ImportError of the first forward (or a silent fall-back to the O(S^2) reference math)."""
+    device, why = torch.device(device), []
+    if name == "torch" and not _torch_flash_available(device):
+        why.append("this torch has no fused flash kernel for " + ("CPU" if device.type == "cpu" else device.type))
+    if name in ("flash_attn", "flash_attn4") and not is_gpu(device):
+        why.append(f"it runs on CUDA only, and train.device resolves to {device.type}")
+    elif name == "flash_attn4" and not flash_attn4_device_ok(device):
+        major, minor = gpu_capability(device) or (0, 0)
+        why.append(f"it needs compute capability >= 9.0 (Hopper, Blackwell); this GPU is {major}.{minor}")
+    if name == "flash_attn" and flash_attn_interface() is None:
+        why.append("the flash-attn package (>= 2.6, CUDA, built from source) is not importable here")
+    if name == "flash_attn4" and flash_attn4_interface() is None:
+        why.append("PyPI's flash-attn-4 (pip install flash-attn-4, CUDA 12.9+) is not importable here")
+    return "; ".join(why) or None
+
+
+def keeps_scores(name: str, device: torch.device | str, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    """Whether backend `name` materializes the (S_q x S_k) scores for such inputs on `device`: the reference
+    math does, and so do the CUDA kernels' fall-backs to it (`fallback_reason`). Preflight's memory floor."""
+    name = resolved_backend(name, device)
+    if name == "reference" or not is_gpu(device):
+        return name == "reference"  # on CPU the torch kernel is blocked (flash_attn* are refused there)
+    return dtype not in CUDA_FLASH_DTYPES or round_up(max(d_qk, d_v), 8) > CUDA_FLASH_MAX_HEAD_DIM
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
