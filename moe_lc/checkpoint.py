@@ -83,6 +83,24 @@ def why_no_checkpoint(root: str | Path) -> str:
     return f"{root} holds only incomplete saves ({', '.join(sorted(started)[:3])})"
 
 
+def uncommitted_steps(root: str | Path) -> list[str]:
+    """step_XXXXXXXX directories under root without their COMMITTED marker: damaged (a marker deleted by
+    hand), never a save in progress (that is .tmp_step_*; the rename comes after the marker)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if _STEP_DIR.match(p.name) and not (p / MARKER).is_file())
+
+
+def commit_info(step_dir: str | Path) -> dict:
+    """The COMMITTED marker: {"step", "time"} and, for a training run's save, "run" (its run.json id)."""
+    try:
+        info = json.loads((Path(step_dir) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The committed step directory a user's path names: the step itself, or the newest under a checkpoint
     root, a run directory (<output_dir>/checkpoints) or a `python -m moe_lc.convert from-hf` directory
@@ -112,20 +130,32 @@ def recipe_beside(step_dir: Path) -> Path | None:
 
 def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """Why the checkpoint at `path` cannot give a model of these full `shapes` its weights; [] if it can.
-    A missing router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero)."""
+    Both directions count: a tensor of the model the checkpoint lacks, and a tensor of the checkpoint's
+    model the recipe lacks (a 4-layer checkpoint into 3 layers would otherwise drop layers.3.* without a
+    word). Key-set differences come first, one line each, naming the first few and the count. A missing
+    router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero)."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:
         return [f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})"]
+    saved = {key[len("model."):]: m for key, m in meta.items() if key.startswith("model.")}
+    missing = [n for n in shapes if n not in saved and not n.endswith("expert_bias")]
+    extra = [n for n in saved if n not in shapes]
     errors = []
+    if missing:
+        errors.append(f"{path} lacks {_some(missing)} of the recipe's model")
+    if extra:
+        errors.append(f"{path} holds {_some(extra)} that the recipe's model lacks")
     for name, shape in shapes.items():
-        saved = meta.get(f"model.{name}")
-        if saved is None:
-            if not name.endswith("expert_bias"):
-                errors.append(f"{name} (shape {tuple(shape)} in the recipe) is missing from {path}")
-        elif tuple(saved.size) != tuple(shape):
-            errors.append(f"{name} is {tuple(saved.size)} in {path} but {tuple(shape)} in the recipe")
+        if name in saved and tuple(saved[name].size) != tuple(shape):
+            errors.append(f"{name} is {tuple(saved[name].size)} in {path} but {tuple(shape)} in the recipe")
     return errors
+
+
+def _some(names: list[str], first: int = 4) -> str:
+    """'3 tensors: a, b, c' / '40 tensors: a, b, c, d, ... (+36 more)'."""
+    shown = ", ".join(names[:first]) + (f", ... (+{len(names) - first} more)" if len(names) > first else "")
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}: {shown}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -136,10 +166,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _commit(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
-    """Writer rank only: marker, rename into place, prune old checkpoints."""
+def _commit(root: Path, tmp: Path, final: Path, step: int, keep: int, run_id: str | None = None) -> None:
+    """Writer rank only: marker (with the run id, so a resume can tell another run's checkpoint), rename
+    into place, prune old checkpoints."""
     with open(tmp / MARKER, "w") as fh:
-        json.dump({"step": step, "time": time.time()}, fh)
+        json.dump({"step": step, "time": time.time(), **({"run": run_id} if run_id else {})}, fh)
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(tmp)
@@ -158,11 +189,17 @@ def _dcp_save(state: dict, path: Path, group=None, file_per_tensor: bool = False
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=not file_per_tensor)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process notice
-        dcp.save(state, storage_writer=writer, process_group=group)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=group)
+        except CheckpointException as exc:  # DCP reports a Ctrl-C as one of its failures: keep it a Ctrl-C
+            if any(isinstance(e, KeyboardInterrupt) for e, _ in exc.failures.values()):
+                raise KeyboardInterrupt from None
+            raise
 
 
 def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool,
-                    barrier=lambda: None, keep: int = 0, rank: int = 0, file_per_tensor: bool = False) -> Path:
+                    barrier=lambda: None, keep: int = 0, rank: int = 0, file_per_tensor: bool = False,
+                    run_id: str | None = None) -> Path:
     """Save `state` for `step` synchronously; collective over all ranks. Returns the committed dir."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
@@ -174,7 +211,7 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, is_writer: bool
     _dcp_save(state, tmp, file_per_tensor=file_per_tensor)
     faults.maybe_kill_in_save(step, rank)
     if is_writer:  # DCP wrote .metadata after every rank's data: the checkpoint is complete
-        _commit(root, tmp, final, step, keep)
+        _commit(root, tmp, final, step, keep, run_id)
     barrier()
     return final
 
@@ -203,11 +240,15 @@ def load_checkpoint(path: str | Path, state: dict) -> dict:
 
 
 class Checkpointer:
-    """Saves and restores one run's training state (see the module docstring)."""
+    """Saves and restores one run's training state (see the module docstring). `run_id` goes into each
+    COMMITTED marker; `on_commit(step, path)` runs on the writer rank after each commit (the trainer
+    records the newest checkpoint in run.json), in the save thread for asynchronous saves."""
 
     def __init__(self, root: str | Path, dims, *, keep: int = 0, async_save: bool = False):
         self.root, self.dims, self.keep, self.async_save = Path(root), dims, keep, async_save
         self.is_writer = dims.rank == 0
+        self.run_id: str | None = None
+        self.on_commit = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group = None
@@ -233,8 +274,10 @@ class Checkpointer:
         self.wait()
         state = self.state(parallel, optimizer, train)
         if not self.async_save:
-            return save_checkpoint(self.root, step, state, is_writer=self.is_writer, barrier=self._barrier,
-                                   keep=self.keep, rank=self.dims.rank)
+            path = save_checkpoint(self.root, step, state, is_writer=self.is_writer, barrier=self._barrier,
+                                   keep=self.keep, rank=self.dims.rank, run_id=self.run_id)
+            self._committed(step, path)
+            return path
         final, tmp = step_dir(self.root, step), self.root / f".tmp_step_{step:08d}"
         if self.is_writer:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -248,13 +291,22 @@ class Checkpointer:
                 _dcp_save(snapshot, tmp, self._group)
                 faults.maybe_kill_in_save(step, self.dims.rank)
                 if self.is_writer:
-                    _commit(self.root, tmp, final, step, self.keep)
+                    _commit(self.root, tmp, final, step, self.keep, self.run_id)
+                self._committed(step, final)
             except BaseException as exc:  # surfaced by wait()
                 self._error = exc
 
         self._thread = threading.Thread(target=write, name=f"checkpoint-step{step}", daemon=True)
         self._thread.start()
         return final
+
+    def _committed(self, step: int, path: Path) -> None:
+        if self.is_writer and self.on_commit is not None:
+            self.on_commit(step, path)
+
+    @property
+    def saving(self) -> bool:  # an asynchronous save is still being written
+        return self._thread is not None and self._thread.is_alive()
 
     def load_weights(self, path: Path, parallel, optimizer) -> None:
         """`checkpoint.init_from`: the model's weights (and persistent buffers) from the committed checkpoint
@@ -284,19 +336,22 @@ class Checkpointer:
         if optimizer.ema is not None:  # weights only: the EMA starts from them
             optimizer.ema.reset([s.master for s in optimizer.shards])
 
-    def wait(self) -> None:
-        """Join a running asynchronous save (and re-raise its error)."""
+    def wait(self, barrier: bool = True) -> None:
+        """Join a running asynchronous save (and re-raise its error); barrier=False after an interrupt,
+        when the other ranks may be gone."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            self._barrier()
+            if barrier:
+                self._barrier()
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
 
-    def resume(self, parallel, optimizer, train_template: dict) -> tuple[Path | None, dict]:
-        """Load the newest committed checkpoint into model and optimizer; returns (path, train state)."""
-        path = latest_checkpoint(self.root)
+    def resume(self, parallel, optimizer, train_template: dict, path: Path | None = None) -> tuple[Path | None, dict]:
+        """Load `path` (default: the newest committed checkpoint) into model and optimizer; returns
+        (path, train state)."""
+        path = path or latest_checkpoint(self.root)
         if path is None:
             return None, train_template
         keys = checkpoint_keys(path)

@@ -1,12 +1,15 @@
-"""Run metrics: metrics.jsonl (every step), TensorBoard scalars, a console progress line, MFU.
+"""Run metrics: metrics.jsonl (every step), the same scalars to the loggers of `train.loggers`
+(TensorBoard, Weights & Biases), a console progress line, MFU.
 
-Only the logging rank (global rank 0) writes; the others keep a no-op logger.
+Only the logging rank (global rank 0) writes; the others keep a no-op logger. metrics.jsonl is the
+record; a logger is a sink with `log(step, scalars)` and `close()`, built by `make_sinks`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,22 +59,87 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+class TensorBoardSink:
+    """<dir>/tb/ event files. `purge_step` (a resumed run's first step) hides the events an interrupted
+    run logged from that step on, as metrics.jsonl drops them."""
+
+    def __init__(self, out: Path, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out / "tb"), purge_step=purge_step)
+
+    def log(self, step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def import_wandb():
+    """The wandb module, imported only when a recipe asks for it; ConfigError naming the extra if absent."""
+    from moe_lc.config import ConfigError
+
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ConfigError([(f"train.loggers includes 'wandb', but the wandb package is not importable ({exc}): "
+                            "pip install -e '.[wandb]'")]) from None
+    return wandb
+
+
+class WandbSink:
+    """A Weights & Biases run: the same scalars as metrics.jsonl each step, the resolved recipe as its
+    config, named after output_dir, its files in output_dir/wandb/. Its id is the run directory's run id,
+    so a resumed run continues the same W&B run (W&B ignores steps below the newest it holds: steps run
+    again after a resume keep their first values there; metrics.jsonl is the record)."""
+
+    def __init__(self, out: Path, train_cfg, recipe: dict, run_id: str | None):
+        self.wandb = wandb = import_wandb()
+        mode = os.environ.get("WANDB_MODE") or train_cfg.wandb_mode
+        self.run = wandb.init(project=train_cfg.wandb_project, name=out.resolve().name, dir=str(out),
+                              config=recipe, id=run_id, resume="allow" if run_id else None, mode=mode)
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        if hasattr(self.wandb, "teardown"):  # flush and stop W&B's service now: a torchrun rank leaves by os._exit
+            self.wandb.teardown()
+
+
+LOGGERS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}  # keys: TrainConfig.loggers' choices
+
+
+def make_sinks(train_cfg, out: Path, recipe: dict, run_id: str | None, purge_step: int | None) -> list:
+    """The loggers of `train.loggers` for the logging rank (`recipe`: the resolved recipe as a dict)."""
+    out.mkdir(parents=True, exist_ok=True)
+    sinks = []
+    for name in dict.fromkeys(train_cfg.loggers):
+        if name == "wandb":
+            sinks.append(WandbSink(out, train_cfg, recipe, run_id))
+        else:
+            sinks.append(LOGGERS[name](out, purge_step))
+    return sinks
+
+
 class MetricsLogger:
-    """Writes one JSON object per step to <dir>/metrics.jsonl and the same scalars to <dir>/tb/."""
+    """Writes one JSON object per step to <dir>/metrics.jsonl and the same scalars to each sink
+    (default: TensorBoard in <dir>/tb/). `resume` appends to metrics.jsonl instead of replacing it."""
 
     def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, log_interval: int,
-                 resume: bool = False):
+                 resume: bool = False, sinks: list | None = None):
         self.enabled, self.total_steps, self.log_interval = enabled, total_steps, log_interval
-        self.writer = self.file = None
+        self.sinks, self.file = [], None
         self.start = time.perf_counter()
         self.first_step: int | None = None
         if not enabled:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(out / "tb"))
+        self.sinks = [TensorBoardSink(out)] if sinks is None else list(sinks)
         self.file = open(out / "metrics.jsonl", "a" if resume else "w")
 
     def log(self, step: int, metrics: dict) -> None:
@@ -83,9 +151,9 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for sink in self.sinks:
+            sink.log(step, scalars)
         if step % self.log_interval == 0 or step == self.total_steps or step == 1:
             self._print(step, record)
 
@@ -108,9 +176,11 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
+        """Close metrics.jsonl and every sink (idempotent: an interrupted run closes in a finally)."""
+        if self.enabled and self.file is not None and not self.file.closed:
             self.file.close()
+            for sink in self.sinks:
+                sink.close()
 
 
 def _plain(v):

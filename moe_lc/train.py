@@ -8,6 +8,7 @@ the step's token count, so losses and gradients are the same under any valid lay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import signal
@@ -19,11 +20,11 @@ from pathlib import Path
 import torch
 
 from moe_lc import checkpoint as ckpt
-from moe_lc import faults
+from moe_lc import faults, run_dir
 from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
-from moe_lc.metrics import MetricsLogger, peak_flops
+from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
@@ -35,6 +36,10 @@ from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroAdamW
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.train_step import StepResult, balance_routers, forward_backward, mtp_losses, step_token_count
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training; the message is the one line for the user (main() exits with 130)."""
 
 
 @dataclass
@@ -143,8 +148,7 @@ class Trainer:
         return {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped, "data": self.loader.state_dict()}
 
     def checkpoint_root(self) -> Path:
-        c = self.cfg.checkpoint
-        return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
+        return run_dir.checkpoint_root(self.cfg)
 
     def save(self) -> Path:
         bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
@@ -152,8 +156,9 @@ class Trainer:
             raise FloatingPointError(f"refusing to save non-finite parameters: {bad[:5]}")
         return self.checkpointer.save(self.step, self.parallel, self.optimizer, self._train_state())
 
-    def try_resume(self) -> Path | None:
-        path, train = self.checkpointer.resume(self.parallel, self.optimizer, self._train_state())
+    def try_resume(self, path: Path | None = None) -> Path | None:
+        """Load `path` (default: the newest committed checkpoint of checkpoint.dir), if any."""
+        path, train = self.checkpointer.resume(self.parallel, self.optimizer, self._train_state(), path)
         if path is not None:
             self.step = int(train["step"])
             self.nonfinite_skipped = int(train["nonfinite_skipped"])
@@ -161,14 +166,48 @@ class Trainer:
         return path
 
     # -- the loop -----------------------------------------------------------------------------------
-    def fit(self, keep_final_state: bool = False) -> TrainResult:
+    def fit(self, keep_final_state: bool = False, plan: run_dir.RunPlan | None = None) -> TrainResult:
+        """Train to train.steps. `plan`: main()'s run-directory decision, made before the process group
+        (computed here, on every rank alike, when absent). Ctrl-C raises `Interrupted` once an
+        asynchronous save in flight is done, with metrics.jsonl closed."""
+        logger = self._start(plan or run_dir.check(self.cfg))
+        result = TrainResult(optimizer_state_bytes=self.optimizer.state_bytes())
+        try:
+            self._loop(logger, result)
+            self.checkpointer.wait()
+            if self.optimizer.ema is not None:
+                self.optimizer.ema.wait()
+        except KeyboardInterrupt:
+            raise Interrupted(self._interrupted(logger)) from None
+        finally:
+            logger.close()
+        if keep_final_state:
+            result.final_state = full_state_dict(self.parallel, self.dims)
+        return result
+
+    def _start(self, plan: run_dir.RunPlan) -> MetricsLogger:
+        """Act on the run-directory plan: run.json (rank 0), resume or init_from, metrics truncated after
+        the resumed step, the loggers, config.toml and the banner."""
         cfg, t = self.cfg, self.cfg.train
-        out = Path(t.output_dir)
-        resumed = self.try_resume() if cfg.checkpoint.resume else None
-        logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=resumed is not None)
-        if cfg.checkpoint.resume and resumed is None:
-            logger.event(f"checkpoint.resume = true, but {ckpt.why_no_checkpoint(self.checkpoint_root())}: "
-                         + ("starting from checkpoint.init_from" if cfg.checkpoint.init_from else "starting from step 0"))
+        out, run_id, group = Path(t.output_dir), None, torch.distributed.is_initialized()
+        if group:
+            torch.distributed.barrier()  # every rank has made its decision (check) before rank 0 writes
+        if self.is_logger:
+            run_id = self.checkpointer.run_id = run_dir.prepare(plan)
+            self.checkpointer.on_commit = lambda step, path: run_dir.record_checkpoint(out, step, path)
+        if group:
+            torch.distributed.barrier()  # run.json and a cleared directory before anyone reads or saves
+        resumed = self.try_resume(plan.checkpoint) if plan.action == "resume" else None
+        continuing = plan.action in ("resume", "restart")
+        dropped = run_dir.truncate_metrics(out, self.step) if continuing and self.is_logger else 0
+        sinks = (make_sinks(t, out, dataclasses.asdict(cfg), run_id, self.step + 1 if continuing else None)
+                 if self.is_logger else None)  # TensorBoard hides what an interrupted run logged past the resume
+        logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=continuing, sinks=sinks)
+        if plan.note:
+            logger.event(plan.note)
+        if dropped:
+            logger.event(f"{run_dir.METRICS}: dropped {dropped} line(s) logged after step {self.step}, the step "
+                         "resumed (those steps run again)")
         if resumed is None and cfg.checkpoint.init_from:
             source = init_from_checkpoint(cfg)
             self.checkpointer.load_weights(source, self.parallel, self.optimizer)
@@ -176,8 +215,11 @@ class Trainer:
         if self.is_logger:
             (out / "config.toml").write_text(to_toml(cfg))
             self._banner(resumed)
-        result = TrainResult(optimizer_state_bytes=self.optimizer.state_bytes())
-        tokens_per_step = t.global_batch * t.seq_len
+        return logger
+
+    def _loop(self, logger: MetricsLogger, result: TrainResult) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        tokens_per_step, first, saved = t.global_batch * t.seq_len, self.step, None
         while self.step < t.steps:
             self.dims.counter.reset()
             start = time.perf_counter()
@@ -188,13 +230,7 @@ class Trainer:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             if not step.applied:
-                self.nonfinite_skipped += 1
-                logger.event(f"step {self.step + 1}: non-finite loss/grad norm ({loss}, {grad_norm}); update "
-                             f"skipped ({self.nonfinite_skipped}/{t.max_nonfinite_steps})")
-                if self.nonfinite_skipped > t.max_nonfinite_steps:
-                    raise FloatingPointError(
-                        f"stopping: {self.nonfinite_skipped} steps with a non-finite loss or grad norm "
-                        f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last checkpoint is intact")
+                self._skipped(loss, grad_norm, logger)
             self.step += 1
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / elapsed,
                        "step_time": elapsed, "skipped_steps": self.nonfinite_skipped}
@@ -207,18 +243,41 @@ class Trainer:
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
             result.comm_per_step.append(comm_bytes)
-            interval = cfg.checkpoint.interval
-            if interval and (self.step % interval == 0 or self.step == t.steps):
-                path = self.save()
-                logger.event(f"checkpoint {'started' if cfg.checkpoint.async_save else 'saved'}: {path}")
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                saved = self._save(logger)
             faults.maybe_exit(self.step, self.dims.rank)
-        self.checkpointer.wait()
-        if self.optimizer.ema is not None:
-            self.optimizer.ema.wait()
-        if keep_final_state:
-            result.final_state = full_state_dict(self.parallel, self.dims)
-        logger.close()
-        return result
+        if cfg.checkpoint.save_final and self.step > first and saved != self.step:
+            self._save(logger)  # the end of the run, so eval and to-hf find the weights
+
+    def _save(self, logger: MetricsLogger) -> int:
+        logger.event(f"checkpoint {'started' if self.cfg.checkpoint.async_save else 'saved'}: {self.save()}")
+        return self.step
+
+    def _skipped(self, loss: float, grad_norm: float, logger: MetricsLogger) -> None:
+        """The non-finite guard: count a skipped update, stop past train.max_nonfinite_steps."""
+        t = self.cfg.train
+        self.nonfinite_skipped += 1
+        logger.event(f"step {self.step + 1}: non-finite loss/grad norm ({loss}, {grad_norm}); update "
+                     f"skipped ({self.nonfinite_skipped}/{t.max_nonfinite_steps})")
+        if self.nonfinite_skipped > t.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"stopping: {self.nonfinite_skipped} steps with a non-finite loss or grad norm "
+                f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last checkpoint is intact")
+
+    def _interrupted(self, logger: MetricsLogger) -> str:
+        """Ctrl-C: wait for an asynchronous save in flight (a second Ctrl-C abandons it: its .tmp directory
+        is never read); the one line for the user."""
+        abandoned = ""
+        if self.checkpointer.saving:
+            logger.event("interrupted: waiting for the checkpoint being saved (Ctrl-C again to abandon it)")
+            try:
+                self.checkpointer.wait(barrier=False)
+            except (KeyboardInterrupt, ckpt.CheckpointError):
+                abandoned = "; the checkpoint being saved was abandoned"
+        latest = ckpt.latest_checkpoint(self.checkpoint_root())
+        where = (f"last checkpoint: {latest} (resume with --set checkpoint.resume=true)" if latest
+                 else "no checkpoint saved (set checkpoint.interval)")
+        return f"interrupted at step {self.step}; {where}{abandoned}"
 
     def _banner(self, resumed: Path | None) -> None:
         c = param_counts(self.cfg.model)
@@ -230,9 +289,11 @@ class Trainer:
               + (f" | resumed from {resumed}" if resumed else ""), flush=True)
 
 
-def run(cfg: Config, keep_final_state: bool = False) -> TrainResult:
-    """Train with a validated config in this process (one rank of the job)."""
-    return Trainer(cfg).fit(keep_final_state)
+def run(cfg: Config, keep_final_state: bool = False, plan: run_dir.RunPlan | None = None) -> TrainResult:
+    """Train with a validated config in this process (one rank of the job). `plan`: the run-directory
+    decision (`run_dir.check`), made here, before the process group, when absent."""
+    plan = plan or run_dir.check(cfg)
+    return Trainer(cfg).fit(keep_final_state, plan)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -281,26 +342,36 @@ def _launcher_store(world: int):
 
 
 def main(argv=None) -> int:
-    """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint, 3 stopped by the non-finite
-    guard. Every rank returns the same status; a recipe error (the same on every rank) is printed by rank 0."""
+    """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint / run directory, 3 stopped
+    by the non-finite guard, 130 interrupted (Ctrl-C). Every rank returns the same status; a recipe error
+    (the same on every rank) is printed by rank 0."""
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = load_config(args.recipe, args.set, world_size=world)
+        cfg = load_config(args.recipe, args.set, world_size=world, warnings=(warnings := []))
         if not args.print_config:
             preflight(cfg, world)
+            if "wandb" in cfg.train.loggers:
+                import_wandb()
+            plan = run_dir.check(cfg)  # may this run write into train.output_dir? (before any process group)
     except ConfigError as exc:
         return _recipe_error(exc, rank, world)
+    sys.stderr.writelines(f"warning: {w}\n" for w in warnings if rank == 0)  # legal, likely mistaken
     if args.print_config:
         print(to_toml(cfg, docs=args.docs))
         return 0
     try:
-        result = run(cfg)
+        result = run(cfg, plan=plan)
         if torch.distributed.is_initialized():
             # every rank's last collective has drained before any rank tears its pairs down (a gloo
             # rank that destroys its group while a peer still reads from it can abort the peer)
             torch.distributed.barrier()
+    except (Interrupted, KeyboardInterrupt) as exc:
+        if rank == 0:
+            print(exc if isinstance(exc, Interrupted) else "interrupted before the first step", file=sys.stderr,
+                  flush=True)
+        return 130
     except (ConfigError, ckpt.CheckpointError) as exc:
         print(f"error{f' (rank {rank})' if world > 1 else ''}: {exc}", file=sys.stderr)
         return 2

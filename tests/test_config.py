@@ -133,6 +133,7 @@ def test_registries_implement_exactly_the_recipe_choices():
     from moe_lc.config import choices
     from moe_lc.data.synthetic import TASKS
     from moe_lc.lr_schedule import SCHEDULES
+    from moe_lc.metrics import LOGGERS
     from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS
     from moe_lc.ops import attention, fp8_linear
     from moe_lc.parallel.expert import DISPATCHERS
@@ -148,6 +149,7 @@ def test_registries_implement_exactly_the_recipe_choices():
         "Fp8Backend": set(fp8_linear.BACKENDS),
         "RecomputePolicy": set(POLICIES),
         "RecomputeItem": set(SELECTIVE_ITEMS),
+        "Logger": set(LOGGERS),
     }
     for name, registry in pairs.items():
         assert registry == set(choices.names(getattr(choices, name))), name

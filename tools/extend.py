@@ -71,7 +71,8 @@ def plan_stages(recipes: list[str], runs: Path, out: Path, sets: list[str]) -> l
     stages: list[Stage] = []
     for recipe in recipes:
         name = Path(recipe).stem
-        overrides = [*sets, f"train.output_dir={runs / name}"]
+        # resume: a stage stopped half-way continues from its checkpoint (or starts over from init_from)
+        overrides = [*sets, f"train.output_dir={runs / name}", "checkpoint.resume=true"]
         if stages:
             overrides.append(f"checkpoint.init_from={stages[-1].run_dir / 'checkpoints'}")
         raw = load_config(recipe, overrides, check=False).parallel

@@ -27,6 +27,7 @@ LrSchedule = Literal["cosine", "wsd", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 DataSource = Literal["stdlib", "tokens", "synthetic"]
 SyntheticTask = Literal["passkey", "multikey_needle", "variable_tracking", "associative_recall"]
+Logger = Literal["tensorboard", "wandb"]
 
 
 def names(choice) -> tuple[str, ...]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from moe_lc.config.choices import (
     AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling,
-    GroupScore, LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc,
+    GroupScore, Logger, LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc,
     SyntheticTask,
 )
 
@@ -317,6 +317,12 @@ class TrainConfig:
     threads: int = f(0, "torch CPU threads per process; 0 = torch's default")
     peak_tflops: float = f(0.0, "peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU")
     max_nonfinite_steps: int = f(3, "skip up to N steps with a non-finite loss or grad norm, then stop")
+    overwrite: bool = f(False, "a new run may replace an earlier run in output_dir (clears its metrics, tb/, "
+                               "config.toml, run.json and checkpoints under output_dir); false = refuse")
+    loggers: list[Logger] = f(["tensorboard"], "where per-step scalars go besides metrics.jsonl (wandb: "
+                                               "pip install -e '.[wandb]')")
+    wandb_project: str = f("moe_lc", "Weights & Biases project (loggers = wandb)")
+    wandb_mode: Literal["online", "offline"] = f("online", "Weights & Biases mode; the WANDB_MODE variable wins")
 
     def errors(self) -> list[str]:
         e = []
@@ -344,9 +350,11 @@ class CheckpointConfig:
     """[checkpoint]: distributed checkpoints (torch.distributed.checkpoint), committed atomically."""
 
     dir: str = f("", "checkpoint root; empty = <output_dir>/checkpoints")
-    interval: int = f(0, "save every N steps (and at the end); 0 = never")
+    interval: int = f(0, "save every N steps; 0 = none during training (save_final still saves at the end)")
     resume: bool = f(False, "continue from the newest complete checkpoint in dir, if any")
     keep: int = f(3, "keep the newest K checkpoints; 0 = keep all")
+    save_final: bool = f(True, "save once more after the last step, so eval and to-hf find the weights; "
+                               "false = only every `interval`")
     async_save: bool = f(False, "write checkpoints in the background (a snapshot is taken first)")
     init_from: str = f("", "start from these weights only (a checkpoint, its root, or a from-hf directory); "
                            "fresh optimizer, step and data; a resumable checkpoint in dir wins")
