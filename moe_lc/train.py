@@ -35,6 +35,7 @@ from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, 
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroAdamW
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
+from moe_lc.step_timeline import traced_step
 from moe_lc.train_step import StepResult, balance_routers, forward_backward, mtp_losses, step_token_count
 
 
@@ -80,7 +81,7 @@ class Trainer:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
             self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.parallel.stages,
                                            self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
-                                           p.compute_dtype, self.device)
+                                           p.compute_dtype, self.device, overlap=self.dims.overlap)
         self.optimizer = ZeroAdamW(
             zero_param_groups(self.parallel, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
             eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
@@ -224,7 +225,8 @@ class Trainer:
             self.dims.counter.reset()
             start = time.perf_counter()
             lr = lr_at(self.step, t)
-            step = self.train_step()
+            with traced_step(self, self.step + 1 == t.trace_step):
+                step = self.train_step()
             loss, grad_norm = step.loss, step.grad_norm
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -239,6 +241,7 @@ class Trainer:
             metrics.update(step.metrics)
             comm_bytes = self.dims.counter.as_dict()
             metrics.update(comm_bytes)
+            metrics.update(self.dims.counter.times())  # comm/<group>/time_s, exposed_s (comm_timing.py)
             logger.log(self.step, metrics)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)

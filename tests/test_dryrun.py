@@ -111,3 +111,16 @@ def test_default_ranks_add_the_pipeline_rank_the_planner_expects_to_peak():
     stub = SimpleNamespace(ranks=[SimpleNamespace(pp_rank=i, peak_bytes=lambda v=v: v) for i, v in enumerate(peaks)])
     assert pick_ranks("first,last", cfg, 64) == [0, 48]
     assert pick_ranks("first,last", cfg, 64, stub) == [0, 16, 48]
+
+
+def test_one_host_sync_per_dispatch_with_fp8_experts():
+    """The FP8 per-expert GEMMs and their W take the row counts dispatch already brought to the host; the
+    metrics read theirs in one go: nothing else syncs per MoE layer (a GPU would stall an F&B pair)."""
+    fp8 = ["precision.recipe=fp8", "precision.fp8_dispatch=true", "precision.fp8_cache=linear,swiglu,attn_out",
+           "recompute.policy=selective", "recompute.selective=norm,swiglu,router", "model.moe.weighted_swiglu=true"]
+    (report,) = dryrun(MID_RECIPE, "--ranks", "16", *[f"--set={s}" for s in MID + fp8])["ranks"]
+    reads = report["host_reads"]
+    dispatch = [n for site, n in reads.items() if "(dispatch)" in site]
+    assert len(dispatch) == 1, reads  # one call site: the layout's one read per dispatch
+    assert not any("moe_lc/ops/" in site for site in reads), reads
+    assert sum(n for site, n in reads.items() if "(dispatch)" not in site) <= 8, reads

@@ -11,6 +11,7 @@ import torch
 from moe_lc.config import model_config, ParallelConfig
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.expert import ExpertTopology
+from moe_lc.model.seams import through
 from tests.harness import FAST, RECIPES, assert_equivalent, reference, run_layout, run_workers
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -82,8 +83,8 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     # one device, all tokens
     xr, wr = x_all.clone().requires_grad_(), w_all.clone().requires_grad_()
     local = LocalDispatcher()
-    xs, counts, h = local.dispatch(xr, idx_all, E)
-    ref = local.combine(experts(xs, counts), wr, h)
+    xs, counts, h = local.dispatch_now(xr, idx_all, E)
+    ref = local.combine_now(experts(xs, counts), wr, h)
     (ref * dy_all).sum().backward()
     ref_grads = [p.grad.clone() for p in experts.parameters()]
 
@@ -96,11 +97,13 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     d = DISPATCHERS[mode](ep, ExpertTopology.of(ep, E))
     counter, phases = dims.counter, {}
     counter.reset()
-    xs, counts, handle = d.dispatch(x, idx_all[mine], E)
+    rows, counts, handle = d.dispatch(x, idx_all[mine], E)
+    (arrived,) = through((rows,))  # hierarchical: the pairs this rank received as a forwarder
+    xs = d.arrange(arrived, handle)
     phases["dispatch"] = dict(counter.inter_node)
     counter.reset()
     ys = experts(xs, counts)
-    out = d.combine(ys, w, handle)
+    out = d.combine_now(ys, w, handle)
     phases["combine"] = dict(counter.inter_node)
     counter.reset()
     (out * dy_all[mine]).sum().backward()
@@ -110,7 +113,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
             "expert_grad": max(_rel(p.grad, g[rank * El:(rank + 1) * El])
                                for p, g in zip(experts.parameters(), ref_grads))}
     return {"errs": errs, "counts": counts.tolist(), "arrived": _ids(xs), "phases": phases,
-            "pairs": _ids(handle.x_pairs) if mode == "hierarchical" else None, "stats": d.stats()}
+            "pairs": _ids(arrived) if mode == "hierarchical" else None, "stats": d.stats()}
 
 
 def _rel(a, b):

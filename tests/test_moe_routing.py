@@ -93,11 +93,11 @@ def test_local_dispatch_combine_matches_per_token_loop():
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     w = torch.rand(T, K)
     d = LocalDispatcher()
-    xs, counts, handle = d.dispatch(x, idx, E)
+    xs, counts, handle = d.dispatch_now(x, idx, E)
     assert counts.tolist() == torch.bincount(idx.flatten(), minlength=E).tolist()
     scale = torch.arange(1, E + 1, dtype=torch.float32)  # "expert e multiplies by e+1"
     ys = xs * torch.repeat_interleave(scale, counts)[:, None]
-    out = d.combine(ys, w, handle)
+    out = d.combine_now(ys, w, handle)
     ref = torch.stack([sum(w[t, k] * x[t] * scale[idx[t, k]] for k in range(K)) for t in range(T)])
     torch.testing.assert_close(out, ref)
 

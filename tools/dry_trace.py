@@ -300,10 +300,11 @@ class SavedActivations:
         forward_phase = PhasedRun.forward_phase
 
         def phase_outputs_held(run):  # see the docstring
-            forward_phase(run)
+            left_flying = forward_phase(run)
             for t in run.outputs[-1]:
                 if isinstance(t, torch.Tensor):
                     self.pack(t)
+            return left_flying
 
         PhasedRun.forward_phase = phase_outputs_held
         try:

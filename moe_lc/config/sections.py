@@ -238,9 +238,31 @@ class ParallelConfig:
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
     timeout_s: float = f(600.0, "collective timeout in seconds")
+    overlap: bool = f(True, "issue all-to-alls and pipeline transfers early and wait where their result is used "
+                            "(DualPipe's F&B hides one micro-batch's all-to-all behind the other's compute); "
+                            "false = wait at every issue (same numbers, for comparison)")
+    link: str = f("", "modelled network 'LATENCY_US:GBPS' (e.g. '50:2'): every collective takes at least latency + "
+                      "bytes / bandwidth once all its ranks issued it, so overlap shows on a CPU; '' = off")
+
+    @property
+    def link_model(self) -> tuple[float, float] | None:
+        """(latency in s, bytes per s) of `link`, None when off; `errors` has vetted the text."""
+        if not self.link:
+            return None
+        latency_us, _, gbps = self.link.partition(":")
+        return float(latency_us) * 1e-6, float(gbps) * 1e9
 
     def errors(self) -> list[str]:
         e = []
+        if self.link:
+            latency_us, sep, gbps = self.link.partition(":")
+            try:
+                ok = sep and float(latency_us) >= 0 and 0 < float(gbps) < float("inf")
+            except ValueError:
+                ok = False
+            if not ok:
+                e.append(f"parallel.link={self.link!r} must be 'LATENCY_US:GBPS' with latency >= 0 and bandwidth "
+                         "> 0 (e.g. '50:2': 50 us, 2 GB/s), or '' (off)")
         for name in ("pp", "cp", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
             positive(e, f"parallel.{name}", getattr(self, name))
         for name in ("dp", "ranks_per_node", "microbatches"):
@@ -317,6 +339,8 @@ class TrainConfig:
     threads: int = f(0, "torch CPU threads per process; 0 = torch's default")
     peak_tflops: float = f(0.0, "peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU")
     max_nonfinite_steps: int = f(3, "skip up to N steps with a non-finite loss or grad norm, then stop")
+    trace_step: int = f(0, "record step N's timeline (compute phases, every collective's issue / done / wait) in "
+                           "<output_dir>/timeline/rank<R>.json, drawn by tools/timeline.py; 0 = off")
     overwrite: bool = f(False, "a new run may replace an earlier run in output_dir (clears its metrics, tb/, "
                                "config.toml, run.json and checkpoints under output_dir); false = refuse")
     loggers: list[Logger] = f(["tensorboard"], "where per-step scalars go besides metrics.jsonl (wandb: "
@@ -329,7 +353,7 @@ class TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_interval", "lr"):
             positive(e, f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "threads", "peak_tflops", "max_nonfinite_steps",
-                     "eps", "seed"):
+                     "trace_step", "eps", "seed"):
             non_negative(e, f"train.{name}", getattr(self, name))
         if not 0 <= self.min_lr_ratio <= 1:
             e.append(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")

@@ -14,7 +14,7 @@ from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.seams import run_now
+from moe_lc.model.seams import run_now, through
 
 
 class Block(nn.Module):
@@ -38,15 +38,18 @@ class Block(nn.Module):
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
         recomputation (the `replay` seam) each phase keeps only its inputs."""
-        return [lambda *state, fn=fn: self.replay(fn, *state) for fn in self._phases(cos, sin)]
+        return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__) for fn in self._phases(cos, sin)]
 
     def _phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
 
         def attention(h):
             return (h + self.attn(self.attn_norm(h), cos, sin),)
 
+        def ffn(h):
+            return (h + self.ffn(self.ffn_norm(h)),)
+
         if not isinstance(self.ffn, MoE):
-            return [attention, lambda h: (h + self.ffn(self.ffn_norm(h)),)]
+            return [attention, ffn]
         moe, ctx = self.ffn, {}
 
         def dispatch(h):
@@ -61,9 +64,16 @@ class Block(nn.Module):
         return [attention, dispatch, experts, combine]
 
 
+def named(fn, name: str):
+    """fn, called `name` (what timelines and traces show for a phase)."""
+    fn.__name__ = name
+    return fn
+
+
 def run_phases(phases: list, x):
-    """Run a chain of phases (each maps a tuple of tensors to the next) from the single input x."""
+    """Run a chain of phases (each maps a tuple of tensors to the next) from the single input x; rows a
+    phase hands on as a `Transfer` arrive before the next phase starts."""
     state = (x,)
     for phase in phases:
-        state = phase(*state)
+        state = through(phase(*state))
     return state[0]

@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.ffn import SwiGLU, swiglu_then
+from moe_lc.model.seams import through
 from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
 
@@ -129,22 +130,46 @@ class RoutedExperts(nn.Module):
 
 class TokenDispatcher:
     """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical.
-    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch)."""
+    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch).
+
+    The trip is cut where the MoE layer's phases are cut (dispatch | experts | combine), so that a
+    pipeline can run other work while rows are in flight: `dispatch` and `return_rows` may hand back
+    a `Transfer` (seams.py) instead of a tensor, which arrives before the next phase; `arrange` then
+    groups the arrived rows by local expert. Local dispatch moves nothing and returns tensors."""
 
     fp8_tokens = False
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
-        """-> (x_sorted (T', D) grouped by local expert, counts (E_local,), handle for combine)."""
+        """-> (rows for this rank's experts (tensor or Transfer), counts (E_local,), handle)."""
         raise NotImplementedError
 
-    def sort_weights(self, weights_TK: torch.Tensor, handle) -> torch.Tensor:
-        """Gate weights (T, K) -> (T',) in the order of dispatch's rows (they travel as the rows do)."""
+    def sort_weights(self, weights_TK: torch.Tensor, handle):
+        """Gate weights (T, K) -> (T',) travelling as the dispatched rows do (tensor or Transfer)."""
         raise NotImplementedError
 
-    def combine(self, y_sorted: torch.Tensor, weights_TK: torch.Tensor | None, handle) -> torch.Tensor:
-        """Expert outputs back in token order, summed over each token's K experts by gate weight (None:
-        already weighted, weighted_swiglu) -> (T, D)."""
+    def arrange(self, rows: torch.Tensor, handle) -> torch.Tensor:
+        """Arrived rows (or their gate weights) -> grouped by local expert, as counts says."""
+        return rows
+
+    def return_rows(self, y_sorted: torch.Tensor, handle):
+        """Expert outputs (T', D) -> on their way back to their tokens' ranks (tensor or Transfer)."""
+        return y_sorted
+
+    def combine(self, y_back: torch.Tensor, weights_TK: torch.Tensor | None, handle) -> torch.Tensor:
+        """Returned expert outputs -> token order, summed over each token's K experts by gate weight
+        (None: already weighted, weighted_swiglu) -> (T, D)."""
         raise NotImplementedError
+
+    # the whole trip at once (tests, and callers without phases)
+    def dispatch_now(self, x_TD, idx_TK, n_experts):
+        rows, counts, handle = self.dispatch(x_TD, idx_TK, n_experts)
+        return self.arrange(through((rows,))[0], handle), counts, handle
+
+    def sort_weights_now(self, weights_TK, handle):
+        return self.arrange(through((self.sort_weights(weights_TK, handle),))[0], handle)
+
+    def combine_now(self, y_sorted, weights_TK, handle):
+        return self.combine(through((self.return_rows(y_sorted, handle),))[0], weights_TK, handle)
 
 
 def weighted_sum(y_TKD: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
@@ -170,9 +195,9 @@ class LocalDispatcher(TokenDispatcher):
         order, _, _ = handle
         return weights_TK.flatten()[order]
 
-    def combine(self, y_sorted, weights_TK, handle):
+    def combine(self, y_back, weights_TK, handle):
         order, T, K = handle
-        return weighted_sum(y_sorted[order.argsort()].view(T, K, -1), weights_TK)
+        return weighted_sum(y_back[order.argsort()].view(T, K, -1), weights_TK)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -217,34 +242,38 @@ class MoE(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         ctx = {}
-        return self.combine_phase(ctx, *self.expert_phase(ctx, *self.dispatch_phase(ctx, x_BSD)))
+        return self.combine_phase(ctx, *through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD)))))
 
     # The forward in three phases (route + dispatch, experts, combine + shared), so that a pipeline
     # can interleave two micro-batches' phases and hide one's token exchange behind the other's
-    # compute (DualPipe's F&B). Tensors flow through the arguments (a phased run detaches them at
-    # every boundary); `ctx` carries only non-differentiable routing state.
+    # compute (DualPipe's F&B): rows leave at the end of a phase and arrive at the start of the next
+    # (as `Transfer`s under expert parallelism). Tensors flow through the arguments (a phased run
+    # detaches them at every boundary); `ctx` carries only non-differentiable routing state.
     def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor):
-        """x (B, S, D) -> (x, x_sorted (T', D) grouped by local expert, gate weights (T, K), or (T',) along
-        with the rows under weighted_swiglu[, aux loss])."""
+        """x (B, S, D) -> (x, rows for this rank's experts, gate weights (T, K), or (T',) travelling with
+        the rows under weighted_swiglu[, aux loss])."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         idx_TK, weights_TK, scores_TE = self.router(x_TD)
-        x_sorted, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
+        rows, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
         if self.weighted_swiglu:
             weights_TK = self.dispatcher.sort_weights(weights_TK, ctx["handle"])
         if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
             aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1),
                                                            self.n_experts)
-            return x_BSD, x_sorted, weights_TK, aux
-        return x_BSD, x_sorted, weights_TK
+            return x_BSD, rows, weights_TK, aux
+        return x_BSD, rows, weights_TK
 
-    def expert_phase(self, ctx: dict, x_BSD, x_sorted, weights, *aux):
+    def expert_phase(self, ctx: dict, x_BSD, rows, weights, *aux):
+        d, handle = self.dispatcher, ctx["handle"]
+        x_sorted = d.arrange(rows, handle)
         if self.weighted_swiglu:  # the rows' weights are applied here; combine only sums
-            return (x_BSD, self.experts(x_sorted, ctx["counts"], weights), None, *aux)
-        return (x_BSD, self.experts(x_sorted, ctx["counts"]), weights, *aux)
+            y_sorted = self.experts(x_sorted, ctx["counts"], d.arrange(weights, handle))
+            return (x_BSD, d.return_rows(y_sorted, handle), None, *aux)
+        return (x_BSD, d.return_rows(self.experts(x_sorted, ctx["counts"]), handle), weights, *aux)
 
-    def combine_phase(self, ctx: dict, x_BSD, y_sorted, weights_TK, aux=None) -> torch.Tensor:
-        y_BSD = self.dispatcher.combine(y_sorted, weights_TK, ctx["handle"]).view_as(x_BSD)
+    def combine_phase(self, ctx: dict, x_BSD, y_back, weights_TK, aux=None) -> torch.Tensor:
+        y_BSD = self.dispatcher.combine(y_back, weights_TK, ctx["handle"]).view_as(x_BSD)
         if self.shared is not None:
             y_BSD = y_BSD + self.shared(x_BSD)
         if aux is not None:

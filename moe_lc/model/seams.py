@@ -18,6 +18,8 @@ defaults and never imports what plugs into them.
   gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
   mtp_embed   the embedding the MTP modules use on a pipeline stage that holds none: a `Borrowed`
               reference to the one of the rank's first stage (DualPipe keeps both ends on one rank).
+  dispatcher  an MoE layer's `TokenDispatcher` (moe.py): local by default; expert parallelism plugs in
+              an all-to-all one whose rows travel as `Transfer`s between the layer's phases.
 """
 
 from __future__ import annotations
@@ -47,3 +49,26 @@ class Borrowed:
 
     def __call__(self, *args):
         return self.module(*args)
+
+
+class Transfer:
+    """Rows in flight between two phases of a chain (a dispatcher's all-to-all). A phase returns one in
+    place of a tensor; whoever runs the chain (`run_phases`, or a pipeline's phased run) calls `start()`
+    right after that phase and gives the next phase `finish(stand_in)`. Work done between the two
+    overlaps the transfer.
+
+    start() -> a stand-in tensor with the rows' shape and no data: it carries the autograd edge across
+    the phase boundary. finish(stand_in) -> the received rows (waits). In backward the roles swap: the
+    reverse transfer of the gradient starts in finish's backward and is waited in start's.
+    """
+
+    def start(self):
+        raise NotImplementedError
+
+    def finish(self, stand_in):
+        raise NotImplementedError
+
+
+def through(state: tuple) -> tuple:
+    """A phase's outputs with every Transfer run to completion at once (start, then finish)."""
+    return tuple(t.finish(t.start()) if isinstance(t, Transfer) else t for t in state)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.block import Block, run_phases
+from moe_lc.model.block import Block, named, run_phases
 from moe_lc.model.init import cast_params_, init_weights
 from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
@@ -99,11 +99,11 @@ class Transformer(nn.Module):
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
-        chain = [lambda tokens: (self.embed(tokens),)] if self.embed is not None else []
+        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if self.embed is not None else []
         for block in self.layers.values():
             chain += block.phases(cos, sin)
         if self.head is not None:
-            chain.append(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin),))
+            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin),), "head"))
         return chain
 
     def _output(self, h, labels, loss_mask, mtp, cos, sin):

@@ -23,6 +23,7 @@ from torch import nn
 
 from moe_lc.config.choices import Fp8Backend, Fp8Scaling, names
 from moe_lc.ops import fp8, fp8_te
+from moe_lc.ops.grouped_gemm import host_sizes
 from moe_lc.ops.linear import GroupedLinear, KeepInput, Linear
 
 SCALINGS = names(Fp8Scaling)
@@ -88,8 +89,8 @@ class Fp8Gemms:
 
     # Experts: one FP8 GEMM per expert over its rows (weights are quantized per expert; activation
     # tiles never straddle two experts' tokens, as with a grouped FP8 kernel). The loop needs the
-    # split sizes on the host: one `counts.tolist()` sync per grouped GEMM, which a grouped FP8
-    # kernel taking device offsets (torch._scaled_grouped_mm) would remove.
+    # split sizes on the host: `host_sizes(counts)`, the dispatcher's host copy under expert
+    # parallelism (no sync), else one sync per counts tensor shared by its forward, backward and W.
     def grouped_fprop(self, x, w, counts):
         return self._per_expert(lambda xe, e: self.fprop(xe, w[e]), x, counts, w.shape[1])
 
@@ -98,7 +99,7 @@ class Fp8Gemms:
 
     def grouped_wgrad(self, dy, x, counts):
         """dy (T, N), x (T, K), or each a list of its experts' `Quantized` operands (KeepFp8ForWgrad)."""
-        sizes = counts.tolist()
+        sizes = host_sizes(counts)
         dys = dy if isinstance(dy, list) else dy.split(sizes)
         xs = x if isinstance(x, list) else x.split(sizes)
         n, k = (t[0].shape[0] if isinstance(t, list) else t.shape[1] for t in (dy, x))
@@ -109,7 +110,7 @@ class Fp8Gemms:
     @staticmethod
     def _per_expert(gemm, rows, counts, out_features):
         parts = [gemm(r, e) if len(r) else rows.new_zeros(0, out_features)
-                 for e, r in enumerate(rows.split(counts.tolist()))]
+                 for e, r in enumerate(rows.split(host_sizes(counts)))]
         return torch.cat(parts)
 
 
@@ -130,7 +131,7 @@ class HoldFp8ForWgrad(KeepInput):
 def _operands(t: torch.Tensor, counts, gemms):
     if counts is None:
         return fp8.wgrad_operand(t, gemms.recipe)
-    return [fp8.wgrad_operand(part, gemms.recipe) for part in t.split(counts.tolist())]
+    return [fp8.wgrad_operand(part, gemms.recipe) for part in t.split(host_sizes(counts))]
 
 
 class KeepFp8ForWgrad(HoldFp8ForWgrad):

@@ -10,8 +10,10 @@ transposed) wants a 16-byte-aligned data_ptr, one of the last two strides 1 and 
 of 16 bytes. A weight viewed out of ZeRO's flat buffer can start anywhere, so a misaligned operand
 takes the loop (with one warning saying why) instead of failing inside the kernel.
 
-Host syncs: the loop needs the counts on the host (`.tolist()`, one sync per call); the grouped
-kernel takes the offsets on the device and syncs nothing.
+Host syncs: the loop needs the counts on the host; the grouped kernel takes the offsets on the
+device and syncs nothing. `host_sizes(counts)` is the one way to ask for the host copy: a dispatcher
+that already brought the counts to the host registers that copy (`known_sizes`), and otherwise the
+first ask syncs once and every later GEMM on the same counts tensor (forward, backward, W) reuses it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from moe_lc.ops.device import is_gpu
 
@@ -56,6 +59,24 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
+_HOST_SIZES = WeakTensorKeyDictionary()  # counts tensor -> its values as a host list
+
+
+def known_sizes(counts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Register `sizes` (host ints) as the values of the device tensor `counts`; returns counts."""
+    _HOST_SIZES[counts] = list(sizes)
+    return counts
+
+
+def host_sizes(counts: torch.Tensor) -> list[int]:
+    """counts as host ints: the registered copy, else one `.tolist()` (a device-to-host sync on a GPU)
+    remembered for the next GEMM on the same tensor."""
+    sizes = _HOST_SIZES.get(counts)
+    if sizes is None:
+        sizes = _HOST_SIZES[counts] = counts.tolist()
+    return sizes
+
+
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32)
 
@@ -64,12 +85,12 @@ def grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) 
     """y[rows of e] = x[rows of e] @ w[e].  x: (T, K), w: (E, K, N) (any strides), -> (T, N)."""
     if _use_grouped_mm(x_TK, w_EKN):
         return torch._grouped_mm(x_TK, w_EKN, offs=_offsets(counts_E))
-    return torch.cat([p @ w for p, w in zip(x_TK.split(counts_E.tolist()), w_EKN)])
+    return torch.cat([p @ w for p, w in zip(x_TK.split(host_sizes(counts_E)), w_EKN)])
 
 
 def grouped_mm_wgrad(a_TM: torch.Tensor, b_TN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """g[e] = a[rows of e]^T @ b[rows of e] (weight gradients).  a: (T, M), b: (T, N) -> (E, M, N)."""
     if _use_grouped_mm(a_TM, b_TN) and a_TM.shape[0] > 0:
         return torch._grouped_mm(a_TM.t(), b_TN, offs=_offsets(counts_E))
-    sizes = counts_E.tolist()
+    sizes = host_sizes(counts_E)
     return torch.stack([a.t() @ b for a, b in zip(a_TM.split(sizes), b_TN.split(sizes))])

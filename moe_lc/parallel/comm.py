@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe_lc.parallel.comm_timing import IssuedWork, Link
+
 # torch 2.13 renames the tensor collectives (*_single); torch 2.11 on the GPU machines may lack them.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,20 +48,9 @@ class CollectiveError(RuntimeError):
         self.op, self.group_name = op, group.name
 
 
-class _Work:
-    """An async collective whose wait() reports failures as CollectiveError."""
-
-    def __init__(self, work, op: str, group: "Group"):
-        self.work, self.op, self.group = work, op, group
-
-    def wait(self):
-        try:
-            return self.work.wait()
-        except Exception as exc:
-            raise CollectiveError(self.op, self.group, exc) from exc
-
-
-def _issue(op: str, group: "Group", call, async_op: bool):
+def _issue(op: str, group: "Group", call, async_op: bool, nbytes: int):
+    """Issue `call()` (which passes async_op=True) and wrap its work (see comm_timing.py); a
+    synchronous op is waited here. Returns the handle for async_op, else None."""
     if group.virtual:
         raise RuntimeError(f"collective {op} on virtual group '{group.name}': a virtual mesh builds one rank's "
                            "layout in one process and cannot communicate")
@@ -67,7 +58,11 @@ def _issue(op: str, group: "Group", call, async_op: bool):
         work = call()
     except Exception as exc:
         raise CollectiveError(op, group, exc) from exc
-    return _Work(work, op, group) if async_op and work is not None else work
+    handle = group.issued(work, op, nbytes)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 class CommCounter:
@@ -77,6 +72,10 @@ class CommCounter:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.inter_node: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.time_s: dict[tuple[str, str], float] = defaultdict(float)  # issue to done, summed over ops
+        self.exposed_s: dict[tuple[str, str], float] = defaultdict(float)  # the part blocked in wait
+        self.link: Link | None = None  # the run's modelled network (parallel.link), None = the real one
+        self.timeline: list[tuple] | None = None  # a list while a step is traced: every booked op
 
     def add(self, group: str, op: str, nbytes: int, inter_node: int = 0) -> None:
         self.bytes[(group, op)] += int(nbytes)
@@ -85,6 +84,27 @@ class CommCounter:
 
     def reset(self) -> None:
         self.bytes.clear(), self.inter_node.clear(), self.calls.clear()
+        self.time_s.clear(), self.exposed_s.clear()
+
+    def book(self, group: str, op: str, issued: float, done: float, wait_start: float, wait_end: float) -> None:
+        """One op's times (time.perf_counter()): issued, done (stamped, plus the modelled link), and the
+        wait that blocked on it. Blocked past `done` is waking up, not the link: not exposed."""
+        took = max(done - issued, 0.0)
+        self.time_s[(group, op)] += took
+        self.exposed_s[(group, op)] += min(wait_end - wait_start, took)
+        if self.timeline is not None:
+            self.timeline.append((group, op, issued, done, wait_start, wait_end))
+
+    def times(self) -> dict[str, float]:
+        """Seconds per group, and per group and op, since the last reset (CPU groups; comm_timing.py):
+        {"comm/<group>/time_s", "comm/<group>/exposed_s", "comm/<group>/<op>_time_s", ...}."""
+        out: dict[str, float] = defaultdict(float)
+        for (g, o), t in sorted(self.time_s.items()):
+            e = self.exposed_s[(g, o)]
+            out[f"comm/{g}/time_s"] += t
+            out[f"comm/{g}/exposed_s"] += e
+            out[f"comm/{g}/{o}_time_s"], out[f"comm/{g}/{o}_exposed_s"] = t, e
+        return dict(out)
 
     def total(self, group: str | None = None, op: str | None = None, inter_node: bool = False) -> int:
         table = self.inter_node if inter_node else self.bytes
@@ -138,8 +158,15 @@ class Group:
     def ring_is_inter_node(self) -> bool:
         return self.node_of((self.rank + 1) % self.size) != self.node_of(self.rank)
 
-    def _count_ring(self, op: str, nbytes: int) -> None:
+    def issued(self, work, op: str, nbytes: int) -> IssuedWork:
+        """A handle for `work` just issued on this group, moving `nbytes` over the (modelled) link."""
+        return IssuedWork(work, self.device_type == "cpu" and not self.virtual, self.counter.link, nbytes,
+                          lambda *times: self.counter.book(self.name, op, *times),
+                          lambda exc: CollectiveError(op, self, exc), instant=self.device_type == "meta")
+
+    def _count_ring(self, op: str, nbytes: int) -> int:
         self.counter.add(self.name, op, nbytes, nbytes if self.ring_is_inter_node() else 0)
+        return nbytes
 
     def __repr__(self) -> str:
         return f"Group({self.name}, size={self.size}, rank={self.rank})"
@@ -160,8 +187,8 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     group.check_device("all_reduce", t)
     if group.size == 1:
         return None
-    group._count_ring("all_reduce", 2 * (group.size - 1) * _nbytes(t) // group.size)
-    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=async_op), async_op)
+    n = group._count_ring("all_reduce", 2 * (group.size - 1) * _nbytes(t) // group.size)
+    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=True), async_op, n)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -170,9 +197,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, op=dist.R
     if group.size == 1:
         out.copy_(inp)
         return None
-    group._count_ring("reduce_scatter", (group.size - 1) * _nbytes(inp) // group.size)
+    n = group._count_ring("reduce_scatter", (group.size - 1) * _nbytes(inp) // group.size)
     return _issue("reduce_scatter", group,
-                  lambda: _reduce_scatter_single(out, inp, op=op, group=group.pg, async_op=async_op), async_op)
+                  lambda: _reduce_scatter_single(out, inp, op=op, group=group.pg, async_op=True), async_op, n)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -182,9 +209,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    group._count_ring("all_gather", (group.size - 1) * _nbytes(out) // group.size)
-    return _issue("all_gather", group, lambda: _all_gather_single(out, inp, group=group.pg, async_op=async_op),
-                  async_op)
+    n = group._count_ring("all_gather", (group.size - 1) * _nbytes(out) // group.size)
+    return _issue("all_gather", group, lambda: _all_gather_single(out, inp, group=group.pg, async_op=True),
+                  async_op, n)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -201,8 +228,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
             sent += n * row
             inter += n * row if group.node_of(peer) != group.node_of(group.rank) else 0
     group.counter.add(group.name, "all_to_all", sent, inter)
+    received = (sum(out_splits) - out_splits[group.rank]) * row  # the link carries the larger direction
     return _issue("all_to_all", group, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg,
-                                                                      async_op=async_op), async_op)
+                                                                      async_op=True), async_op, max(sent, received))
 
 
 def all_gather_object(obj, group: Group) -> list:
@@ -213,9 +241,9 @@ def all_gather_object(obj, group: Group) -> list:
     import pickle
 
     nbytes = len(pickle.dumps(obj))
-    group._count_ring("all_gather_object", (group.size - 1) * nbytes)
+    n = group._count_ring("all_gather_object", (group.size - 1) * nbytes)
     out = [None] * group.size
-    _issue("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg), False)
+    _issue("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg), False, n)
     return out
 
 
@@ -231,14 +259,36 @@ def p2p_op(kind: str, t: torch.Tensor, peer: int, group: Group) -> dist.P2POp:
     raise ValueError(f"p2p kind {kind!r} must be 'send' or 'recv'")
 
 
-def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list:
-    """Post a group of p2p ops together; returns their works (wait on each). `group` names the
-    group in errors."""
+def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list[IssuedWork]:
+    """Post a group of p2p ops together; returns one handle per op, in order (wait on each where its
+    tensor is used). `group` names the group in errors and books the time."""
     if not ops:
         return []
     named = group or Group("p2p", [])
-    works = _issue("batch_isend_irecv", named, lambda: dist.batch_isend_irecv(ops), False)
-    return [_Work(w, "batch_isend_irecv", named) for w in works]
+    if named.virtual:
+        raise RuntimeError(f"batch_isend_irecv on virtual group '{named.name}' cannot communicate")
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as exc:
+        raise CollectiveError("batch_isend_irecv", named, exc) from exc
+    if len(works) != len(ops):  # NCCL coalesces a batch into one work: every op waits for all of it
+        batch = named.issued(_AllOf(works), "batch_isend_irecv", sum(_nbytes(o.tensor) for o in ops))
+        return [batch] * len(ops)
+    return [named.issued(w, "send" if o.op is dist.isend else "recv", _nbytes(o.tensor)) for w, o in zip(works, ops)]
+
+
+class _AllOf:
+    """Several torch works as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group):
@@ -248,4 +298,5 @@ def broadcast(t: torch.Tensor, src: int, group: Group):
     if group.size == 1:
         return None
     group._count_ring("broadcast", _nbytes(t) if group.rank != (src - 1) % group.size else 0)
-    return _issue("broadcast", group, lambda: dist.broadcast(t, group.ranks[src], group=group.pg), False)
+    return _issue("broadcast", group, lambda: dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True),
+                  False, _nbytes(t))

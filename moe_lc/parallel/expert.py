@@ -19,7 +19,11 @@ Two dispatchers (a strategy choice: `parallel.expert_dispatch`):
                 returns per (token, node). Gate weights travel sender -> forwarder inside combine.
 
 Both keep the rows of an expert in (source rank, token) order, hand `RoutedExperts` the rows grouped
-by local expert with counts (El,), and sum each token's K outputs deterministically. All collectives
+by local expert with counts (El,), and sum each token's K outputs deterministically. The all-to-alls
+between the layer's phases travel as `RowTransfer`s (row_transfer.py): issued at the end of one
+phase, waited at the start of the next, so a pipeline's F&B step computes the other micro-batch in
+between. One host sync per dispatch brings the layout to the host (splits for the all-to-all, and the
+per-expert counts the grouped GEMMs take without a sync of their own). All collectives
 run on the ep group (stage 1 and stage 2 are all-to-alls with zero splits outside their peers), so
 `comm` counts every byte, and the bytes whose receiver is on another node separately.
 """
@@ -32,9 +36,10 @@ import torch
 from torch import nn
 
 from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, weighted_sum
-from moe_lc.ops.fp8_storage import pack_fp8_rows, unpack_fp8_rows
+from moe_lc.ops.grouped_gemm import known_sizes
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.parallel.row_transfer import RowTransfer
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements, Shard
 
@@ -62,19 +67,6 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return _all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
-
-
-class FP8AllToAll(AllToAll):
-    """AllToAll for token rows in FP8 (DeepSeek-V3's dispatch): each row is quantized in 1 x 128 tiles and
-    travels as K FP8 bytes plus its fp32 scales (`moe_lc.ops.fp8_storage.pack_fp8_rows`), and is dequantized
-    to x's dtype on arrival. Backward: the gradient returns in x's dtype (straight through the rounding).
-    """
-
-    @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group: Group):
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        received = _all_to_all(pack_fp8_rows(x), out_splits, in_splits, group)
-        return unpack_fp8_rows(received, x.shape[-1], x.dtype)
 
 
 # -- where experts live ---------------------------------------------------------------------------
@@ -168,8 +160,8 @@ class AllToAllDispatcher(TokenDispatcher):
     log expert loads, imbalance and inter-node token copies.
     """
 
-    def __init__(self, group: Group, topo: ExpertTopology, counting=lambda: True):
-        self.group, self.topo, self.counting = group, topo, counting
+    def __init__(self, group: Group, topo: ExpertTopology, counting=lambda: True, overlap: bool = True):
+        self.group, self.topo, self.counting, self.overlap = group, topo, counting, overlap
         # on the device of the routed ids (allocated at the first count): the step's metrics all-reduce
         # it over NCCL, and keeping it there costs no host sync per layer
         self._counts: torch.Tensor | None = None
@@ -218,8 +210,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # -- dispatch / combine -------------------------------------------------------------------------
     def dispatch(self, x_TD, idx_TK, n_experts):
-        """x (T, D), idx (T, K) -> rows received by this rank's experts grouped by local expert
-        (T', D), counts (El,), handle."""
+        """x (T, D), idx (T, K) -> rows for this rank's experts (a RowTransfer of T' rows), counts (El,),
+        handle."""
         T, K = idx_TK.shape
         R, El, me = self.topo.size, self.topo.per_rank, self.topo.rank
         flat = idx_TK.flatten()
@@ -229,22 +221,32 @@ class AllToAllDispatcher(TokenDispatcher):
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
         # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
         # know the sizes to post the transfers). Kernels that send into worst-case-sized buffers
-        # (DeepEP) avoid it; torch's all-to-all cannot.
-        send, recv = counts_E.view(R, El).sum(1).tolist(), recv_RL.sum(1).tolist()
-        x_recv = (FP8AllToAll if self.fp8_tokens else AllToAll).apply(x_TD[order // K], recv, send, self.group)
+        # (DeepEP) avoid it; torch's all-to-all cannot. The same copy gives the grouped GEMMs their
+        # per-expert row counts (`known_sizes`), so they need no sync of their own.
+        layout = torch.cat([counts_E.view(R, El).sum(1), recv_RL.flatten()]).tolist()
+        send, recv_host = layout[:R], [layout[R + j * El:R + (j + 1) * El] for j in range(R)]
+        recv = [sum(row) for row in recv_host]
+        counts = known_sizes(recv_RL.sum(0), [sum(col) for col in zip(*recv_host)])
+        rows = RowTransfer(x_TD[order // K], recv, send, self.group, self.overlap, self.fp8_tokens)
         regroup = _expert_major(recv_RL, sum(recv))
-        return x_recv[regroup], recv_RL.sum(0), (order, regroup, send, recv, T, K)
+        return rows, counts, (order, regroup, send, recv, T, K)
 
     def sort_weights(self, weights_TK, handle):
-        """Gate weights (T, K) -> the (T',) fp32 weights of the rows this rank's experts received (one more
+        """Gate weights (T, K) -> the (T',) fp32 weights of the rows this rank's experts receive (one more
         all-to-all of 4 bytes per row; its backward returns the weights' gradients)."""
         order, regroup, send, recv, T, K = handle
-        return AllToAll.apply(weights_TK.flatten()[order], recv, send, self.group)[regroup]
+        return RowTransfer(weights_TK.flatten()[order], recv, send, self.group, self.overlap)
 
-    def combine(self, y_sorted, weights_TK, handle):
-        """Expert outputs (T', D) -> back to their tokens' ranks -> (weighted) sum over K -> (T, D)."""
+    def arrange(self, rows, handle):
+        return rows[handle[1]]
+
+    def return_rows(self, y_sorted, handle):
         order, regroup, send, recv, T, K = handle
-        y_back = AllToAll.apply(y_sorted[regroup.argsort()], send, recv, self.group)
+        return RowTransfer(y_sorted[regroup.argsort()], send, recv, self.group, self.overlap)
+
+    def combine(self, y_back, weights_TK, handle):
+        """Returned expert outputs (T*K, D) -> token order -> (weighted) sum over K -> (T, D)."""
+        order, regroup, send, recv, T, K = handle
         return weighted_sum(y_back[order.argsort()].view(T, K, y_back.shape[-1]), weights_TK)
 
 
@@ -259,13 +261,15 @@ class _HierHandle:
     send2: list[int]  # stage 2 rows per ep rank (forwarder -> expert rank, same node)
     recv2: list[int]
     regroup: torch.Tensor
-    x_pairs: torch.Tensor  # (P', D) rows this rank received as a forwarder (kept for inspection)
+    slot_rows: torch.Tensor  # (n_slots,) forwarded row of each stage 2 slot, in expert order
     T: int
 
 
 class HierarchicalDispatcher(AllToAllDispatcher):
     """Two-stage dispatch: across nodes once per (token, node), then inside the node (see the module
-    docstring). Same counters as the flat dispatcher."""
+    docstring). Same counters as the flat dispatcher. Stage 1 (the inter-node crossing) travels as a
+    RowTransfer between the dispatch and expert phases; stage 2 and the whole combine run inside their
+    phases (intra-node, and the forwarders' sums need the gates)."""
 
     def dispatch(self, x_TD, idx_TK, n_experts):
         topo, R, El, me = self.topo, self.topo.size, self.topo.per_rank, self.topo.rank
@@ -287,7 +291,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         for s in range(R):
             if topo.forwarder(s, topo.node) == me:
                 recv1[s] = pairs_RN[s][topo.node]
-        x_pairs = AllToAll.apply(x_TD[pair_t], recv1, send1, self.group)
+        x_pairs = RowTransfer(x_TD[pair_t], recv1, send1, self.group, self.overlap)
         idx_PK = _all_to_all(idx_TK[pair_t].to(torch.int32), recv1, send1, self.group).long()
 
         # stage 2 (inside the node): forwarder -> expert ranks, one row per (token, expert on this node)
@@ -304,10 +308,17 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         for s in range(R):  # sender s's copies for my experts come through its forwarder on my node
             recv2_RL[topo.forwarder(s, topo.node)] += torch.tensor(counts_RE[s][mine], device=idx_TK.device)
         recv2 = recv2_RL.sum(1).tolist()
-        x_recv = AllToAll.apply(x_pairs[slot_p[order2]], recv2, send2, self.group)
         regroup = _expert_major(recv2_RL, sum(recv2))
-        handle = _HierHandle(pair_t, pair_n, send1, recv1, slot_of_PK, order2, send2, recv2, regroup, x_pairs, T)
-        return x_recv[regroup], recv2_RL.sum(0), handle
+        handle = _HierHandle(pair_t, pair_n, send1, recv1, slot_of_PK, order2, send2, recv2, regroup,
+                             slot_p[order2], T)
+        return x_pairs, recv2_RL.sum(0), handle
+
+    def arrange(self, x_pairs, h: _HierHandle):
+        """Stage 2: the forwarded pairs (P', D) -> this node's expert ranks -> grouped by local expert."""
+        return AllToAll.apply(x_pairs[h.slot_rows], h.recv2, h.send2, self.group)[h.regroup]
+
+    def return_rows(self, y_sorted, h: _HierHandle):
+        return y_sorted  # combine takes the whole way back (the forwarders' sums need the gates)
 
     def sort_weights(self, weights_TK, handle):
         raise NotImplementedError("model.moe.weighted_swiglu with the hierarchical dispatch is not built")
@@ -348,7 +359,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch:
             linear.n_experts = topo.per_rank
         router = moe.router
         moe.dispatcher = DISPATCHERS[expert_dispatch](
-            group, topo, counting=lambda r=router: r.training and r.count_loads)
+            group, topo, counting=lambda r=router: r.training and r.count_loads, overlap=dims.overlap)
     return model
 
 
@@ -372,16 +383,15 @@ def expert_parallel_metrics(model: nn.Module, dims: ParallelDims, reset: bool = 
         [s["tokens"], s["inter_node_slots"], s["inter_node_pairs"]])]) for s in stats])
     comm.all_reduce(flat, dims["dp_cp_tp"])
     out = {}
-    for (name, moe), row in zip(layers.items(), flat):
+    for (name, moe), row in zip(layers.items(), flat.tolist()):  # the metrics' one host sync per step
         d = moe.dispatcher
         E, N, R = d.topo.n_experts, d.topo.n_nodes, d.topo.size
-        load, hist, (tokens, slots, pairs) = row[:E], row[E:E + N + 1], row[E + N + 1:].tolist()
-        per_rank = load.view(R, -1).sum(1)
-        used = hist.nonzero()
-        out[f"moe/load/layer{name}"] = load.tolist()
-        out[f"moe/expert_imbalance/layer{name}"] = (load.max() / load.mean().clamp_min(1e-9)).item()
-        out[f"moe/ep_rank_imbalance/layer{name}"] = (per_rank.max() / per_rank.mean().clamp_min(1e-9)).item()
-        out[f"moe/nodes_per_token_max/layer{name}"] = int(used.max()) if used.numel() else 0
+        load, hist, (tokens, slots, pairs) = row[:E], row[E:E + N + 1], row[E + N + 1:]
+        per_rank = [sum(load[j * E // R:(j + 1) * E // R]) for j in range(R)]
+        out[f"moe/load/layer{name}"] = load
+        out[f"moe/expert_imbalance/layer{name}"] = max(load) / max(sum(load) / E, 1e-9)
+        out[f"moe/ep_rank_imbalance/layer{name}"] = max(per_rank) / max(sum(per_rank) / R, 1e-9)
+        out[f"moe/nodes_per_token_max/layer{name}"] = max((n for n, h in enumerate(hist) if h > 0), default=0)
         crossed = pairs if isinstance(d, HierarchicalDispatcher) else slots
         out[f"moe/inter_node_tokens_per_token/layer{name}"] = crossed / max(tokens, 1.0)
     return out

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from moe_lc.config import ConfigError, ParallelConfig, layout_errors
 from moe_lc.parallel.comm import CommCounter, Group
+from moe_lc.parallel.comm_timing import Link
 
 GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "dp_cp_tp", "ep", "edp", "world")
 MIRRORED = ("dp_cp", "dp_cp_tp", "edp")
@@ -51,6 +52,7 @@ class ParallelDims:
     groups: dict[str, Group] = field(default_factory=dict)
     virtual: bool = False  # groups without process groups (init_groups(virtual=True))
     counter: CommCounter = field(default_factory=CommCounter)
+    overlap: bool = True  # parallel.overlap: wait for a transfer where its result is used, not where issued
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0, device_type: str = "cpu") -> "ParallelDims":
@@ -59,8 +61,12 @@ class ParallelDims:
         d, errors = layout_errors(p, world_size)
         if errors:
             raise ConfigError(errors)
-        return cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(d["ranks_per_node"], world_size), rank,
-                   pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type)
+        dims = cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(d["ranks_per_node"], world_size), rank,
+                   pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type,
+                   overlap=p.overlap)
+        if p.link_model is not None:
+            dims.counter.link = Link(*p.link_model)
+        return dims
 
     # -- coordinates ----------------------------------------------------------------------------
     @property

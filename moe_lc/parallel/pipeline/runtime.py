@@ -10,13 +10,18 @@ State is keyed by (stage, micro-batch):
 
 Every forward runs phase by phase (overlap.PhasedRun), so any backward can run phase by phase too.
 
-Each CommGroup becomes one batch_isend_irecv whose requests all complete before the next action.
-An F&B step runs its forward and its backward as interleaved phases (overlap.interleave); the order
-is the same on CPU and GPU, only on GPU the communication of one half can hide behind the compute
-of the other.
+Each CommGroup is posted as one batch_isend_irecv when the runtime reaches it (groups keep the
+schedule's order, which `validate` proved matched on both sides), and nothing waits there: a
+received tensor is waited for by the action that uses it, and a send only before the step ends,
+its chunk output released as soon as the send is done. Under `overlap = False` every group is
+waited for where it is posted (the same numbers, for comparison). An F&B step runs its forward and
+its backward as interleaved phases (overlap.interleave), so that one half's expert all-to-all runs
+while the other half computes.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -38,9 +43,10 @@ class PipelineRuntime:
     """
 
     def __init__(self, schedule: Schedule, rank: int, chunks: list[nn.Module], pp_group: Group,
-                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, overlap: bool = True):
         self.schedule, self.rank, self.chunks = schedule, rank, chunks
         self.pp_group, self.hidden_shape, self.dtype, self.device = pp_group, hidden_shape, dtype, device
+        self.overlap = overlap
         self.last_stage = schedule.n_stages - 1
         self.store = WeightGradStore()
         for chunk in chunks:
@@ -48,6 +54,8 @@ class PipelineRuntime:
                 if isinstance(module, (Linear, GroupedLinear)) and module.defer_wgrad:
                     module.wgrad_store = self.store
         self.trace: list[tuple] = []  # what was executed, in order (compared with the schedule in tests)
+        # when a list (train.trace_step): ("step" | "action", ...) and the phased runs' phase intervals
+        self.timeline: list[tuple] | None = None
 
     def grad_arrivals(self) -> dict[int, int]:
         """{id(param): backward passes that deliver a gradient to it per step}: one per micro-batch
@@ -69,9 +77,12 @@ class PipelineRuntime:
         multiplied by loss_scale before backward. Returns this rank's summed loss (fp64, detached)."""
         self.batches, self.loss_scale = batches, loss_scale
         self.outputs, self.acts, self.grads, self.input_grads, self.wqueue = {}, {}, {}, {}, {}
+        self.sending: list[tuple] = []  # (handle, PhasedRun whose output it sends, or None)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.trace = []
+        step_start = time.perf_counter()
         for action in self.schedule.actions[self.rank]:
+            start = time.perf_counter()
             if isinstance(action, CommGroup):
                 self._communicate(action)
             elif isinstance(action, F):
@@ -84,6 +95,12 @@ class PipelineRuntime:
                 self._forward_backward(action)
             else:
                 raise TypeError(f"unknown pipeline action {action!r}")
+            self._sends_done(wait=False)
+            if self.timeline is not None:
+                self.timeline.append(("action", type(action).__name__, self.trace[-1][:6], start, time.perf_counter()))
+        self._sends_done(wait=True)
+        if self.timeline is not None:
+            self.timeline.append(("step", "", (), step_start, time.perf_counter()))
         leftovers = [k for d in (self.outputs, self.acts, self.grads, self.input_grads, self.wqueue) for k in d]
         assert not leftovers, f"rank {self.rank}: state left after the step: {leftovers}"
         return self.loss_sum
@@ -98,11 +115,13 @@ class PipelineRuntime:
     def _start_forward(self, chunk: int, mb: int) -> tuple[int, PhasedRun]:
         s = self._stage(chunk, mb)
         batch = self.batches[mb]
-        x = batch["inputs"] if s == 0 else self.acts.pop((s, mb)).detach().requires_grad_()
+        x = batch["inputs"] if s == 0 else _arrived(self.acts.pop((s, mb))).detach().requires_grad_()
         last = s == self.last_stage
         phases = self.chunks[chunk].phases(batch["positions"], batch["labels"] if last else None,
                                            batch["loss_mask"] if last else None, batch.get("mtp") if last else None)
-        return s, PhasedRun(phases, x)
+        run = PhasedRun(phases, x)
+        run.record, run.label = self.timeline, f"stage {s} mb {mb}"
+        return s, run
 
     def _finish_forward(self, s: int, mb: int, run: PhasedRun) -> None:
         self.outputs[(s, mb)] = run
@@ -120,7 +139,7 @@ class PipelineRuntime:
 
     def _backward_args(self, chunk: int, mb: int):
         s = self._stage(chunk, mb)
-        grad = None if s == self.last_stage else self.grads.pop((s, mb))
+        grad = None if s == self.last_stage else _arrived(self.grads.pop((s, mb)))
         return s, self.outputs.pop((s, mb)), grad
 
     def _finish_backward(self, s: int, mb: int, run: PhasedRun, split: bool) -> None:
@@ -140,7 +159,10 @@ class PipelineRuntime:
     def _weight_grad(self, chunk: int, mb: int) -> None:
         s = self._stage(chunk, mb)
         self.trace.append(("W", s, mb))
+        start = time.perf_counter()
         WeightGradStore.run(self.wqueue.pop((s, mb)))
+        if self.timeline is not None:
+            self.timeline.append(("W", f"stage {s} mb {mb}", "W", start, time.perf_counter()))
 
     def _forward_backward(self, action: FB) -> None:
         """DualPipe's F&B: the forward phases of one micro-batch alternate with the backward phases
@@ -161,6 +183,7 @@ class PipelineRuntime:
                 sent.append(self.outputs[(s, p2p.mb)])
                 ops.append(comm.p2p_op("send", sent[-1].output.detach().contiguous(), p2p.peer, self.pp_group))
             elif p2p.op == SEND_B:
+                sent.append(None)
                 ops.append(comm.p2p_op("send", self.input_grads.pop((s, p2p.mb)).contiguous(), p2p.peer, self.pp_group))
             elif p2p.op in (RECV_F, RECV_B):
                 buf = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.device)
@@ -169,9 +192,38 @@ class PipelineRuntime:
             else:
                 raise ValueError(f"unknown p2p op {p2p.op!r}")
         self.trace.append(("COMM", tuple((p.op, p.peer, self._stage(p.chunk, p.mb), p.mb) for p in group.ops)))
-        for work in comm.batch_isend_irecv(ops, self.pp_group):
-            work.wait()
-        for run in sent:  # the peer has it now
-            run.release_output()
-        for table, key, buf in landing:
-            table[key] = buf
+        handles = comm.batch_isend_irecv(ops, self.pp_group)
+        is_send = [p.op in (SEND_F, SEND_B) for p in group.ops]
+        if not self.overlap:
+            for handle in handles:
+                handle.wait()
+        self.sending += list(zip([h for h, snd in zip(handles, is_send) if snd], sent))
+        for (table, key, buf), handle in zip(landing, [h for h, snd in zip(handles, is_send) if not snd]):
+            table[key] = _Landing(buf, handle)
+
+    def _sends_done(self, wait: bool) -> None:
+        """Release the chunk outputs whose sends are done (all of them, waiting, when `wait`)."""
+        pending = []
+        for handle, run in self.sending:
+            if wait or handle.done():
+                handle.wait()
+                if run is not None:  # the peer has it now
+                    run.release_output()
+            else:
+                pending.append((handle, run))
+        self.sending = pending
+
+
+class _Landing:
+    """A received tensor's buffer and the handle of its receive: waited for where it is used."""
+
+    def __init__(self, buf: torch.Tensor, handle):
+        self.buf, self.handle = buf, handle
+
+
+def _arrived(t):
+    """A tensor handed over on this rank, or a received one once its receive is done."""
+    if isinstance(t, _Landing):
+        t.handle.wait()
+        return t.buf
+    return t
