@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/overlap_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="recipes/overlap_cpu.toml")
     ap.add_argument("--out", default="runs/overlap_bench", help="results folder (docs/results/overlap-cpu to commit)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
     args = ap.parse_args(argv)

@@ -54,11 +54,12 @@ def comm_summary(ranks: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def measured_costs(ranks: list[dict]) -> tuple[Costs, dict[str, float]]:
-    """Mean compute time of each pipeline action kind over every rank: the phases run inside the action
-    (a received input's wait before its first phase is the transfer's, not the action's)."""
+    """Mean duration of each pipeline action kind over every rank, from its first phase to its end: a
+    received input's wait before the first phase is the pipeline transfer's (the simulator's `comm`),
+    the expert all-to-alls exposed between its phases are the action's own."""
     spans = defaultdict(list)
     for r in ranks:
-        phases = sorted((start, end) for _, _, _, start, end in r.get("phases", []))
+        phase_starts = sorted(start for _, _, _, start, _ in r.get("phases", []))
         for kind, entry, start, end in r.get("actions", []):
             if kind == "CommGroup":
                 continue
@@ -66,7 +67,8 @@ def measured_costs(ranks: list[dict]) -> tuple[Costs, dict[str, float]]:
                 kind = "B_split" if entry[3] == "True" else "B"
             elif kind == "FB" and entry[5] == "True":
                 kind = "FB_split"
-            spans[kind].append(sum(e - s for s, e in phases if s >= start and e <= end))
+            first = next((t for t in phase_starts if start <= t <= end), start)
+            spans[kind].append(end - first)
     mean = {k: statistics.mean(v) for k, v in spans.items() if v}
     comm = [done - issued for r in ranks for g, op, issued, done, *_ in r["comm"] if g == "pp" and op == "recv"]
     w = mean.get("W", 0.0)

@@ -11,6 +11,7 @@ moe_lc/model/seams.py): `core`, `replay` around RoPE + core (selective recomputa
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from moe_lc.config import ModelConfig
@@ -56,10 +57,7 @@ class Attention(nn.Module):
 
     def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qkv (B, S, (H + 2K) * Dh) -> attention output (B, S, H, Dh)."""
-        B, S, _ = qkv.shape
         dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = qkv.split([dq, dkv, dkv], dim=-1)
-        q = apply_rope(q.view(B, S, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
-        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in qkv.split([dq, dkv, dkv], dim=-1))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.core(q, k, v, self.softmax_scale)

@@ -27,6 +27,7 @@ projections replicated, and `gather` becomes the sequence all-gather of the late
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from moe_lc.config import ModelConfig
@@ -81,13 +82,11 @@ class MLAttention(nn.Module):
 
     def rope_qkv(self, q, kv, k_r, cos, sin):
         """q, kv as up_project returns them, roped k_r (B, S, 1, Dr) -> the core's q, k (B, S, H, Dn+Dr), v."""
-        B, S, _ = q.shape
-        H = self.n_heads  # local heads under TP
-        q = q.view(B, S, H, self.nope_dim + self.rope_dim)
-        q_nope, q_r = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        heads = "b s (h d) -> b s h d"  # h: the local heads under TP
+        q_nope, q_r = rearrange(q, heads, h=self.n_heads).split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
-        k_nope, v = kv.view(B, S, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_r.expand(B, S, H, self.rope_dim)], dim=-1)
+        k_nope, v = rearrange(kv, heads, h=self.n_heads).split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_r.expand(*k_nope.shape[:3], self.rope_dim)], dim=-1)
         return q, k, v
 
     def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
