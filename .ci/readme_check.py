@@ -10,6 +10,8 @@ Each ```bash block of README.md is preceded by a marker comment:
 
 A block without a marker is an error, so a new block cannot go unchecked. The README's test command
 (`python -m pytest -q`) is CI's own step and is not run twice. Exit status 1 if any block fails.
+Run it in a fresh clone, as CI does: the blocks train into runs/ as a new user would, and a second
+pass over the same runs/ is refused by the trainer (a run directory holds one run).
 """
 
 from __future__ import annotations
