@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from moe_lc.out_path import unwritable
+
 from .tasks import DEPTH_TASKS
 
 RESULTS = "results.json"
@@ -44,9 +46,7 @@ def _make(out: Path) -> str | None:
         return f"{out} is a file, not a folder"
     except OSError as exc:
         return f"cannot make {out}: {exc.strerror or exc}"
-    if not os.access(out, os.W_OK | os.X_OK):
-        return f"{out} is not writable (by uid {os.geteuid()})"
-    return None
+    return unwritable(out)
 
 
 def open_output(out: Path, overwrite: bool) -> str | None:

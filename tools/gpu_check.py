@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from .out_path import out_dir
+from moe_lc.out_path import out_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("env", "install", "tests", "bench")

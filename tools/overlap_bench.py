@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from .ablate import command
+from .extend import shown
 from .timeline import draw, summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,11 +49,8 @@ SHOWN = ("ep/all_to_all", "ep/all_gather", "pp/recv", "pp/send", "cp/recv", "cp/
 
 def run_one(name: str, recipe: str, out: Path, sets: list[str], steps: int) -> dict:
     run_dir = out / "runs" / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-           "moe_lc.train", recipe, "--set", f"train.output_dir={run_dir}", "--set", "train.overwrite=true",
-           "--set", f"train.steps={steps}"]
-    for item in RUNS[name][1] + sets:
-        cmd += ["--set", item]
+    cmd = command(recipe, [f"train.output_dir={run_dir}", "train.overwrite=true", f"train.steps={steps}",
+                           *RUNS[name][1], *sets], nproc=4)
     print(f"[{name}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     log = out / f"{name}.log"
@@ -61,8 +60,7 @@ def run_one(name: str, recipe: str, out: Path, sets: list[str], steps: int) -> d
     if code != 0:
         raise RuntimeError(f"{name}: exit status {code}; see {log}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    result = {"what": RUNS[name][0], "command": " ".join(["python -m torch.distributed.run --standalone "
-                                                          "--nproc-per-node 4 -m moe_lc.train", *cmd[8:]]),
+    result = {"what": RUNS[name][0], "command": shown(cmd),
               "wall_s": time.perf_counter() - start, "steps_averaged": len(rows),
               "step_s": sum(r["step_time"] for r in rows) / len(rows), "losses": [r["loss"] for r in rows]}
     for key in SHOWN:

@@ -37,7 +37,7 @@ from moe_lc.data.corpus import is_val_file, list_text_files, read_text
 from moe_lc.data.token_file import TokenFileWriter, token_dtype
 from moe_lc.data.tokenizer import load_tokenizer
 
-from .out_path import OutPathError, out_file
+from moe_lc.out_path import OutPathError, out_file
 
 ENCODE_BATCH_FILES = 64  # files per encode_batch call (HF tokenizers encode a batch in parallel)
 PROGRESS_EVERY_S = 1.0

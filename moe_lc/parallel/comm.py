@@ -48,17 +48,21 @@ class CollectiveError(RuntimeError):
         self.op, self.group_name = op, group.name
 
 
-def _issue(op: str, group: "Group", call, async_op: bool, nbytes: int):
-    """Issue `call()` (which passes async_op=True) and wrap its work (see comm_timing.py); a
-    synchronous op is waited here. Returns the handle for async_op, else None."""
+def _call(op: str, group: "Group", call):
+    """call()'s torch work(s), refused on a virtual group, failures as CollectiveError."""
     if group.virtual:
         raise RuntimeError(f"collective {op} on virtual group '{group.name}': a virtual mesh builds one rank's "
                            "layout in one process and cannot communicate")
     try:
-        work = call()
+        return call()
     except Exception as exc:
         raise CollectiveError(op, group, exc) from exc
-    handle = group.issued(work, op, nbytes)
+
+
+def _issue(op: str, group: "Group", call, async_op: bool, nbytes: int):
+    """Issue `call()` (which passes async_op=True) and wrap its work (see comm_timing.py); a
+    synchronous op is waited here. Returns the handle for async_op, else None."""
+    handle = group.issued(_call(op, group, call), op, nbytes)
     if async_op:
         return handle
     handle.wait()
@@ -265,12 +269,7 @@ def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list
     if not ops:
         return []
     named = group or Group("p2p", [])
-    if named.virtual:
-        raise RuntimeError(f"batch_isend_irecv on virtual group '{named.name}' cannot communicate")
-    try:
-        works = dist.batch_isend_irecv(ops)
-    except Exception as exc:
-        raise CollectiveError("batch_isend_irecv", named, exc) from exc
+    works = _call("batch_isend_irecv", named, lambda: dist.batch_isend_irecv(ops))
     if len(works) != len(ops):  # NCCL coalesces a batch into one work: every op waits for all of it
         batch = named.issued(_AllOf(works), "batch_isend_irecv", sum(_nbytes(o.tensor) for o in ops))
         return [batch] * len(ops)

@@ -1,4 +1,4 @@
-"""Output paths of the tools (--out, --png): checked and made before the work starts.
+"""Output paths of the tools and the eval harness (--out, --png): checked and made before the work starts.
 
 Why: a drawing or a tokenized corpus that fails at the very end on a missing parent folder, on a
 directory standing where the file should go, or on a read-only place throws the work away, with a
@@ -59,9 +59,18 @@ def _make_dir(flag: str, given: str, folder: Path) -> None:
         raise OutPathError(f"{flag} {given}: cannot create directory {folder}: {exc.strerror}") from None
 
 
-def _probe(flag: str, given: str, folder: Path) -> None:
+def unwritable(folder: Path) -> str | None:
+    """Why nothing can be written in the existing `folder` (None when something can): a file made and
+    deleted there, not os.access, which says yes to root everywhere."""
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise OutPathError(f"{flag} {given}: cannot write in {folder}: {exc.strerror}") from None
+        return f"cannot write in {folder}: {exc.strerror}"
+    return None
+
+
+def _probe(flag: str, given: str, folder: Path) -> None:
+    problem = unwritable(folder)
+    if problem:
+        raise OutPathError(f"{flag} {given}: {problem}")
