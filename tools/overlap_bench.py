@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     names = [n for n in args.runs.split(",") if n]
     bad = [n for n in names if n not in RUNS]
-    if bad or args.steps < 2:
-        print(f"error: {'--runs ' + ','.join(bad) + ' unknown (' + ','.join(RUNS) + ')' if bad else '--steps must be >= 2'}",
+    if bad or args.steps < 3:
+        print(f"error: {'--runs ' + ','.join(bad) + ' unknown (' + ','.join(RUNS) + ')' if bad else '--steps must be >= 3 (the recipe traces step 3; step 1 is left out of the averages)'}",
               file=sys.stderr)
         return 2
     from moe_lc.config import ConfigError, load_config
