@@ -55,6 +55,8 @@ class TrainResult:
 class Trainer:
     """Owns the model, optimizer, data and logging of one rank."""
 
+    route = None  # a router selection replacing the learned one (the dry run's balanced routing)
+
     def __init__(self, cfg: Config, device: torch.device | None = None):
         """device: where this rank's tensors live (default: from train.device; the dry run passes meta)."""
         self.cfg = cfg
@@ -69,19 +71,21 @@ class Trainer:
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
         self.tokenizer, self.loader = self.build_data()
-        self.microbatches = t.global_batch // (t.micro_batch * self.dims.dp)
+        self.microbatches = t.microbatches(self.dims.dp)
         if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
             reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
             if reason is not None:
                 raise ConfigError([f"precision.fp8_backend='te': {reason}"])
-        self.parallel = build_rank_model(cfg, self.dims, self.device, plan=(self.schedule, self.stage_layers))
+        self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
+                                         route=self.route)
         self.model = self.parallel.module.train()
         self.runtime = None
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
-            self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.parallel.stages,
+            self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.parallel.chunks,
                                            self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
-                                           p.compute_dtype, self.device, overlap=self.dims.overlap)
+                                           p.compute_dtype, self.device, overlap=self.dims.overlap,
+                                           store=self.parallel.wgrad_store)
         self.optimizer = ZeroAdamW(
             zero_param_groups(self.parallel, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
             eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
@@ -115,7 +119,7 @@ class Trainer:
     def microbatches_per_pipeline(cfg: Config) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
-        return cfg.train.global_batch // (cfg.train.micro_batch * dp)
+        return cfg.train.microbatches(dp)
 
     def train_step(self) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
@@ -128,21 +132,19 @@ class Trainer:
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
-        loss_sum = forward_backward(self, batches, scale, n_tokens)
+        self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
+        loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens)
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
-        metrics, mtp_sum = mtp_losses(self.parallel.chunks(), m.mtp.depth, m.mtp.loss_weight, self.dims, n_tokens,
+        metrics, mtp_sum = mtp_losses(stats.mtp_loss_sums, m.mtp.depth, m.mtp.loss_weight, self.dims, n_tokens,
                                       self.device)
         if mtp_sum:  # log the next-token loss (comparable with MTP off) and the objective apart
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
-        metrics.update(self._update_router_biases())
+        metrics.update(balance_routers(self.model, self.dims, stats.aux_losses))
         return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)
-
-    def _update_router_biases(self) -> dict:
-        return balance_routers(self.model, self.dims)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _train_state(self) -> dict:

@@ -2,8 +2,9 @@
 reduced over the mesh, the ZeRO-1 update, the routers' bias update, and the step's metrics.
 
 Every micro-batch loss is the summed token loss divided by the step's token count (over every
-data-parallel rank), so losses and gradients are the same under any valid layout. The result is a
-`StepResult`; nothing is stashed on modules or on the trainer for the logger to read back.
+data-parallel rank), so losses and gradients are the same under any valid layout. The forwards report
+their MTP and aux losses in the step's `ForwardStats`, and the result is a `StepResult`; nothing is
+stashed on modules or on the trainer for the logger to read back.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.parallel import comm
+from moe_lc.parallel.expert import dispatcher_counters, expert_parallel_metrics
 from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 
 
 @dataclass
@@ -35,17 +39,16 @@ def step_token_count(micro: list[dict], global_tokens: int, dims: ParallelDims, 
     return max(count.item(), 1.0)
 
 
-def mtp_losses(chunks: list, depth: int, weight: float, dims: ParallelDims, n_tokens: float,
+def mtp_losses(mtp_loss_sums: torch.Tensor | None, depth: int, weight: float, dims: ParallelDims, n_tokens: float,
                device: torch.device) -> tuple[dict, float]:
-    """({"mtp_loss/depth{d}": per-token loss}, the weighted MTP sum to take out of the objective), from the
-    sums the chunks holding MTP modules accumulated this step (reduced like the main loss)."""
+    """({"mtp_loss/depth{d}": per-token loss}, the weighted MTP sum to take out of the objective), from this
+    rank's per-depth sums of the step (`ForwardStats.mtp_loss_sums`; None where no stage of this rank holds
+    the MTP modules), reduced like the main loss."""
     if not depth:
         return {}, 0.0
     sums = torch.zeros(depth, dtype=torch.float64, device=device)
-    for m in (c for c in chunks if c.mtp is not None):
-        if m.mtp_loss_sums is not None:
-            sums += m.mtp_loss_sums
-        m.mtp_loss_sums = None
+    if mtp_loss_sums is not None:
+        sums += mtp_loss_sums
     comm.all_reduce(sums, dims["world"])
     sums /= dims.tp
     host = (sums / n_tokens).tolist()
@@ -53,48 +56,58 @@ def mtp_losses(chunks: list, depth: int, weight: float, dims: ParallelDims, n_to
 
 
 @torch.no_grad()
-def balance_routers(model, dims: ParallelDims) -> dict:
-    """Sum expert loads over every router replica (one all-reduce), nudge each bias, and return the MoE
-    metrics (plus the EP dispatchers' counters when ep > 1), brought to the host in one transfer."""
+def balance_routers(model, dims: ParallelDims, aux_losses: dict) -> dict:
+    """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
+    return the MoE metrics: one all-reduce, which under expert parallelism also carries the dispatchers'
+    counters (in fp64 then: counts are exact in either dtype), and one transfer to the host.
+    aux_losses: `ForwardStats.aux_losses`. Metrics per MoE layer L: moe/imbalance/layer{L} (max / mean
+    load), moe/bias_range/layer{L}, moe/aux_loss/layer{L} (with a sequence-wise aux loss), moe/load/layer{L}
+    (E floats: token copies per expert), the `expert_parallel_metrics` under EP; and moe/imbalance_max."""
     moes = model.moe_layers()
     if not moes:
         return {}
-    stats = {}
-    if dims.ep > 1:  # dispatcher counters: load per expert and ep rank, nodes per token
-        from moe_lc.parallel.expert import expert_parallel_metrics
-
-        stats.update(expert_parallel_metrics(model, dims))
-    loads = torch.stack([m.router.expert_load for m in moes.values()])
-    comm.all_reduce(loads, dims["dp_cp_tp"])
+    loads = torch.stack([m.router.expert_load for m in moes.values()])  # (L, E) fp32, this rank's
+    counters = dispatcher_counters(moes.values())  # (L, N + 4) fp64, None without expert parallelism
+    n_experts = loads.shape[1]
+    if counters is None:
+        comm.all_reduce(loads, dims["dp_cp_tp"])
+    else:
+        both = torch.cat([loads.double(), counters], dim=1)
+        comm.all_reduce(both, dims["dp_cp_tp"])
+        loads, counters = both[:, :n_experts].float(), both[:, n_experts:]
     scalars = {}  # metric -> 0-dim device tensor
     for (name, moe), load in zip(moes.items(), loads):
         scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
         moe.router.update_bias(load)
         bias = moe.router.expert_bias
         scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
-        if moe.last_aux_loss is not None:
-            scalars[f"moe/aux_loss/layer{name}"] = moe.last_aux_loss
-    host = torch.cat([torch.stack([v.float() for v in scalars.values()]), loads.float().flatten()]).tolist()
-    stats.update(zip(scalars, host))
-    n_experts = loads.shape[1]
-    for i, name in enumerate(moes):
-        start = len(scalars) + i * n_experts
-        stats.setdefault(f"moe/load/layer{name}", host[start:start + n_experts])
-    stats["moe/imbalance_max"] = max(v for k, v in stats.items() if k.startswith("moe/imbalance/"))
-    return stats
+        if moe in aux_losses:
+            scalars[f"moe/aux_loss/layer{name}"] = aux_losses[moe]
+    parts = [torch.stack([v.double() for v in scalars.values()]), loads.double().flatten()]
+    host = iter(torch.cat(parts + ([] if counters is None else [counters.flatten()])).tolist())
+    metrics = {key: next(host) for key in scalars}
+    host_loads = [[next(host) for _ in range(n_experts)] for _ in moes]
+    metrics.update((f"moe/load/layer{name}", load) for name, load in zip(moes, host_loads))
+    if counters is not None:
+        host_counters = [[next(host) for _ in range(counters.shape[1])] for _ in moes]
+        metrics.update(expert_parallel_metrics(moes, host_loads, host_counters))
+    metrics["moe/imbalance_max"] = max(v for k, v in metrics.items() if k.startswith("moe/imbalance/"))
+    return metrics
 
 
-def forward_backward(trainer, batches: list[dict], scale: float, n_tokens: float) -> torch.Tensor:
-    """Every micro-batch forward and backward (the pipeline runtime's schedule under PP); returns this
-    rank's summed token loss (fp64, detached), before any reduction over the mesh."""
-    if trainer.runtime is not None:
-        trainer.optimizer.begin_step(trainer.runtime.grad_arrivals())
-        return trainer.runtime.step(batches, scale) * (scale * n_tokens)
-    trainer.optimizer.begin_step(len(batches))
-    loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
+def forward_backward(model, runtime: PipelineRuntime | None, batches: list[dict], scale: float,
+                     n_tokens: float) -> tuple[torch.Tensor, ForwardStats]:
+    """Every micro-batch forward and backward: through `model` (this rank's whole model), or the pipeline
+    `runtime`'s schedule under PP. batches: `prepare_batch` outputs; each micro-batch's summed token loss is
+    multiplied by `scale` (1 / the step's token count n_tokens) before backward. Returns this rank's
+    summed token loss (fp64, detached), before any reduction over the mesh, and the step's `ForwardStats`."""
+    stats = ForwardStats()
+    if runtime is not None:
+        return runtime.step(batches, scale, stats) * (scale * n_tokens), stats
+    loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0]["inputs"].device)
     for batch in batches:
-        loss = trainer.model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                             loss_mask=batch["loss_mask"], mtp=batch["mtp"])
+        loss = model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
+                     loss_mask=batch["loss_mask"], mtp=batch["mtp"], stats=stats)
         (loss * scale).backward()
         loss_sum += loss.detach().double() * (scale * n_tokens)
-    return loss_sum
+    return loss_sum, stats

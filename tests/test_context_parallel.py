@@ -25,9 +25,10 @@ from moe_lc.config import ConfigError, ParallelConfig, load_config, model_config
 from moe_lc.model.transformer import build_model
 from moe_lc.ops.attention import AttentionBackend, attention_with_lse, get_backend
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.context import (apply_context_parallel, attention_work, chunk_ids, ring_attention_with_lse,
+from moe_lc.parallel.context import (attention_work, chunk_ids, ring_attention_with_lse,
                                      ring_schedule, zigzag_shard, zigzag_unshard)
 from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.parallel.parallelize import prepare_batch
 from tests.harness import RECIPES, compare, reference, run_layout, run_workers
 
@@ -95,7 +96,8 @@ def test_zigzag_balances_attention_work_and_contiguous_split_does_not(cp):
 def test_cp_refuses_sequence_aux_loss_and_swaps_every_attention_core():
     with pytest.raises(ConfigError, match="aux_loss_weight=0.0001 with parallel.cp=2 is not supported"):
         load_config(RECIPES / "debug_cpu.toml", ["parallel.cp=2", "model.moe.aux_loss_weight=1e-4"], world_size=2)
-    model = apply_context_parallel(build_model(model_config(attn_backend="reference"), seed=0), fake_dims(2, 0))
+    model = build_model(model_config(attn_backend="reference"), seed=0)
+    apply_layer_plan(model, fake_dims(2, 0))
     cores = [layer.attn.core for layer in model.layers.values()]
     assert all(type(c).__name__ == "RingAttention" and c.backend_name == "reference" for c in cores)
 
@@ -309,7 +311,7 @@ def _assert_cp_traffic(got, cfg):
     """Per step and rank: n_micro x n_layers x (forward + backward ring bytes), by formula (fp32);
     under tp each rank rings its own kv heads (n_kv_heads / tp, at least one)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    n_micro = t.global_batch // (t.micro_batch * (got.world // (p.cp * p.tp)))
+    n_micro = t.microbatches(got.world // (p.cp * p.tp))
     kv_heads = max(m.n_kv_heads // p.tp, 1)
     kv_numel = 2 * t.micro_batch * (t.seq_len // p.cp) * kv_heads * m.head_size  # local K and V
     per_layer = (p.cp - 1) * kv_numel * 4 + ((p.cp - 1) * kv_numel * 4 + p.cp * kv_numel * 4)

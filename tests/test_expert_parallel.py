@@ -68,7 +68,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     """EP forward/backward of this rank's tokens vs the single-device result on all tokens, counted
     inter-node bytes per phase, and which token ids arrived at this rank."""
     from moe_lc.model.moe import LocalDispatcher, RoutedExperts
-    from moe_lc.parallel.expert import DISPATCHERS, ExpertTopology
+    from moe_lc.parallel.expert import DISPATCHERS, ExpertTopology, named_counters
     from moe_lc.parallel.placement import Placements, Shard
 
     E, K, G, TG, D, F = shape
@@ -113,7 +113,8 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
             "expert_grad": max(_rel(p.grad, g[rank * El:(rank + 1) * El])
                                for p, g in zip(experts.parameters(), ref_grads))}
     return {"errs": errs, "counts": counts.tolist(), "arrived": _ids(xs), "phases": phases,
-            "pairs": _ids(arrived) if mode == "hierarchical" else None, "stats": d.stats()}
+            "pairs": _ids(arrived) if mode == "hierarchical" else None,
+            "stats": named_counters(d.counters(), d.topo.n_nodes)}
 
 
 def _rel(a, b):
@@ -284,7 +285,6 @@ def _skewed_bias_worker(rank, world, overrides, embed_skew=0.15, gate_skew=0.15)
     import moe_lc.parallel.build as build
     import moe_lc.train as train
     from moe_lc.config import load_config
-    from moe_lc.parallel.expert import expert_parallel_metrics
 
     materialize = build.materialize
 
@@ -300,20 +300,13 @@ def _skewed_bias_worker(rank, world, overrides, embed_skew=0.15, gate_skew=0.15)
 
     build.materialize = skewed
     trainer = train.Trainer(load_config(RECIPE, FAST + overrides, world_size=world))
-    update, per_step = trainer._update_router_biases, []
-
-    def update_and_read_dispatchers():  # where the lead wires the dispatcher metrics in
-        per_step.append(expert_parallel_metrics(trainer.model, trainer.dims))
-        return update()
-
-    trainer._update_router_biases = update_and_read_dispatchers
     trainer.fit()
     biases = torch.stack([m.router.expert_bias for m in trainer.model.moe_layers().values()])
     metrics = None
     if rank == 0:
         lines = (Path(trainer.cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
         metrics = [json.loads(line) for line in lines]
-    return {"biases": biases, "metrics": metrics, "dispatch": per_step}
+    return {"biases": biases, "metrics": metrics}
 
 
 def test_skewed_router_is_balanced_by_bias_and_every_replica_holds_the_same_bias(tmp_path):
@@ -331,12 +324,13 @@ def test_skewed_router_is_balanced_by_bias_and_every_replica_holds_the_same_bias
     last = [sum(m[k] for m in metrics[-3:]) / 3 for k in layers]
     assert min(first) > 2.5, first  # most tokens on experts 0 and 1 (max/mean 4 = all of them)
     assert all(b < 0.6 * a for a, b in zip(first, last)), (first, last)
-    # the dispatcher's loads (summed over all ranks and micro-batches) match the routers' loads
+    # the logged loads (summed over all ranks and micro-batches) count every routed copy once, and the
+    # dispatchers' metrics come with them
     tokens = 8 * 64 * 2  # global_batch * seq_len * topk per step
-    for step, (m, d) in enumerate(zip(metrics, results[0]["dispatch"])):
+    for step, m in enumerate(metrics):
         for k in layers:
             layer = k.rsplit("layer", 1)[1]
-            assert sum(d[f"moe/load/layer{layer}"]) == tokens
-            assert d[f"moe/expert_imbalance/layer{layer}"] == pytest.approx(m[k], rel=1e-6), step
-            assert d[f"moe/nodes_per_token_max/layer{layer}"] <= 2
+            assert sum(m[f"moe/load/layer{layer}"]) == tokens
+            assert m[f"moe/expert_imbalance/layer{layer}"] == pytest.approx(m[k], rel=1e-6), step
+            assert m[f"moe/nodes_per_token_max/layer{layer}"] <= 2
     print("imbalance (max/mean) per MoE layer, step 1 -> last 3 steps:", first, "->", last)

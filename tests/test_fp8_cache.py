@@ -6,17 +6,17 @@ the planner predicts, to the byte; the caches compose with DualPipe, EP and DP."
 import pytest
 import torch
 
-from moe_lc.config import ConfigError, load_config
-from moe_lc.model.fp8_cache import apply_fp8_cache
+from moe_lc.config import ConfigError, PrecisionConfig, RecomputeConfig, load_config
 from moe_lc.model.mtp import mtp_targets
-from moe_lc.model.recompute import apply_recompute
 from moe_lc.model.transformer import Transformer
 from moe_lc.ops import fp8
-from moe_lc.ops.fp8_linear import Fp8Gemms, KeepFp8ForWgrad, apply_fp8
+from moe_lc.ops.fp8_linear import Fp8Gemms, KeepFp8ForWgrad
 from moe_lc.ops.fp8_storage import Fp8Tiles
 from moe_lc.ops.linear import KEEP_AS_IS, GroupedLinear, Linear, WeightGradStore
+from moe_lc.parallel.layer_plan import apply_layer_plan
 from tests.harness import RECIPES, TOLERANCE, assert_equivalent, reference, run_layout
 from tools.activation_memory import estimate, measure_saved_bytes
+from tools.dry_trace import balanced_select
 
 RECIPE = RECIPES / "debug_cpu.toml"
 BASE = ["train.steps=4", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=1", "train.warmup_steps=2"]
@@ -113,9 +113,9 @@ def test_saved_bytes_fall_by_what_the_planner_predicts(case):
     for items in ([], ["linear"], ["swiglu"], ["attn_out"], ["linear", "swiglu", "attn_out"]):
         torch.manual_seed(0)
         model = Transformer(cfg.model).to(torch.bfloat16).train()
-        apply_fp8(model, "blockwise", "emulate")
-        apply_recompute(model, policy, selective)
-        apply_fp8_cache(model, items)
+        apply_layer_plan(model, precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=items),
+                         recompute=RecomputeConfig(policy=policy, selective=list(selective)),
+                         route=balanced_select)  # the planner's routing: per-expert FP8 scale tiles follow it
         got = measure_saved_bytes(model, lambda: model(tokens[:, :-1], labels=tokens[:, 1:], mtp=mtp))
         est = estimate(cfg.model, B, S, 2, policy=policy, selective=tuple(selective), fp8_cache=tuple(items))
         for i, predicted in est.layers.items():  # (1%: the experts' wgrad scales, one per 128 rows of

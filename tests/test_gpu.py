@@ -159,7 +159,7 @@ def test_ring_attention_with_threads_as_cp_ranks_matches_one_call(backend_name):
 
 
 def test_grouped_mm_kernel_matches_the_per_expert_loop():
-    from moe_lc.ops.grouped_gemm import _use_grouped_mm, grouped_mm, grouped_mm_wgrad
+    from moe_lc.ops.grouped_gemm import grouped_mm, grouped_mm_wgrad, use_grouped_mm
     from moe_lc.ops.linear import GroupedLinear
 
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def test_grouped_mm_kernel_matches_the_per_expert_loop():
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
     w_EKN = layer.weight.detach().transpose(1, 2)
-    assert _use_grouped_mm(x, w_EKN), "torch._grouped_mm should take aligned bf16 operands on this GPU"
+    assert use_grouped_mm(x, w_EKN), "torch._grouped_mm should take aligned bf16 operands on this GPU"
     layer(x, counts.cuda()).backward(dy)
     sizes = counts.tolist()
     ref_y = torch.cat([xe.float() @ we.float() for xe, we in zip(x.detach().split(sizes), w_EKN)])

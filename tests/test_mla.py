@@ -168,3 +168,66 @@ def test_mla_and_mtp_under_tp():
     ref = reference(RECIPES / "debug_cpu.toml", overrides)
     got = run_layout(RECIPES / "debug_cpu.toml", overrides + ["parallel.tp=2"], world=2)
     assert_equivalent(ref, got, rtol=1e-5)
+
+
+LATENT_LAYOUTS = {
+    "cp4": (["parallel.cp=4"], 4),
+    "cp2-mla_up-attention": (["parallel.cp=2", "recompute.policy=selective",
+                              "recompute.selective=['norm','attention','mla_up']"], 2),
+    "pp2-dualpipe-cp2": (["parallel.pp=2", "parallel.pp_schedule=dualpipe", "parallel.cp=2", "train.micro_batch=2"], 4),
+}
+
+
+@pytest.mark.parametrize("case", list(LATENT_LAYOUTS))
+def test_mla_latent_ring_matches_one_device(case):
+    """The latent ring (parallel.mla_ring = latent, the default; cp2 and cp2 x tp2 are in the test
+    above) on more ranks, under selective recomputation of the up-projections, and inside DualPipe."""
+    from tests.harness import assert_equivalent, reference, run_layout
+
+    layout, world = LATENT_LAYOUTS[case]
+    overrides = TRAIN + MLA[:-1] + ["model.mla.v_head_dim=16"]
+    extra = [o for o in layout if o.startswith("train.")]
+    ref = reference(RECIPES / "debug_cpu.toml", overrides + extra)
+    got = run_layout(RECIPES / "debug_cpu.toml", overrides + layout, world=world)
+    assert_equivalent(ref, got, rtol=1e-5)
+
+
+def test_mla_latent_ring_under_fp8_tracks_one_device():
+    """FP8 GEMMs (the latent ring up-projects with wkv_b's own FP8 GEMMs) with every FP8 cache item on
+    cp2: losses within the fp8 tolerance of one device running the same recipe."""
+    from tests.harness import TOLERANCE, reference, run_layout
+
+    overrides = TRAIN + MLA[:-1] + ["model.mla.v_head_dim=16", "precision.recipe=fp8", "precision.fp8_backend=emulate",
+                                    "precision.fp8_cache=['linear','swiglu','attn_out']"]
+    ref = reference(RECIPES / "debug_cpu.toml", overrides)
+    got = run_layout(RECIPES / "debug_cpu.toml", overrides + ["parallel.cp=2"], world=2)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
+    assert worst <= TOLERANCE["fp8"], (got.losses, ref.losses)
+
+
+def _ring_bytes_per_layer(values_per_token: int, tokens: int, cp: int) -> int:
+    """One attention call's ring bytes on one rank, fp32 (moe_lc/parallel/context.py): forward
+    (cp-1) blocks, backward (cp-1) blocks and cp fp32 gradient accumulators."""
+    numel = tokens * values_per_token
+    return (cp - 1) * numel * 4 + (cp - 1) * numel * 4 + cp * numel * 4
+
+
+def test_mla_latent_ring_moves_the_latent_bytes_the_formula_gives():
+    """Debug MLA dims, 4 heads x (Dqk 24 + Dv 16) = 160 values per token expanded, 32 + 8 = 40 latent:
+    comm.py's counted cp bytes equal the formula and the planner's figure for both rings, 4x apart."""
+    from tests.harness import run_layout
+    from tools.plan import plan
+
+    cfg_over = TRAIN + MLA[:-1] + ["model.mla.v_head_dim=16", "parallel.cp=2"]
+    cfg = load_config(RECIPES / "debug_cpu.toml", cfg_over, world_size=2)
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch * t.seq_len // 2
+    counted = {}
+    for ring, per_token in (("latent", 32 + 8), ("expanded", 4 * (24 + 16))):
+        got = run_layout(RECIPES / "debug_cpu.toml", cfg_over + [f"parallel.mla_ring={ring}"], world=2)
+        want = t.microbatches(1) * m.n_layers * _ring_bytes_per_layer(per_token, tokens, 2)
+        counted[ring] = {step["comm/cp/send_bytes"] for rank in got.comm_per_rank for step in rank}
+        assert counted[ring] == {want}, (ring, counted[ring], want)
+        ring_cfg = load_config(RECIPES / "debug_cpu.toml", cfg_over + [f"parallel.mla_ring={ring}"], world_size=2)
+        assert plan(ring_cfg, 2).ranks[0].comm_per_step()["comm/cp/send_bytes"] == want, ring
+    assert counted["expanded"].pop() == 4 * counted["latent"].pop()

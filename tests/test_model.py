@@ -145,13 +145,13 @@ def test_grouped_linear_matches_per_expert_loop():
 def test_grouped_mm_takes_the_loop_for_a_misaligned_weight_view():
     """A weight viewed out of a flat buffer at an odd offset (as a ZeRO bucket can place it) is refused by
     torch._grouped_mm (16-byte data_ptr); grouped_mm must take the per-expert loop and give the same result."""
-    from moe_lc.ops.grouped_gemm import _use_grouped_mm, grouped_mm, misalignment
+    from moe_lc.ops.grouped_gemm import grouped_mm, misalignment, use_grouped_mm
 
     flat = torch.randn(1 + 3 * 8 * 4)
     w_EKN = flat[1:].view(3, 8, 4)  # data_ptr 4 bytes past an aligned one
     x = torch.randn(7, 8)
     counts = torch.tensor([2, 0, 5])
-    assert "16-byte" in misalignment(w_EKN) and not _use_grouped_mm(x, w_EKN)
+    assert "16-byte" in misalignment(w_EKN) and not use_grouped_mm(x, w_EKN)
     aligned = w_EKN.clone()
     assert misalignment(aligned) is None and misalignment(aligned.transpose(1, 2)) is None
     expected = torch.cat([x[:2] @ aligned[0], x[2:7] @ aligned[2]])

@@ -3,6 +3,7 @@
 import torch
 
 from moe_lc.config import model_config
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.moe import MoE, LocalDispatcher, Router, route, sequence_aux_loss
 
 
@@ -143,10 +144,13 @@ def test_aux_loss_reaches_router_gradient():
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(2, 8, 32)
-    moe(x).sum().backward()
+    stats = ForwardStats()
+    moe(x, stats).sum().backward()
     g_with = moe.router.gate.weight.grad.clone()
+    assert stats.aux_losses[moe].item() > 0  # reported for the step's metrics, not kept on the module
     moe.zero_grad()
     moe.aux_loss_weight = 0.0
-    moe(x).sum().backward()
+    stats = ForwardStats()
+    moe(x, stats).sum().backward()
     assert not torch.allclose(g_with, moe.router.gate.weight.grad)
-    assert moe.last_aux_loss is not None
+    assert not stats.aux_losses

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moe_lc.config import load_config
-from moe_lc.model.recompute import apply_recompute
+from moe_lc.config import RecomputeConfig
+from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.model.transformer import build_model
 from moe_lc.train import run
 from tests.harness import RECIPES, assert_equivalent, reference, run_layout
@@ -55,7 +56,7 @@ def test_recompute_policies_save_less_and_count_loads_once():
     for policy, items in [("none", ()), ("selective", ("norm",)), ("selective", ("norm", "swiglu")),
                           ("selective", ("norm", "swiglu", "attention")), ("full", ())]:
         model = build_model(cfg, seed=0)
-        apply_recompute(model, policy, items)
+        apply_layer_plan(model, recompute=RecomputeConfig(policy=policy, selective=list(items)))
         nbytes, loss = saved_bytes(model, tokens)
         loss.backward()
         loads = torch.stack([m.router.expert_load for m in model.moe_layers().values()])
@@ -89,7 +90,7 @@ def test_deferred_weight_grads_survive_recomputation(policy, items):
 
     def grads(policy, items, split):
         model = build_model(cfg, seed=0)
-        apply_recompute(model, policy, items)
+        apply_layer_plan(model, recompute=RecomputeConfig(policy=policy, selective=list(items)))
         store = WeightGradStore()
         for module in model.modules():
             if isinstance(module, (Linear, GroupedLinear)):

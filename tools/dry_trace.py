@@ -28,15 +28,16 @@ import sys
 import weakref
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from moe_lc.parallel.pipeline.overlap import PhasedRun
-from .activation_memory import held_checkpoint_inputs
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 21
@@ -281,10 +282,34 @@ class HostLiterals(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def held_checkpoint_inputs(callback: Callable[[torch.Tensor], None]):
+    """Inside: callback(t) for every tensor input of a non-reentrant checkpoint (recomputation), which
+    keeps its inputs in a closure rather than through saved-tensor hooks (whose own hooks also hide
+    what runs inside it). Whatever counts saved activations uses it (`SavedActivations`,
+    tools/block_trace.py, tools/activation_memory.py)."""
+    generator = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if generator is None:
+        yield
+        return
+
+    def held(fn, *args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                callback(a)
+        return generator(fn, *args, **kwargs)
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = held
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = generator
+
+
 class SavedActivations:
     """What a backward will read, labelled as saved activations: tensors packed by autograd's
     saved-tensor hooks, the inputs a non-reentrant checkpoint (recomputation) keeps in its closure
-    instead (tools/activation_memory.py measures these two), and under a pipeline the output of each
+    instead (`held_checkpoint_inputs`), and under a pipeline the output of each
     forward phase, kept until the next phase has run (then released unless a phase saved it) and the
     chunk's output until its backward (moe_lc/parallel/pipeline/overlap.py)."""
 

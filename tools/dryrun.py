@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from moe_lc.config import ConfigError, load_config
-from moe_lc.model.moe import Router
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.train import Trainer
 from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select
@@ -68,11 +67,13 @@ class MetaLoader:
 
 
 class DryTrainer(Trainer):
-    """The trainer on the meta device with `MetaLoader` data."""
+    """The trainer on the meta device with `MetaLoader` data and balanced routing (the layer plan puts
+    `balanced_select` in every router: every expert gets the same tokens)."""
+
+    route = staticmethod(balanced_select)
 
     def build_data(self):
-        t = self.cfg.train
-        return None, MetaLoader(self.cfg, t.global_batch // (t.micro_batch * self.dims.dp))
+        return None, MetaLoader(self.cfg, self.cfg.train.microbatches(self.dims.dp))
 
 
 def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
@@ -88,9 +89,6 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
             trainer = DryTrainer(cfg, device=META)
             built = time.perf_counter()
             static = _label_states(trainer, tracer)
-            for m in trainer.model.modules():
-                if isinstance(m, Router):
-                    m.select = balanced_select
             tracer.memory.reset_peak()
             tracer.host_reads.clear()  # the step's, not the build's
             trainer.dims.counter.reset()

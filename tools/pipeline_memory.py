@@ -1,18 +1,22 @@
 """Saved activations of a pipeline rank through its schedule: what the planner (tools/plan.py) adds to
-the per-stage estimates of tools/activation_memory.py once stages run as the pipeline runtime runs
-them (moe_lc/parallel/pipeline/runtime.py, overlap.py). Held to traced steps by tools/dryrun.py.
+the per-stage figures of tools/activation_memory.py once stages run as the pipeline runtime runs
+them (moe_lc/parallel/pipeline/runtime.py, overlap.py): the phases each stage's forward is cut into,
+counted from its built model, and what a split backward keeps for its W, traced
+(tools/block_trace.py). Held to traced steps by tools/dryrun.py.
 """
 
 from __future__ import annotations
 
+import torch
+
 from moe_lc.config import Config
 from moe_lc.parallel.build import pipeline_plan
-from .plan_layout import microbatches, moe_blocks
+from .block_trace import block_kind, trace_parts
 
 
 def pipeline_schedule(cfg: Config, deg):
     """The recipe's schedule as the trainer builds it (None without PP)."""
-    return pipeline_plan(cfg, microbatches(cfg, deg))[0]
+    return pipeline_plan(cfg, cfg.train.microbatches(deg.dp))[0]
 
 
 def stage_sizes(stages: list[dict], per_stage: list) -> dict[int, float]:
@@ -23,11 +27,11 @@ def stage_sizes(stages: list[dict], per_stage: list) -> dict[int, float]:
     return {st["id"]: e.total for st, e in zip(stages, per_stage)}
 
 
-def phase_count(cfg: Config, stage: dict) -> int:
-    """Phases of a stage's forward (Transformer.phases): embedding, 4 per MoE block (attention,
-    dispatch, experts, combine), 2 per dense one, the output head."""
-    moe = moe_blocks(cfg, {**stage, "last": False})  # the MTP blocks run inside the head's phase
-    return int(stage["first"]) + 4 * moe + 2 * (len(stage["layers"]) - moe) + int(stage["last"])
+def phase_count(stage: dict) -> int:
+    """Phases of a stage's forward, as its model (the stage's chunk of the rank's built model) chains
+    them (`Transformer.phases`): the embedding, each block's (`Block.phases`), the head, within which the
+    MTP modules run."""
+    return len(stage["module"].phases(torch.arange(1, device="meta")))
 
 
 def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
@@ -79,36 +83,10 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
     return most, peak
 
 
-def wgrad_held_bytes(cfg: Config, deg, module) -> float:
-    """Bytes a split backward (B) of one micro-batch through `module` keeps for its W: the output
-    gradient of every Linear that defers its W (moe_lc/ops/linear.py; the router's does not), and the
-    input of those whose input B rebuilt (recomputation: the down projections under a SwiGLU replay,
-    MLA's up-projections under "mla_up", every Linear under full recomputation), in the compute dtype
-    or, where FP8 caching holds them for the wgrad GEMM (`HoldFp8ForWgrad`), as an FP8 byte and an fp32
-    scale per 128 tokens per element. Rows: the cp shard of the sequence (column/row-parallel layers see
-    it whole under SP), the tp shard x top-k for experts."""
-    from moe_lc.model.ffn import SwiGLU, swiglu_then
-    from moe_lc.model.mla import MLAttention
-    from moe_lc.model.moe import RoutedExperts
-    from moe_lc.model.recompute import mla_up_replayed
-    from moe_lc.ops.fp8_linear import HoldFp8ForWgrad
-    from moe_lc.ops.linear import GroupedLinear, Linear
-
-    m, t, c = cfg.model, cfg.train, cfg.precision.compute_dtype.itemsize
-    tokens = t.micro_batch * t.seq_len // deg.cp
-    rebuilt = set()
-    for mod in module.modules():
-        if isinstance(mod, (SwiGLU, RoutedExperts)) and mod.activation is not swiglu_then:
-            rebuilt.add(id(mod.w2))
-        if isinstance(mod, MLAttention) and mod.attend is mla_up_replayed:
-            rebuilt |= {id(x) for x in (mod.wq_b, mod.wkv_b) if x is not None}
-    total = 0.0
-    for mod in module.modules():
-        if not isinstance(mod, (Linear, GroupedLinear)) or not mod.defer_wgrad:
-            continue
-        per_elem = 1 + 4 / 128 if isinstance(mod.keep_input, HoldFp8ForWgrad) else c
-        rows = tokens // deg.tp * m.moe.topk if isinstance(mod, GroupedLinear) else tokens
-        total += rows * mod.weight.shape[-2] * per_elem
-        if id(mod) in rebuilt or cfg.recompute.policy == "full":
-            total += rows * mod.weight.shape[-1] * per_elem
-    return total
+def wgrad_held_bytes(cfg: Config, stage: dict) -> float:
+    """Bytes a split backward (B) of one micro-batch through `stage` keeps for its W, traced per block kind
+    and for the head (`TracedParts.held`: output gradients of the Linears that defer W, the inputs B
+    rebuilt or quantized for them), on one rank of cfg's layout under its policy and precision."""
+    traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
+    held = sum(traced.held[block_kind(cfg.model, i)] for i in stage["layers"])
+    return float(held + (traced.held["head"] if stage["last"] else 0))

@@ -4,8 +4,9 @@
                          [--terms] [--json]
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
-(no memory; tools/plan_layout.py), saved activations from the formulas derived from the model code
-(tools/activation_memory.py), walked through the rank's pipeline schedule (tools/pipeline_memory.py). The tool
+(no memory; tools/plan_layout.py), saved activations traced from the model code, one block of each
+kind forward on the meta device (tools/block_trace.py, tools/activation_memory.py), walked through the
+rank's pipeline schedule (tools/pipeline_memory.py). The tool
 prints the placement table (where each state lives on each dim), memory per rank by state, the
 transient working sets and the peak, saved activations under each recompute policy and the bytes this
 rank sends per optimizer step, keyed like the trainer's metrics ("comm/<group>/<op>_bytes").
@@ -23,11 +24,14 @@ if __name__ == "__main__" and not __package__:  # `python tools/plan.py` from a 
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (before torch) the traces' fake process groups warn per group
 
-from .activation_memory import CHECKED, POLICIES, UNCHECKED, estimate
+from .activation_memory import CHECKED, POLICIES, UNCHECKED, stage_estimate
+from .block_trace import trace_parts
 from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
@@ -138,13 +142,9 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     return rows, buckets
 
 
-def _estimates(cfg: Config, deg, stages: list[dict], policy: str) -> list:
-    """The saved-activation estimate of one micro-batch through each of this rank's stages."""
-    t, r = cfg.train, cfg.recompute
-    return [estimate(cfg.model, t.micro_batch, t.seq_len, compute_bytes(cfg), policy=policy, selective=tuple(r.selective),
-                     tp=deg.tp, cp=deg.cp, loss_mask=cfg.data.has_loss_mask, layers=st["layers"],
-                     first_stage=st["first"], last_stage=st["last"], fp8_cache=tuple(cfg.precision.fp8_cache))
-            for st in stages]
+def _estimates(cfg: Config, stages: list[dict], policy: str) -> list:
+    """The saved activations of one micro-batch through each of this rank's stages under `policy`."""
+    return [stage_estimate(cfg, st["layers"], st["first"], st["last"], policy=policy) for st in stages]
 
 
 def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
@@ -157,9 +157,10 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
             by_policy[policy] = per_stage[0].total
         else:
             by_policy[policy] = schedule_peak(schedule, pp_rank, stage_sizes(stages, per_stage),
-                                              {st["id"]: phase_count(cfg, st) for st in stages})[0]
-        # EP's expert terms follow the routing; PP's peak is checked by the dry run (tools/dryrun.py)
-        checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1
+                                              {st["id"]: phase_count(st) for st in stages})[0]
+        # EP's expert rows follow the routing (traced balanced); PP's peak is the schedule walk's: both
+        # are held to a traced step by the dry run (tools/dryrun.py)
+        checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1 and schedule is None
         status[policy] = CHECKED if checked else UNCHECKED
     return by_policy, status
 
@@ -169,7 +170,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     """Working sets that live only for a moment but add to the peak (the dry run, tools/dryrun.py,
     showed them and checks these figures):
 
-      recompute replay   one block's recomputed pieces, re-created in backward
+      recompute replay   one block's recomputed pieces, re-created in backward (traced: the tensors a
+                         block keeps under policy "none" but not under the policy)
       loss head          on the last stage, the logits of the local sequence (B, S/cp, V/tp) in the
                          compute dtype for the main head and each MTP head, and the loss's fp32 copy and
                          fp32 log-softmax of one of them; with 16-bit logits and no TP (the loss keeps
@@ -198,9 +200,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
             head -= max(e.head for e in per_stage)
     if schedule is not None:
         sizes = stage_sizes(stages, per_stage)
-        phases = {st["id"]: phase_count(cfg, st) for st in stages}
-        held = {st["id"]: wgrad_held_bytes(cfg, deg, st["module"]) if schedule.split_backward else 0.0
-                for st in stages}
+        phases = {st["id"]: phase_count(st) for st in stages}
+        held = {st["id"]: wgrad_held_bytes(cfg, st) if schedule.split_backward else 0.0 for st in stages}
         # the head's working set comes before its own saved terms are saved
         spikes = {st["id"]: out["loss head"] - e.head for st, e in zip(stages, per_stage) if st["last"]}
         most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes)
@@ -219,10 +220,12 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     policy = cfg.recompute.policy
     ranks = []
     schedule = pipeline_schedule(cfg, deg)
+    if schedule is not None and schedule.split_backward:  # one trace gives the saved and the held bytes
+        trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
     for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
-        estimates = {p: _estimates(cfg, deg, stages, p) for p in POLICIES}
+        estimates = {p: _estimates(cfg, stages, p) for p in POLICIES}
         acts, status = _activations(cfg, deg, stages, pp_rank, schedule, estimates)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
         scale = deg.pp * deg.dp * deg.cp * deg.tp
@@ -270,7 +273,7 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
            f"ep={d['ep']} edp={d['edp']}" + (" (dualpipe mirrors)" if d["mirror"] else ""),
            f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
            f"{cfg.precision.recipe}, Adam moments {cfg.precision.adam_moments} | micro-batch "
-           f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {cfg.train.global_batch // (cfg.train.micro_batch * d['dp'])} per step | "
+           f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {cfg.train.microbatches(d['dp'])} per step | "
            f"recompute {p.policy}", ""]
     legend = ", ".join(f"{k} {v}" for k, v in MODES.items())
     for r in p.ranks:
@@ -288,7 +291,7 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
         out.append("Transients per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.transients.items())
                    + f" | peak {_mib(r.peak_bytes())}")
         out.append("Saved activations per rank by recompute policy (MiB): " + ", ".join(
-            f"{k} {_mib(v)}" + ("" if r.activation_status[k] == CHECKED else " [formula]") for k, v in r.activations.items()))
+            f"{k} {_mib(v)}" + ("" if r.activation_status[k] == CHECKED else " [estimate]") for k, v in r.activations.items()))
         out.append("Communication per step, bytes this rank sends (status: exact unless marked):")
         for t in r.traffic:
             mark = "" if t.status == "exact" else f"   [{t.status}]"
@@ -301,11 +304,13 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
 
 
 def _render_terms(cfg: Config) -> list[str]:
-    e = estimate(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, compute_bytes(cfg))
-    out = ["Saved tensors (bytes per token / per sequence / per layer; tp class):"]
-    for part, terms in e.terms.items():
-        for t in terms:
-            out.append(f"  {part:<6}{t.what:<42}{t.per_token:>10g}{t.per_seq:>8g}{t.per_layer:>10g}  {t.tp}")
+    """What one micro-batch keeps on one rank, tensor by tensor, as traced (tools/block_trace.py)."""
+    e = stage_estimate(cfg)
+    out = [f"Saved tensors of one micro-batch on one rank, traced under recompute {cfg.recompute.policy} (MiB; "
+           "the module that saved it: the op that made it, dtype[local shape]):"]
+    for part, tensors in e.tensors.items():
+        out.append(f"  {part}: {_mib(sum(n for n, _ in tensors))}")
+        out += [f"    {_mib(n):>12}  {what}" for n, what in tensors]
     return out + [""]
 
 
@@ -315,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     ap.add_argument("--world", type=int, default=None, help="world size (default: the recipe's degrees, dp=0 -> 1)")
     ap.add_argument("--policy", choices=POLICIES, help="recompute policy to plan for (default: the recipe's)")
-    ap.add_argument("--terms", action="store_true", help="list every saved tensor of a block")
+    ap.add_argument("--terms", action="store_true", help="list every saved tensor of each block kind, as traced")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it

@@ -49,10 +49,6 @@ def mesh(cfg: Config, world: int | None = None, rank: int = 0) -> ParallelDims:
     return dims
 
 
-def microbatches(cfg: Config, dims: ParallelDims) -> int:
-    return cfg.train.global_batch // (cfg.train.micro_batch * dims.dp)
-
-
 @dataclass
 class RankLayout:
     """One pipeline rank: its mesh coordinates (dp = cp = tp = ep index 0: the rest are symmetric), its
@@ -78,18 +74,19 @@ class RankLayout:
 def rank_layouts(cfg: Config, world: int | None = None) -> list[RankLayout]:
     """A RankLayout per pipeline rank."""
     dims0 = mesh(cfg, world)
-    schedule, layers = pipeline_plan(cfg, microbatches(cfg, dims0))
+    schedule, layers = pipeline_plan(cfg, cfg.train.microbatches(dims0.dp))
     out = []
     for pp_rank in range(dims0.pp):
         dims = mesh(cfg, dims0.world, dims0.rank_of(pp_rank, 0, 0, 0)) if pp_rank else dims0
-        model = build_rank_model(cfg, dims, plan=(schedule, layers), materialized=False)
+        model = build_rank_model(cfg, dims, pipeline=(schedule, layers), materialized=False)
         if schedule is None:
             stages = [{"id": 0, "layers": list(range(cfg.model.n_layers)), "first": True, "last": True,
                        "module": model.module}]
-        else:
-            last = schedule.n_stages - 1
-            stages = [{"id": s, "layers": layers[s], "first": s == 0, "last": s == last, "module": chunk}
-                      for s, chunk in zip(model.stage_ids, model.stages)]
+        else:  # each chunk's stage by its blocks (DualPipe's mirror ranks run their higher stage first)
+            last, stage_of = schedule.n_stages - 1, {tuple(ids): s for s, ids in enumerate(layers)}
+            stages = sorted(({"id": s, "layers": layers[s], "first": s == 0, "last": s == last, "module": chunk}
+                             for chunk in model.chunks for s in [stage_of[tuple(int(i) for i in chunk.layers)]]),
+                            key=lambda st: st["id"])
         out.append(RankLayout(dims, model, stages))
     return out
 
@@ -111,7 +108,7 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
     for what in ("loss sum (fp64)", "grad-norm square sum (fp64)"):
         out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8, dims.world), what))
     n_moe = sum(moe_blocks(cfg, st) for st in stages)
-    if n_moe:
+    if n_moe and dims.ep == 1:  # under EP the loads ride in the dispatchers' fp64 all-reduce (`ep_traffic`)
         loads = 4 * n_moe * m.moe.n_routed_experts
         out.append(Traffic("dp_cp_tp", "all_reduce", ring_bytes("all_reduce", loads, dims["dp_cp_tp"].size),
                            f"expert loads ({n_moe} MoE layers x {m.moe.n_routed_experts} fp32)"))
@@ -150,7 +147,7 @@ def tp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     if dims.tp == 1:
         return []
     act = _tokens(cfg, dims) * cfg.model.dim * c
-    mb = microbatches(cfg, dims)
+    mb = cfg.train.microbatches(dims.dp)
     first, last = any(st["first"] for st in stages), any(st["last"] for st in stages)
     # under DualPipe a micro-batch meets the embedding or the head on this rank, not both (the dry run
     # showed the planner counting both: 10% over)
@@ -169,15 +166,23 @@ def tp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
 
 def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:
     """CP hook (context.py's docstring): per attention call, forward (cp-1)(|K|+|V|)c,
-    backward (cp-1)(|K|+|V|)c + cp(|K|+|V|)*4 (fp32 dK/dV accumulators), sent to the next cp rank."""
+    backward (cp-1)(|K|+|V|)c + cp(|K|+|V|)*4 (fp32 accumulators), sent to the next cp rank. What
+    travels: GQA's K and V (this rank's kv heads under TP); MLA's latent and shared RoPE key
+    (parallel.mla_ring = latent, latent_ring.py: whole on every TP rank), or its expanded per-head K, V."""
     if dims.cp == 1:
         return []
     m = cfg.model
-    kv_heads = m.n_kv_heads // min(m.n_kv_heads, dims.tp) if dims.tp > 1 else m.n_kv_heads
-    kv = 2 * _tokens(cfg, dims) * kv_heads * m.head_size
+    if m.attention == "mla" and cfg.parallel.mla_ring == "latent":
+        per_token, what = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, "ring attention MLA latent + RoPE key (+grads)"
+    elif m.attention == "mla":
+        per_token, what = m.n_heads // dims.tp * (m.qk_head_dim + m.value_head_dim), "ring attention K/V (+dK/dV)"
+    else:
+        kv_heads = m.n_kv_heads // min(m.n_kv_heads, dims.tp) if dims.tp > 1 else m.n_kv_heads
+        per_token, what = 2 * kv_heads * m.head_size, "ring attention K/V (+dK/dV)"
+    kv = _tokens(cfg, dims) * per_token
     per_call = (dims.cp - 1) * kv * c * 2 + dims.cp * kv * 4
     n_layers = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
-    return [Traffic("cp", "send", microbatches(cfg, dims) * n_layers * per_call, "ring attention K/V (+dK/dV)")]
+    return [Traffic("cp", "send", cfg.train.microbatches(dims.dp) * n_layers * per_call, what)]
 
 
 def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:
@@ -199,14 +204,14 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     weights = 2 * 4 if m.moe.weighted_swiglu else 0
     per_layer = copies * (dispatch + 3 * m.dim * c + weights) * (dims.ep - 1) / dims.ep
     layout = ring_bytes("all_gather", dims.ep * m.moe.n_routed_experts * 8, dims.ep)  # per-expert int64 counts
-    mb = microbatches(cfg, dims)
-    stats = 8 * counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes())  # the dispatcher's fp64 counters
+    mb = cfg.train.microbatches(dims.dp)
+    stats = 8 * counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes())  # loads + counters, fp64
     n_stats = sum(moe_blocks(cfg, st) for st in stages)
     return [Traffic("ep", "all_to_all", mb * n_moe * per_layer, "token dispatch + combine, fwd + bwd (balanced)",
                     ESTIMATE),
             Traffic("ep", "all_gather", mb * n_moe * layout, "dispatch layout (expert counts of every ep rank)"),
             Traffic("dp_cp_tp", "all_reduce", ring_bytes("all_reduce", n_stats * stats, dims["dp_cp_tp"].size),
-                    "dispatcher statistics per MoE layer (metrics)")]
+                    "expert loads and dispatcher counters per MoE layer (fp64 metrics)")]
 
 
 def pp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:
@@ -216,7 +221,7 @@ def pp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
         return []
     act = _tokens(cfg, dims) // dims.tp * cfg.model.dim * c
     sends = _per_microbatch(sum(int(not st["last"]) + int(not st["first"]) for st in stages), dims)
-    return [Traffic("pp", "send", microbatches(cfg, dims) * sends * act, "stage activations / gradients")]
+    return [Traffic("pp", "send", cfg.train.microbatches(dims.dp) * sends * act, "stage activations / gradients")]
 
 
 HOOKS = (tp_traffic, cp_traffic, ep_traffic, pp_traffic)

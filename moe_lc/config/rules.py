@@ -155,16 +155,17 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
     if t.seq_len % seq_shards:
         e.append(f"train.seq_len={t.seq_len} must be divisible by {seq_shards} (tp * 2*cp: sequence shards)")
     per_step = t.micro_batch * d["dp"]
+    n_micro = t.microbatches(d["dp"]) if per_step > 0 else 0
     if per_step > 0 and t.global_batch % per_step:
         e.append(f"train.global_batch={t.global_batch} must be divisible by micro_batch*dp={per_step} "
                  f"(micro_batch={t.micro_batch}, dp={d['dp']})")
-    elif per_step > 0 and p.microbatches and p.microbatches != t.global_batch // per_step:
+    elif per_step > 0 and p.microbatches and p.microbatches != n_micro:
         e.append(f"parallel.microbatches={p.microbatches} must equal global_batch/(micro_batch*dp)="
-                 f"{t.global_batch // per_step} (or 0 to derive it)")
+                 f"{n_micro} (or 0 to derive it)")
     if p.pp > 1 and per_step > 0 and t.global_batch % per_step == 0:
         chunks = p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None
-        e += [f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {t.global_batch // per_step} micro-batches: "
-              f"{err}" for err in schedule_shape_errors(p.pp_schedule, p.pp, t.global_batch // per_step, chunks)]
+        e += [f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {n_micro} micro-batches: "
+              f"{err}" for err in schedule_shape_errors(p.pp_schedule, p.pp, n_micro, chunks)]
     stages = pipeline_stages(p)
     if p.pp > 1 and m.n_layers < stages:
         e.append(f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages of "

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from moe_lc.config.choices import (
     AdamMoments, AttentionKind, AttnBackend, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling,
-    GroupScore, Logger, LrSchedule, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling, ScoreFunc,
-    SyntheticTask,
+    GroupScore, Logger, LrSchedule, MlaRing, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, RopeScaling,
+    ScoreFunc, SyntheticTask,
 )
 
 
@@ -236,6 +236,7 @@ class ParallelConfig:
     pp_stage_layers: list[int] = f([], "blocks per pipeline stage (empty = balanced by estimated cost)")
     microbatches: int = f(0, "micro-batches per step per pipeline; 0 = global_batch / (micro_batch * dp)")
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
+    mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
     timeout_s: float = f(600.0, "collective timeout in seconds")
     overlap: bool = f(True, "issue all-to-alls and pipeline transfers early and wait where their result is used "
@@ -247,10 +248,8 @@ class ParallelConfig:
     @property
     def link_model(self) -> tuple[float, float] | None:
         """(latency in s, bytes per s) of `link`, None when off; `errors` has vetted the text."""
-        if not self.link:
-            return None
         latency_us, _, gbps = self.link.partition(":")
-        return float(latency_us) * 1e-6, float(gbps) * 1e9
+        return (float(latency_us) * 1e-6, float(gbps) * 1e9) if self.link else None
 
     def errors(self) -> list[str]:
         e = []
@@ -347,6 +346,9 @@ class TrainConfig:
                                                "pip install -e '.[wandb]')")
     wandb_project: str = f("moe_lc", "Weights & Biases project (loggers = wandb)")
     wandb_mode: Literal["online", "offline"] = f("online", "Weights & Biases mode; the WANDB_MODE variable wins")
+
+    def microbatches(self, dp: int) -> int:  # per step on each data-parallel rank (= per pipeline)
+        return self.global_batch // (self.micro_batch * dp)
 
     def errors(self) -> list[str]:
         e = []

@@ -193,17 +193,15 @@ class StepLoader:
         self.micro_batch = micro_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.n_micro_batches = global_batch // (micro_batch * dp_size)
         self.samples_consumed = 0
 
     def step_indices(self) -> list[list[int]]:
-        """Global sample indices of this rank's micro-batches for the next step (consumes nothing)."""
+        """Global sample indices of this rank's micro-batches for the next step (consumes nothing): its
+        global_batch / dp_size consecutive samples, micro_batch at a time (`TrainConfig.microbatches` lists)."""
         per_rank = self.global_batch // self.dp_size
         first = self.samples_consumed + self.dp_rank * per_rank
-        return [
-            list(range(first + m * self.micro_batch, first + (m + 1) * self.micro_batch))
-            for m in range(self.n_micro_batches)
-        ]
+        starts = range(first, first + per_rank, self.micro_batch)
+        return [list(range(start, start + self.micro_batch)) for start in starts]
 
     def next_step(self) -> list[dict]:
         """This rank's micro-batches for one optimizer step:

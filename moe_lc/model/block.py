@@ -11,6 +11,7 @@ from torch import nn
 from moe_lc.config import ModelConfig
 from moe_lc.model.attention import Attention
 from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
@@ -30,17 +31,20 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
         self.replay = run_now
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.replay(lambda x: run_phases(self._phases(cos, sin), x), x_BSD)
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                stats: ForwardStats | None = None) -> torch.Tensor:
+        return self.replay(lambda x: run_phases(self._phases(cos, sin, stats), x), x_BSD)
 
-    def phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
+    def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
-        recomputation (the `replay` seam) each phase keeps only its inputs."""
-        return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__) for fn in self._phases(cos, sin)]
+        recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
+        `ForwardStats`, where an MoE block records its aux loss."""
+        return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
+                for fn in self._phases(cos, sin, stats)]
 
-    def _phases(self, cos: torch.Tensor, sin: torch.Tensor) -> list:
+    def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None) -> list:
 
         def attention(h):
             return (h + self.attn(self.attn_norm(h), cos, sin),)
@@ -59,7 +63,7 @@ class Block(nn.Module):
             return (h, *moe.expert_phase(ctx, *state))
 
         def combine(h, *state):
-            return (h + moe.combine_phase(ctx, *state),)
+            return (h + moe.combine_phase(ctx, *state, stats=stats),)
 
         return [attention, dispatch, experts, combine]
 

@@ -1,6 +1,6 @@
 """FP8 activation caching (`precision.fp8_cache`, DeepSeek-V3 report section 3.3.3): activations kept for
-backward in FP8, plugged into the model's seams from outside, as recomputation is (the model never
-imports this file). Items:
+backward in FP8, plugged into the model's seams by the layer plan (moe_lc/parallel/layer_plan.py holds
+the rules, this file the pieces; the model never imports it). Items:
 
     linear    every FP8 Linear keeps its input for the weight gradient quantized exactly as that GEMM
               will quantize it (moe_lc/ops/fp8_linear.py `KeepFp8ForWgrad`): half the bytes, no number
@@ -24,17 +24,12 @@ The forward is unchanged by every item; "swiglu" and "attn_out" round what backw
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from moe_lc.model.attention import Attention
-from moe_lc.model.ffn import SwiGLU, swiglu, swiglu_then
-from moe_lc.model.mla import MLAttention
-from moe_lc.model.moe import MoE, RoutedExperts, fp32_logits
+from moe_lc.model.ffn import swiglu, swiglu_then
 from moe_lc.model.saved_tensors import enclosing_hooks, recompute_from
 from moe_lc.model.seams import project_now
-from moe_lc.ops.fp8_linear import Fp8Gemms, HoldFp8ForWgrad, KeepFp8ForWgrad
 from moe_lc.ops.fp8_storage import Fp8Tiles
-from moe_lc.ops.linear import GroupedLinear, KeepInput, Linear
+from moe_lc.ops.linear import KeepInput
 
 
 class _SwiGLUFromFp8(torch.autograd.Function):
@@ -150,32 +145,3 @@ def attn_out_fp8_cached(wo, attend) -> torch.Tensor:
     for h in held:
         h.settle(out.untyped_storage()._cdata if covers else None, copy, outer)
     return wo(out.flatten(2), keep=KeepTiles(tiles, wo.keep_input))
-
-
-def _inputs_kept_elsewhere(model: nn.Module) -> set[int]:
-    """ids of the Linears whose input another part keeps in the compute dtype (see the docstring)."""
-    skip = set()
-    for module in model.modules():
-        if isinstance(module, (Attention, MLAttention)):
-            skip.add(id(module.wo))
-        elif isinstance(module, (SwiGLU, RoutedExperts)) and module.activation is not swiglu_then:
-            skip.add(id(module.w2))
-        elif isinstance(module, MoE) and module.shared is not None and module.router.logits is not fp32_logits:
-            skip.add(id(module.shared.w13))
-    return skip
-
-
-def apply_fp8_cache(model: nn.Module, items) -> None:
-    """Plug FP8 activation caching into the model's seams (after recomputation: "swiglu" replaces the
-    SwiGLUs' activation seam, and "linear" looks at what recomputation keeps)."""
-    items = set(items)
-    for module in model.modules():
-        if "swiglu" in items and isinstance(module, (SwiGLU, RoutedExperts)):
-            module.activation = swiglu_fp8_cached
-        if "attn_out" in items and isinstance(module, (Attention, MLAttention)):
-            module.out_proj = attn_out_fp8_cached
-    if "linear" in items:
-        skip = _inputs_kept_elsewhere(model)
-        for module in model.modules():
-            if isinstance(module, (Linear, GroupedLinear)) and isinstance(module.gemms, Fp8Gemms):
-                module.keep_input = HoldFp8ForWgrad() if id(module) in skip else KeepFp8ForWgrad()

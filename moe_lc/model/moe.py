@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.ffn import SwiGLU, swiglu_then
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.seams import through
 from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
@@ -56,7 +57,8 @@ class Router(nn.Module):
     """Affinities, selection and gate weights.  gate: (E, D), computed in fp32 (never FP8).
 
     Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
-    `expert_load` (E,) fp32, tokens routed to each expert since the last bias update.
+    `expert_load` (E,) fp32, tokens routed to each expert since the last bias update (the one count of
+    expert loads: the bias update and the load metrics read it; expert-parallel dispatchers do not).
     Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
     default (the dry run swaps in a balanced choice it knows the values of). Seam `logits`: (gate, x) ->
     fp32 logits, `fp32_logits` by default (recomputation rebuilds the fp32 copy instead of keeping it).
@@ -238,17 +240,18 @@ class MoE(nn.Module):
         self.aux_loss_weight = cfg.moe.aux_loss_weight
         self.weighted_swiglu = cfg.moe.weighted_swiglu
         self.aux_loss_scale = 1.0  # share of this micro-batch in the step's loss (set by the trainer)
-        self.last_aux_loss: torch.Tensor | None = None  # detached, for metrics
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
         ctx = {}
-        return self.combine_phase(ctx, *through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD)))))
+        state = through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD))))
+        return self.combine_phase(ctx, *state, stats=stats)
 
     # The forward in three phases (route + dispatch, experts, combine + shared), so that a pipeline
     # can interleave two micro-batches' phases and hide one's token exchange behind the other's
     # compute (DualPipe's F&B): rows leave at the end of a phase and arrive at the start of the next
     # (as `Transfer`s under expert parallelism). Tensors flow through the arguments (a phased run
-    # detaches them at every boundary); `ctx` carries only non-differentiable routing state.
+    # detaches them at every boundary); `ctx` carries only non-differentiable routing state, and
+    # combine records the aux loss in the step's `stats` (its metric) when given one.
     def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor):
         """x (B, S, D) -> (x, rows for this rank's experts, gate weights (T, K), or (T',) travelling with
         the rows under weighted_swiglu[, aux loss])."""
@@ -272,11 +275,13 @@ class MoE(nn.Module):
             return (x_BSD, d.return_rows(y_sorted, handle), None, *aux)
         return (x_BSD, d.return_rows(self.experts(x_sorted, ctx["counts"]), handle), weights, *aux)
 
-    def combine_phase(self, ctx: dict, x_BSD, y_back, weights_TK, aux=None) -> torch.Tensor:
+    def combine_phase(self, ctx: dict, x_BSD, y_back, weights_TK, aux=None,
+                      stats: ForwardStats | None = None) -> torch.Tensor:
         y_BSD = self.dispatcher.combine(y_back, weights_TK, ctx["handle"]).view_as(x_BSD)
         if self.shared is not None:
             y_BSD = y_BSD + self.shared(x_BSD)
         if aux is not None:
-            self.last_aux_loss = aux.detach()
+            if stats is not None:
+                stats.aux_losses[self] = aux.detach()
             y_BSD = _AttachAuxLoss.apply(y_BSD, aux, self.aux_loss_scale)
         return y_BSD

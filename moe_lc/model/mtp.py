@@ -19,6 +19,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.block import Block
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.linear import Linear
 
@@ -53,17 +54,18 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, layer_id)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, h_BSD, emb_BSD, cos, sin):
+    def forward(self, h_BSD, emb_BSD, cos, sin, stats: ForwardStats | None = None):
         x = self.eh_proj(torch.cat([self.hnorm(h_BSD), self.enorm(emb_BSD)], dim=-1))
-        return self.block(x, cos, sin)
+        return self.block(x, cos, sin, stats)
 
 
-def mtp_loss(modules: nn.ModuleList, embed, head, loss_fn, h_BSD, targets: dict, cos, sin) -> list[torch.Tensor]:
+def mtp_loss(modules: nn.ModuleList, embed, head, loss_fn, h_BSD, targets: dict, cos, sin,
+             stats: ForwardStats | None = None) -> list[torch.Tensor]:
     """Summed CE of each depth (a list of D fp32 scalars); `embed`/`head`/`loss_fn` are the main
-    model's shared modules."""
+    model's shared modules; `stats` as `Transformer.forward`'s."""
     losses = []
     for d, module in enumerate(modules):
-        h_BSD = module(h_BSD, embed(targets["inputs"][:, d]), cos, sin)
+        h_BSD = module(h_BSD, embed(targets["inputs"][:, d]), cos, sin, stats)
         logits = head(module.norm(h_BSD))
         losses.append(loss_fn(logits, targets["labels"][:, d], targets["mask"][:, d]))
     return losses

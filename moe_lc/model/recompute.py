@@ -1,7 +1,8 @@
 """Activation recomputation: trade compute for activation memory, on torch.utils.checkpoint.
 
-Policies (`[recompute] policy`), applied from outside by `apply_recompute` through the model's seams
-(moe_lc/model/seams.py: `replay` and `activation`; the model never imports this file):
+Policies (`[recompute] policy`), plugged into the model's seams (moe_lc/model/seams.py: `replay`,
+`activation`, `logits`, `attend`) by the layer plan (moe_lc/parallel/layer_plan.py, which holds the
+rules; this file holds the pieces, and the model never imports it):
     none       every activation autograd wants is kept
     full       each block keeps only its input; its forward is replayed in backward (a pipeline that
                runs blocks phase by phase keeps each phase's inputs instead)
@@ -24,22 +25,17 @@ replayed region off while it replays.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_lc.config.choices import RecomputeItem, RecomputePolicy, names
-from moe_lc.model.attention import Attention
-from moe_lc.model.block import Block
-from moe_lc.model.ffn import SwiGLU, swiglu, swiglu_then
+from moe_lc.model.ffn import swiglu, swiglu_then
 from moe_lc.model.mla import MLAttention, attend
 from moe_lc.model.rope import apply_rope
-from moe_lc.model.moe import RoutedExperts, Router, fp32_logits
-from moe_lc.model.norm import RMSNorm
+from moe_lc.model.moe import fp32_logits
 from moe_lc.model.saved_tensors import recompute_from
-from moe_lc.model.seams import run_now
 
 POLICIES = names(RecomputePolicy)
 SELECTIVE_ITEMS = names(RecomputeItem)
@@ -112,25 +108,3 @@ def fp32_logits_replayed(gate, x_TD: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled() or x_TD.dtype == torch.float32:
         return fp32_logits(gate, x_TD)
     return recompute_from(x_TD, x_TD.float(), lambda t: t.float(), gate)
-
-
-def apply_recompute(model: nn.Module, policy: str, selective: list[str] | tuple[str, ...] = ("norm", "swiglu")) -> None:
-    """Plug recomputation into the model's seams: `replay` of blocks (full), norms ("norm") and attention
-    modules ("attention", GQA and MLA); `activation` of SwiGLUs and routed experts ("swiglu"); `logits`
-    of routers ("router").
-    Policy "none" puts the plain defaults back."""
-    assert policy in POLICIES and set(selective) <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
-    items = set(selective) if policy == "selective" else set()
-    for module in model.modules():
-        if isinstance(module, Block):
-            module.replay = partial(checkpointed, owner=module) if policy == "full" else run_now
-        elif isinstance(module, RMSNorm):
-            module.replay = checkpointed if "norm" in items else run_now
-        elif isinstance(module, Router):
-            module.logits = fp32_logits_replayed if "router" in items else fp32_logits
-        elif isinstance(module, (SwiGLU, RoutedExperts)):
-            module.activation = swiglu_replayed if "swiglu" in items else swiglu_then
-        elif isinstance(module, (Attention, MLAttention)):
-            module.replay = checkpointed if "attention" in items else run_now
-            if isinstance(module, MLAttention):  # "mla_up" keeps only the latents (the core is not replayed)
-                module.attend, module.replay = (mla_up_replayed, run_now) if "mla_up" in items else (attend, module.replay)

@@ -1,6 +1,7 @@
 """Seams: the places where code outside the model changes how a module runs, as context parallelism
 swaps an attention module's `.core` for ring attention. The model defines the seams and their plain
-defaults and never imports what plugs into them.
+defaults and never imports what plugs into them; the layer plan (moe_lc/parallel/layer_plan.py)
+decides, in one place, what each module gets.
 
   replay      `module.replay(fn, *args)` runs one piece of the module's forward. The default runs it
               now and lets autograd keep what that piece saves; recomputation (moe_lc/model/

@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.block import Block, named, run_phases
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.init import cast_params_, init_weights
 from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
@@ -79,43 +80,44 @@ class Transformer(nn.Module):
         self.loss_fn = CrossEntropySum()
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
-        self.mtp_loss_sums: torch.Tensor | None = None  # (D,) detached sums since the trainer's last reset
         self.mtp_embed = None  # seam: a Borrowed embedding for MTP on a stage without one (moe_lc/model/seams.py)
         self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                mtp: dict | None = None) -> torch.Tensor:
+                mtp: dict | None = None, stats: ForwardStats | None = None) -> torch.Tensor:
         """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
-        shards under CP pass theirs). mtp: `mtp.mtp_targets` for multi-token prediction. Returns
+        shards under CP pass theirs). mtp: `mtp.mtp_targets` for multi-token prediction. stats: the
+        step's `ForwardStats`, which this forward adds its MTP losses and MoE aux losses to. Returns
         hidden (B, S', D) without `head`, else logits (B, S, V) when labels is None, else the fp32
         loss summed over valid tokens (plus the weighted MTP losses when mtp is given)."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        return run_phases(self.phases(positions, labels, loss_mask, mtp), inputs)
+        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats), inputs)
 
-    def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None) -> list:
+    def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None,
+               stats: ForwardStats | None = None) -> list:
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
         chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if self.embed is not None else []
         for block in self.layers.values():
-            chain += block.phases(cos, sin)
+            chain += block.phases(cos, sin, stats)
         if self.head is not None:
-            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin),), "head"))
+            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats),), "head"))
         return chain
 
-    def _output(self, h, labels, loss_mask, mtp, cos, sin):
+    def _output(self, h, labels, loss_mask, mtp, cos, sin, stats):
         logits = self.head(self.norm(h))
         if labels is None:
             return logits
         loss = self.loss_fn(logits, labels, loss_mask)
         if self.mtp is not None and mtp is not None:
             embed = self.embed if self.embed is not None else self.mtp_embed
-            losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin)
-            sums = torch.stack([x.detach().double() for x in losses])
-            self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
+            losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin, stats)
+            if stats is not None:
+                stats.add_mtp_losses(losses)
             loss = loss + self.mtp_loss_weight / len(losses) * sum(losses)
         return loss
 

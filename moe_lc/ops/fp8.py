@@ -42,14 +42,14 @@ FP8_MAX = 448.0
 BLOCK = 128
 _AMAX_FLOOR = 1e-12
 RECIPES = ("blockwise", "tensorwise")
-# recipe -> gemm -> (lhs granularity, rhs granularity); every gemm is lhs @ rhs^T, see module docstring.
-_GRANULARITY = {
+# recipe -> gemm -> (lhs granularity, rhs granularity); every gemm is lhs @ rhs^T (see gemm_operands).
+GEMM_GRANULARITY = {
     "blockwise": {"fprop": ("tile", "block"), "dgrad": ("tile", "block"), "wgrad": ("tile", "tile")},
     "tensorwise": {g: ("tensor", "tensor") for g in ("fprop", "dgrad", "wgrad")},
 }
 
 
-def _amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
     """Decoding scale from amax (any shape): amax/448, floored; exactly 1 where amax == 0."""
     amax = amax.float()
     scale = amax.clamp(min=_AMAX_FLOOR) / FP8_MAX
@@ -78,7 +78,7 @@ def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK, pow2: bool = Fals
         raise ValueError(f"tile={tile} must be >= 1")
     k = x.shape[-1]
     x_tiles = _pad_last(x.float(), tile).unflatten(-1, (-1, tile))  # (..., Kt, tile)
-    scale = _amax_to_scale(x_tiles.abs().amax(dim=-1))  # (..., Kt)
+    scale = amax_to_scale(x_tiles.abs().amax(dim=-1))  # (..., Kt)
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     x_fp8 = _to_fp8(x_tiles / scale.unsqueeze(-1)).flatten(-2)[..., :k]
@@ -103,7 +103,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     n, k = w.shape
     w_pad = _pad_last(_pad_last(w.float(), block).t(), block).t()  # (Np, Kp), zeros do not change amax
     w_blocks = w_pad.unflatten(0, (-1, block)).unflatten(-1, (-1, block))  # (Nb, block, Kb, block)
-    scale = _amax_to_scale(w_blocks.abs().amax(dim=(1, 3)))  # (Nb, Kb)
+    scale = amax_to_scale(w_blocks.abs().amax(dim=(1, 3)))  # (Nb, Kb)
     w_fp8 = _to_fp8(w_blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
     return w_fp8.contiguous(), scale
 
@@ -115,9 +115,7 @@ def dequantize_blocks(w_fp8: torch.Tensor, scale: torch.Tensor, block: int = BLO
     return w_fp8.float() * scale_full
 
 
-def quantize_tensorwise(
-    x: torch.Tensor, amax: torch.Tensor | float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensorwise(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with one scale for the whole tensor.
 
     x: any shape, any float dtype. ``amax=None`` is *current* scaling (x's own amax); passing an amax (e.g.
@@ -127,7 +125,7 @@ def quantize_tensorwise(
     """
     if amax is None:  # (an empty x, e.g. an expert without tokens, has amax 0: scale 1)
         amax = x.detach().abs().amax() if x.numel() else 0.0
-    scale = _amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
+    scale = amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
     return _to_fp8(x.float() / scale), scale
 
 
@@ -165,9 +163,7 @@ class DelayedScaling:
 
     def scale_amax(self) -> torch.Tensor | None:
         """Max over the recorded history (0-dim float32), or None before the first update."""
-        if self.amax_history is None:
-            return None
-        return self.amax_history.max()  # unfilled slots are 0 and amaxes are >= 0
+        return None if self.amax_history is None else self.amax_history.max()  # unfilled slots are 0, amaxes >= 0
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize x with the history's amax (current scaling on the first call), then record x's amax."""
@@ -177,14 +173,14 @@ class DelayedScaling:
 
 
 # ----------------------------------------------------------------------------------------------------
-# GEMMs. Each is lhs (R, C) @ rhs (P, C)^T -> (R, P), contracting C; see _gemm_operands for the mapping.
+# GEMMs. Each is lhs (R, C) @ rhs (P, C)^T -> (R, P), contracting C; see gemm_operands for the mapping.
 
 
 @dataclass(frozen=True)
 class Quantized:
     """A GEMM operand already quantized the way the GEMM here would quantize it: ``data`` fp8 (R, C) and
     ``scale`` of ``granularity`` ("tile": (R, ceil(C/128)); "tensor": 0-dim), in the (lhs or rhs) layout
-    of ``_gemm_operands``. Every GEMM path takes it in place of the tensor it came from and computes the
+    of ``gemm_operands``. Every GEMM path takes it in place of the tensor it came from and computes the
     same numbers: FP8 activation caching keeps these for the weight gradient instead of the tensor."""
 
     data: torch.Tensor
@@ -203,7 +199,8 @@ class Quantized:
         return _dequantize(self.data, self.scale, self.granularity)
 
 
-def _check_recipe(recipe: str) -> None:
+def check_recipe(recipe: str) -> None:
+    """ValueError unless ``recipe`` is one of ``RECIPES``."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe={recipe!r} must be one of {RECIPES}")
 
@@ -225,7 +222,7 @@ def _dequantize(t_fp8: torch.Tensor, scale: torch.Tensor, granularity: str) -> t
     return fn[granularity](t_fp8, scale)
 
 
-def _gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Map (x, w) / (dy, w) / (dy, x) to (lhs, rhs) with out = lhs @ rhs^T; leading dims are flattened.
 
     fprop: lhs x (M, K), rhs w (N, K). dgrad: lhs dy (M, N), rhs w^T (K, N). wgrad: lhs dy^T (N, M),
@@ -252,8 +249,8 @@ def _gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tupl
 
 def wgrad_granularity(recipe: str) -> str:
     """How the wgrad GEMM of ``recipe`` quantizes its operands ("tile" or "tensor"; dy and x alike)."""
-    _check_recipe(recipe)
-    return _GRANULARITY[recipe]["wgrad"][1]
+    check_recipe(recipe)
+    return GEMM_GRANULARITY[recipe]["wgrad"][1]
 
 
 def wgrad_operand(t: torch.Tensor, recipe: str) -> Quantized:
@@ -263,16 +260,19 @@ def wgrad_operand(t: torch.Tensor, recipe: str) -> Quantized:
     return Quantized(*_quantize(t.reshape(-1, t.shape[-1]).t(), granularity, None), granularity)
 
 
-def _run_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax) -> torch.Tensor:
-    _check_recipe(recipe)
-    lhs, rhs = _gemm_operands(gemm, first, second)
-    g_lhs, g_rhs = _GRANULARITY[recipe][gemm]
+def fp8_gemm_emulated(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None) -> torch.Tensor:
+    """``gemm`` "fprop" (x, w), "dgrad" (dy, w) or "wgrad" (dy, x) emulated, as ``fp8_linear_emulated`` and
+    friends (shapes, float32 output); ``lhs_amax`` / ``rhs_amax``: the first / second operand's."""
+    check_recipe(recipe)
+    lhs, rhs = gemm_operands(gemm, first, second)
+    g_lhs, g_rhs = GEMM_GRANULARITY[recipe][gemm]
     lhs_deq = _dequantize(*_quantize(lhs, g_lhs, lhs_amax), g_lhs)
     rhs_deq = _dequantize(*_quantize(rhs, g_rhs, rhs_amax), g_rhs)
-    return lhs_deq @ rhs_deq.t()
+    return unflatten_gemm_out(lhs_deq @ rhs_deq.t(), gemm, first)
 
 
-def _unflatten_out(out: torch.Tensor, gemm: str, first: torch.Tensor) -> torch.Tensor:
+def unflatten_gemm_out(out: torch.Tensor, gemm: str, first: torch.Tensor) -> torch.Tensor:
+    """A GEMM's (R, P) output in the first operand's leading dims: fprop (..., N), dgrad (..., K); wgrad as is."""
     return out if gemm == "wgrad" else out.reshape(*first.shape[:-1], out.shape[-1])
 
 
@@ -280,26 +280,23 @@ def fp8_linear_emulated(x, w, recipe, *, x_amax=None, w_amax=None) -> torch.Tens
     """fprop y = Q(x) @ Q(w)^T by quantize -> dequantize to fp32 -> fp32 matmul.
 
     x: (..., K), w: (N, K), any float dtypes. Returns y: (..., N) float32. ``recipe`` "blockwise": x 1x128
-    tiles along K, w 128x128 blocks; "tensorwise": one scale each (``x_amax`` / ``w_amax`` for delayed scaling).
-    """
-    return _unflatten_out(_run_emulated("fprop", x, w, recipe, x_amax, w_amax), "fprop", x)
+    tiles along K, w 128x128 blocks; "tensorwise": one scale each (``x_amax`` / ``w_amax`` for delayed scaling)."""
+    return fp8_gemm_emulated("fprop", x, w, recipe, x_amax, w_amax)
 
 
 def fp8_dgrad_emulated(dy, w, recipe, *, dy_amax=None, w_amax=None) -> torch.Tensor:
     """dgrad dx = Q(dy) @ Q(w), emulated. dy: (..., N), w: (N, K) -> dx: (..., K) float32.
 
-    "blockwise": dy 1x128 tiles along N (the contraction dim here), w the same 128x128 blocks as fprop.
-    """
-    return _unflatten_out(_run_emulated("dgrad", dy, w, recipe, dy_amax, w_amax), "dgrad", dy)
+    "blockwise": dy 1x128 tiles along N (the contraction dim here), w the same 128x128 blocks as fprop."""
+    return fp8_gemm_emulated("dgrad", dy, w, recipe, dy_amax, w_amax)
 
 
 def fp8_wgrad_emulated(dy, x, recipe, *, dy_amax=None, x_amax=None) -> torch.Tensor:
     """wgrad dw = Q(dy)^T @ Q(x), emulated. dy: (..., N), x: (..., K) -> dw: (N, K) float32.
 
     "blockwise": the contraction runs over tokens M, so dy^T (N, M) and x^T (K, M) are both quantized in
-    1x128 tiles along M (128 tokens share a scale), not along N / K as in fprop and dgrad.
-    """
-    return _run_emulated("wgrad", dy, x, recipe, dy_amax, x_amax)
+    1x128 tiles along M (128 tokens share a scale), not along N / K as in fprop and dgrad."""
+    return fp8_gemm_emulated("wgrad", dy, x, recipe, dy_amax, x_amax)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,8 +306,7 @@ def fp8_wgrad_emulated(dy, x, recipe, *, dy_amax=None, x_amax=None) -> torch.Ten
 @functools.lru_cache(maxsize=None)
 def _cpu_scaled_mm_accepts(rowwise: bool) -> bool:
     """Probe once whether this build's CPU ``torch._scaled_mm`` takes fp8 with tensorwise / rowwise scales."""
-    a = torch.ones(16, 32).to(FP8_DTYPE)
-    b = torch.ones(16, 32).to(FP8_DTYPE)
+    a = b = torch.ones(16, 32).to(FP8_DTYPE)
     s_a, s_b = (torch.ones(16, 1), torch.ones(1, 16)) if rowwise else (torch.tensor(1.0), torch.tensor(1.0))
     try:
         torch._scaled_mm(a, b.t(), scale_a=s_a, scale_b=s_b, out_dtype=torch.float32)
@@ -331,7 +327,7 @@ def scaled_mm_backend(device, recipe: str) -> str:
       ``_check_deepseek_support`` rejects other archs. UNTESTED here (no GPU in CI).
     - anything else: "emulated".
     """
-    _check_recipe(recipe)
+    check_recipe(recipe)
     device = torch.device(device)
     if device.type == "cpu":
         if recipe == "tensorwise":
@@ -352,7 +348,7 @@ def scaled_mm_support(device, recipe: str) -> bool:
     return scaled_mm_backend(device, recipe) != "emulated"
 
 
-def _pad_rows_cols(t: torch.Tensor | Quantized, row_multiple: int, col_multiple: int) -> torch.Tensor | Quantized:
+def pad_rows_cols(t: torch.Tensor | Quantized, row_multiple: int, col_multiple: int) -> torch.Tensor | Quantized:
     """Zero-pad a 2-D tensor; zeros change no amax and add nothing to a product, so padding is exact. A
     Quantized operand is padded as its tensor would quantize: zero codes, and scale 1 for all-zero rows."""
     pad = (0, -t.shape[1] % col_multiple, 0, -t.shape[0] % row_multiple)
@@ -373,11 +369,8 @@ def _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax) -> torch.T
     out = torch.zeros(n_rows, n_cols, dtype=torch.float32, device=lhs.device)
     for k, start in enumerate(range(0, lhs.shape[1], BLOCK)):
         chunk = slice(start, start + BLOCK)
-        out += torch._scaled_mm(
-            lhs_fp8[:, chunk], rhs_fp8[:, chunk].t(),
-            scale_a=lhs_scale[:, k : k + 1].contiguous(), scale_b=rhs_scale[:, k][None, :].contiguous(),
-            out_dtype=torch.float32,
-        )
+        out += torch._scaled_mm(lhs_fp8[:, chunk], rhs_fp8[:, chunk].t(), scale_a=lhs_scale[:, k : k + 1].contiguous(),
+                                scale_b=rhs_scale[:, k][None, :].contiguous(), out_dtype=torch.float32)
     return out
 
 
@@ -393,58 +386,64 @@ def _cuda_blockwise_scale(scale: torch.Tensor, granularity: str, is_rhs: bool) -
     return _pad_last(scale, 4).contiguous().t()
 
 
-def _cuda_native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
-    """UNTESTED (no GPU in CI). SM90 cuBLASLt wants mat_a row-major, mat_b column-major, dims % 16 == 0;
-    we pad to 16 (tensorwise) or 128 (blockwise contraction/rhs dims, as pytorch's own tests use)."""
-    n_rows, n_cols = lhs.shape[0], rhs.shape[0]
+def scaled_mm_operands(lhs, rhs, g_lhs: str, g_rhs: str, lhs_amax=None, rhs_amax=None) -> tuple:
+    """lhs (R, C), rhs (P, C) quantized as torch's FP8 kernels on their device take them -> (lhs fp8, lhs scale,
+    rhs fp8, rhs scale). Off the CPU (SM90 cuBLASLt, or meta standing for it) zero-padded to dims % 16 (tensorwise)
+    or % 128 (blockwise contraction / rhs dims, as pytorch's tests do), blockwise scales laid out for F.scaled_mm."""
+    on_gpu = lhs.device.type != "cpu"
     multiple = 16 if g_lhs == "tensor" else BLOCK
-    lhs_fp8, lhs_scale = _quantize(_pad_rows_cols(lhs, 16, multiple), g_lhs, lhs_amax)
-    rhs_fp8, rhs_scale = _quantize(_pad_rows_cols(rhs, multiple, multiple), g_rhs, rhs_amax)
+    # each padded copy is quantized at once and dropped: one alive at a time
+    lhs_fp8, lhs_scale = _quantize(pad_rows_cols(lhs, 16, multiple) if on_gpu else lhs, g_lhs, lhs_amax)
+    rhs_fp8, rhs_scale = _quantize(pad_rows_cols(rhs, multiple, multiple) if on_gpu else rhs, g_rhs, rhs_amax)
+    if on_gpu and g_lhs != "tensor":
+        lhs_scale = _cuda_blockwise_scale(lhs_scale, g_lhs, is_rhs=False)
+        rhs_scale = _cuda_blockwise_scale(rhs_scale, g_rhs, is_rhs=True)
+    return lhs_fp8, lhs_scale, rhs_fp8, rhs_scale
+
+
+def _native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
+    """One torch._scaled_mm (tensorwise) or F.scaled_mm (blockwise, CUDA only; UNTESTED without a GPU)."""
+    n_rows, n_cols = lhs.shape[0], rhs.shape[0]
+    lhs_fp8, lhs_scale, rhs_fp8, rhs_scale = scaled_mm_operands(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax)
     if g_lhs == "tensor":
         out = torch._scaled_mm(lhs_fp8, rhs_fp8.t(), scale_a=lhs_scale, scale_b=rhs_scale, out_dtype=out_dtype)
     else:
         recipe_enum = {"tile": F.ScalingType.BlockWise1x128, "block": F.ScalingType.BlockWise128x128}
-        out = F.scaled_mm(
-            lhs_fp8, rhs_fp8.t(),
-            _cuda_blockwise_scale(lhs_scale, g_lhs, is_rhs=False), recipe_enum[g_lhs],
-            _cuda_blockwise_scale(rhs_scale, g_rhs, is_rhs=True), recipe_enum[g_rhs],
-            output_dtype=out_dtype,
-        )
+        out = F.scaled_mm(lhs_fp8, rhs_fp8.t(), lhs_scale, recipe_enum[g_lhs], rhs_scale, recipe_enum[g_rhs],
+                          output_dtype=out_dtype)
     if out.shape == (n_rows, n_cols):
         return out
     # a copy, not a view: wherever the output is saved for backward, a view would keep the padded buffer
     return out[:n_rows, :n_cols].clone(memory_format=torch.contiguous_format)
 
 
-def _run_scaled_mm(gemm, first, second, recipe, lhs_amax, rhs_amax, out_dtype) -> torch.Tensor:
-    _check_recipe(recipe)
+def fp8_gemm_scaled_mm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
+                       out_dtype=torch.float32) -> torch.Tensor:
+    """``fp8_gemm_emulated`` on real kernels where ``scaled_mm_backend`` finds them, in ``out_dtype``."""
     backend = scaled_mm_backend(first.device, recipe)
     if backend == "emulated":
-        return _run_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax).to(out_dtype)
-    lhs, rhs = _gemm_operands(gemm, first, second)
-    g_lhs, g_rhs = _GRANULARITY[recipe][gemm]
+        return fp8_gemm_emulated(gemm, first, second, recipe, lhs_amax, rhs_amax).to(out_dtype)
+    lhs, rhs = gemm_operands(gemm, first, second)
+    g_lhs, g_rhs = GEMM_GRANULARITY[recipe][gemm]
     if backend == "chunked_rowwise":
-        return _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax).to(out_dtype)
-    if first.device.type == "cpu":  # native tensorwise on CPU: no layout or alignment rules
-        lhs_fp8, lhs_scale = _quantize(lhs, g_lhs, lhs_amax)
-        rhs_fp8, rhs_scale = _quantize(rhs, g_rhs, rhs_amax)
-        return torch._scaled_mm(lhs_fp8, rhs_fp8.t(), scale_a=lhs_scale, scale_b=rhs_scale, out_dtype=out_dtype)
-    return _cuda_native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype)
+        out = _chunked_rowwise_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax).to(out_dtype)
+    else:
+        out = _native_gemm(lhs, rhs, g_lhs, g_rhs, lhs_amax, rhs_amax, out_dtype)
+    return unflatten_gemm_out(out, gemm, first)
 
 
 def fp8_linear_scaled_mm(x, w, recipe, *, x_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
     """fprop y = x @ w^T on real FP8 kernels where available (``scaled_mm_backend``), else emulated.
 
-    Same shapes and recipes as ``fp8_linear_emulated``; y: (..., N) in ``out_dtype``. CUDA paths are untested.
-    """
-    return _unflatten_out(_run_scaled_mm("fprop", x, w, recipe, x_amax, w_amax, out_dtype), "fprop", x)
+    Same shapes and recipes as ``fp8_linear_emulated``; y: (..., N) in ``out_dtype``. CUDA paths are untested."""
+    return fp8_gemm_scaled_mm("fprop", x, w, recipe, x_amax, w_amax, out_dtype)
 
 
 def fp8_dgrad_scaled_mm(dy, w, recipe, *, dy_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
     """dgrad dx = dy @ w like ``fp8_dgrad_emulated``, on real kernels where available. CUDA untested."""
-    return _unflatten_out(_run_scaled_mm("dgrad", dy, w, recipe, dy_amax, w_amax, out_dtype), "dgrad", dy)
+    return fp8_gemm_scaled_mm("dgrad", dy, w, recipe, dy_amax, w_amax, out_dtype)
 
 
 def fp8_wgrad_scaled_mm(dy, x, recipe, *, dy_amax=None, x_amax=None, out_dtype=torch.float32) -> torch.Tensor:
     """wgrad dw = dy^T @ x like ``fp8_wgrad_emulated``, on real kernels where available. CUDA untested."""
-    return _run_scaled_mm("wgrad", dy, x, recipe, dy_amax, x_amax, out_dtype)
+    return fp8_gemm_scaled_mm("wgrad", dy, x, recipe, dy_amax, x_amax, out_dtype)

@@ -19,12 +19,11 @@ not a Linear), as in DeepSeek-V3.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from moe_lc.config.choices import Fp8Backend, Fp8Scaling, names
 from moe_lc.ops import fp8, fp8_te
 from moe_lc.ops.grouped_gemm import host_sizes
-from moe_lc.ops.linear import GroupedLinear, KeepInput, Linear
+from moe_lc.ops.linear import KeepInput
 
 SCALINGS = names(Fp8Scaling)
 BACKENDS = names(Fp8Backend)
@@ -73,9 +72,9 @@ class Fp8Gemms:
             a, b = (t.dequantize().t() if isinstance(t, fp8.Quantized) else t for t in (a, b))
             out = fp8_te.te_gemm(gemm, a, b, self.recipe, *amaxes, out_dtype=out_dtype)
         elif impl == "scaled_mm":
-            out = fp8._run_scaled_mm(gemm, a, b, self.recipe, *amaxes, out_dtype)
+            out = fp8.fp8_gemm_scaled_mm(gemm, a, b, self.recipe, *amaxes, out_dtype)
         else:
-            out = fp8._run_emulated(gemm, a, b, self.recipe, *amaxes)
+            out = fp8.fp8_gemm_emulated(gemm, a, b, self.recipe, *amaxes)
         return out.to(out_dtype)
 
     def fprop(self, x, w):
@@ -151,18 +150,15 @@ class KeepFp8ForWgrad(HoldFp8ForWgrad):
         return self.restore(saved, counts, gemms)
 
 
-def apply_fp8(model: nn.Module, scaling: str = "blockwise", backend: str = "auto", device=None) -> int:
-    """Switch every FP8-eligible Linear / GroupedLinear of `model` to FP8 GEMMs; returns how many.
-    Stateless recipes share one Fp8Gemms; delayed scaling gets one per layer (its amax histories).
-    With ``device`` given, backend "te" is checked up front: ValueError with the reason if it cannot run."""
-    shared = Fp8Gemms(scaling, backend) if scaling != "delayed" else None
+def fp8_gemms(n: int, scaling: str = "blockwise", backend: str = "auto", device=None) -> list[Fp8Gemms]:
+    """FP8 GEMMs for `n` eligible Linears / GroupedLinears (the layer plan picks them,
+    moe_lc/parallel/layer_plan.py): stateless recipes share one Fp8Gemms, delayed scaling gets one per
+    layer (its amax histories). With ``device`` given, backend "te" is checked up front: ValueError with
+    the reason if it cannot run."""
     if backend == "te" and device is not None:
         reason = fp8_te.unsupported_reason(device, gemm_recipe(scaling))
         if reason is not None:
             raise ValueError(reason)
-    n = 0
-    for module in model.modules():
-        if isinstance(module, (Linear, GroupedLinear)) and module.fp8_eligible:
-            module.gemms = shared or Fp8Gemms(scaling, backend)
-            n += 1
-    return n
+    if scaling == "delayed":
+        return [Fp8Gemms(scaling, backend) for _ in range(n)]
+    return [Fp8Gemms(scaling, backend)] * n

@@ -9,10 +9,10 @@ operand mapping against a stand-in on CPU, and the real path against the emulati
 on a GPU (it skips elsewhere).
 
 Mapping. Every GEMM here is ``out = lhs @ rhs^T`` with the contraction dim last on both operands
-(`fp8._gemm_operands`: fprop x @ w^T, dgrad dy @ (w^T)^T, wgrad dy^T @ (x^T)^T). cuBLASLt's FP8 GEMM
+(`fp8.gemm_operands`: fprop x @ w^T, dgrad dy @ (w^T)^T, wgrad dy^T @ (x^T)^T). cuBLASLt's FP8 GEMM
 takes exactly that form as TE's layout "TN": ``general_gemm(A, B, layout="TN")`` returns ``B @ A^T``,
 so A = rhs and B = lhs, each quantized *rowwise* (along its last dim) by the quantizer of its
-granularity; no columnwise copies are needed because `_gemm_operands` already transposed dgrad's weight
+granularity; no columnwise copies are needed because `fp8.gemm_operands` already transposed dgrad's weight
 and wgrad's operands (a copy in bf16, which a fused TE module would avoid).
 
     granularity   TE quantizer
@@ -78,7 +78,7 @@ def _te_says(te_pt, name: str) -> bool:
 def unsupported_reason(device, recipe: str) -> str | None:
     """Why backend "te" cannot run ``recipe`` on ``device`` (None when it can); asked of TE once per
     device and recipe, since every GEMM of `auto` asks."""
-    fp8._check_recipe(recipe)
+    fp8.check_recipe(recipe)
     device = torch.device(device)
     te = load_te()
     if te is None:
@@ -98,7 +98,7 @@ def _quantizer(te, granularity: str, amax, device):
         return te.Float8CurrentScalingQuantizer(dtype, device, rowwise=True, columnwise=False,
                                                 force_pow_2_scales=False, amax_epsilon=0.0)
     # delayed: our history's amax gives TE's encoding scale (the inverse of our decoding scale)
-    decode = fp8._amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=device).reshape(1))
+    decode = fp8.amax_to_scale(torch.as_tensor(amax, dtype=torch.float32, device=device).reshape(1))
     return te.Float8Quantizer(1.0 / decode, torch.zeros(1, dtype=torch.float32, device=device), dtype,
                               rowwise=True, columnwise=False)
 
@@ -116,14 +116,14 @@ def te_gemm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
     if reason is not None:
         raise ValueError(f"fp8 backend 'te': {reason}")
     te = load_te()
-    lhs, rhs = fp8._gemm_operands(gemm, first, second)
-    g_lhs, g_rhs = fp8._GRANULARITY[recipe][gemm]
+    lhs, rhs = fp8.gemm_operands(gemm, first, second)
+    g_lhs, g_rhs = fp8.GEMM_GRANULARITY[recipe][gemm]
     n_rows, n_cols = lhs.shape[0], rhs.shape[0]
     with torch.no_grad():
         # cuBLASLt FP8 wants every dim a multiple of 16 (TE pads expert tokens for this, Fp8Padding); zero
         # rows and columns change no amax and add nothing to a sum, so padding is exact. wgrad contracts
         # over an expert's tokens, which come in any count.
-        lhs, rhs = fp8._pad_rows_cols(lhs, 16, 16), fp8._pad_rows_cols(rhs, 16, 16)
+        lhs, rhs = fp8.pad_rows_cols(lhs, 16, 16), fp8.pad_rows_cols(rhs, 16, 16)
         q_lhs = _quantizer(te, g_lhs, lhs_amax, lhs.device)(lhs.contiguous())
         q_rhs = _quantizer(te, g_rhs, rhs_amax, rhs.device)(rhs.contiguous())
         kwargs = {"out_dtype": out_dtype, "layout": "TN", "use_split_accumulator": True}
@@ -131,4 +131,4 @@ def te_gemm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs_amax=None,
             kwargs["workspace"] = (te.get_workspace() if te.get_workspace is not None
                                    else torch.empty(0, dtype=torch.uint8, device=lhs.device))
         out = te.general_gemm(q_rhs, q_lhs, **kwargs)[0][:n_rows, :n_cols]  # B @ A^T = lhs @ rhs^T: (R, P)
-    return fp8._unflatten_out(out, gemm, first)
+    return fp8.unflatten_gemm_out(out, gemm, first)

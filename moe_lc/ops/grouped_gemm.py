@@ -41,7 +41,9 @@ def misalignment(t: torch.Tensor) -> str | None:
     return None
 
 
-def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+def use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `grouped_mm` / `grouped_mm_wgrad` run torch._grouped_mm on operands a and b (device, dtype
+    and layout allow it); False: the loop over experts (a GPU warns once per reason)."""
     if not _GROUPED_MM or a.dtype != b.dtype:
         return False
     if a.device.type == "cpu":
@@ -83,14 +85,14 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e].  x: (T, K), w: (E, K, N) (any strides), -> (T, N)."""
-    if _use_grouped_mm(x_TK, w_EKN):
+    if use_grouped_mm(x_TK, w_EKN):
         return torch._grouped_mm(x_TK, w_EKN, offs=_offsets(counts_E))
     return torch.cat([p @ w for p, w in zip(x_TK.split(host_sizes(counts_E)), w_EKN)])
 
 
 def grouped_mm_wgrad(a_TM: torch.Tensor, b_TN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """g[e] = a[rows of e]^T @ b[rows of e] (weight gradients).  a: (T, M), b: (T, N) -> (E, M, N)."""
-    if _use_grouped_mm(a_TM, b_TN) and a_TM.shape[0] > 0:
+    if use_grouped_mm(a_TM, b_TN) and a_TM.shape[0] > 0:
         return torch._grouped_mm(a_TM.t(), b_TN, offs=_offsets(counts_E))
     sizes = host_sizes(counts_E)
     return torch.stack([a.t() @ b for a, b in zip(a_TM.split(sizes), b_TN.split(sizes))])

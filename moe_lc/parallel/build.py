@@ -34,18 +34,21 @@ def pipeline_plan(cfg: Config, microbatches: int):
 
 
 def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str = "cpu", *,
-                     plan=None, materialized: bool = True) -> Parallelized:
+                     pipeline=None, materialized: bool = True, route=None,
+                     defer_wgrad: bool | None = None) -> Parallelized:
     """cfg's model for dims.rank: built on meta, parallelized (PP, TP, EP, CP, FP8, recompute), and with
     `materialized` its local shards allocated on `device` and initialized (seed `train.seed`).
-    plan: (schedule, stage layers) from `pipeline_plan` (computed here when None)."""
+    pipeline: (schedule, stage layers) from `pipeline_plan` (computed here when None); route: a router
+    selection replacing the learned one (the dry run's balanced routing); defer_wgrad: see `parallelize`."""
     t, p = cfg.train, cfg.precision
-    microbatches = t.global_batch // (t.micro_batch * dims.dp)
-    schedule, layers = plan if plan is not None else pipeline_plan(cfg, microbatches)
+    microbatches = t.microbatches(dims.dp)
+    schedule, layers = pipeline if pipeline is not None else pipeline_plan(cfg, microbatches)
     with torch.device("meta"):  # no full model on any rank: each materializes only its shards
         model = Transformer(cfg.model)
-    result = parallelize(model, dims, expert_dispatch=cfg.parallel.expert_dispatch, schedule=schedule,
-                         stage_layers=layers, precision=p, recompute=cfg.recompute,
-                         aux_loss_scale=1.0 / (microbatches * dims.dp), device=torch.device(device))
+    result = parallelize(model, dims, expert_dispatch=cfg.parallel.expert_dispatch, mla_ring=cfg.parallel.mla_ring,
+                         schedule=schedule, stage_layers=layers, precision=p, recompute=cfg.recompute,
+                         aux_loss_scale=1.0 / (microbatches * dims.dp), device=torch.device(device),
+                         route=route, defer_wgrad=defer_wgrad)
     if materialized:
         materialize(result, dims, t.seed, cfg.model.init_std, cfg.model.n_layers, device, p.compute_dtype)
     return result

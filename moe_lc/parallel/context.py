@@ -27,7 +27,9 @@ sends the K/V blocks around once more, and lets a dK/dV accumulator (fp32) trave
 after cp steps every accumulator has visited every rank and one more hop returns it to its owner.
 
 Traffic per attention call and rank (counted by comm.py as "cp"/"send"), e = bytes per element of
-k and v, |K|, |V| = local numels:  forward (cp-1)(|K|+|V|)e;  backward (cp-1)(|K|+|V|)e + cp(|K|+|V|)*4.
+the blocks, |K|, |V| = their local numels:  forward (cp-1)(|K|+|V|)e;  backward (cp-1)(|K|+|V|)e +
+cp(|K|+|V|)*4. What the blocks are is the ring's codec: GQA's K and V (`KVBlocks`), or MLA's latent
+c_kv and shared RoPE key, up-projected on arrival (latent_ring.py), then |K|+|V| = S (Ckv + Dr).
 """
 
 from __future__ import annotations
@@ -200,67 +202,94 @@ def _merge_(out_BSHD: Tensor, lse_BHS: Tensor, part_out: Tensor, part_lse: Tenso
     acc_lse.copy_(new_lse)
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """(q (B,S,H,D_qk), k (B,S,J,D_qk), v (B,S,J,D_v)), all zig-zag sharded over cp, causal over
-    the full sequence -> out (B,S,H,D_v) in q.dtype, lse (B,H,S) fp32 (sharded the same way).
+class KVBlocks:
+    """What travels the ring for attention with its own K/V (GQA): k (B,S,J,D_qk) and v (B,S,J,D_v)
+    themselves. A ring codec: `expand` gives the K/V of a visiting block's key columns, `grads` turns
+    their gradients into the block tensors' (and the codec's weights') gradients."""
 
-    Forward: cp steps; at each, post the shift of the current K/V block, compute the planned block
-    with backend.forward and merge it, then wait for the next block. Backward: the same ring for
-    K/V, plus a fp32 dK/dV accumulator that travels one step behind its block and ends at its owner.
+    n_blocks = 2
+
+    def expand(self, blocks, weights, cols):
+        return blocks[0][:, cols], blocks[1][:, cols]
+
+    def grads(self, dk, dv, blocks, weights, cols):
+        return (dk, dv), ()
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """(q (B,S,H,D_qk), *blocks, *weights) -> out (B,S,H,D_v) in q.dtype, lse (B,H,S) fp32, causal over
+    the full sequence; q, the blocks, out and lse zig-zag sharded over cp. `codec` says what the blocks
+    are: K/V themselves (`KVBlocks`), or MLA's latents up-projected with `weights` on arrival
+    (moe_lc/parallel/latent_ring.py).
+
+    Forward: cp steps; at each, post the shift of the current blocks, compute the planned part with
+    backend.forward and merge it, then wait for the next blocks. Backward: the same ring for the
+    blocks, plus a fp32 gradient accumulator per block tensor that travels one step behind its block
+    and ends at its owner; the weights' gradients (fp32) stay on this rank.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, ring, backend: AttentionBackend, layout: str):
+    def forward(ctx, q, scale: float, ring, backend: AttentionBackend, layout: str, codec, *tensors):
         schedule = ring_schedule(ring.rank, ring.size, layout)
         chunk = q.shape[1] // 2
-        out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
-        lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
-        k, v = k.contiguous(), v.contiguous()
-        k_blk, v_blk = k, v
+        own = [t.contiguous() for t in tensors[:codec.n_blocks]]
+        weights = tensors[codec.n_blocks:]
+        out = lse = None
+        blocks = own
         for step, block in enumerate(schedule):
             last = step == ring.size - 1
-            in_flight = None if last else ring.shift([k_blk, v_blk])
+            in_flight = None if last else ring.shift(blocks)
             if block is not None:
                 rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
-                part_out, part_lse = backend.forward(q[:, rows], k_blk[:, cols], v_blk[:, cols], block.causal, scale)
+                k_b, v_b = codec.expand(blocks, weights, cols)
+                if out is None:
+                    out = q.new_zeros((*q.shape[:3], v_b.shape[-1]), dtype=torch.float32)
+                    lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
+                part_out, part_lse = backend.forward(q[:, rows], k_b, v_b, block.causal, scale)
                 _merge_(out, lse, part_out, part_lse, rows)
             if not last:
-                k_blk, v_blk = in_flight.wait()
+                blocks = in_flight.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.ring, ctx.backend, ctx.schedule = scale, ring, backend, schedule
+        ctx.save_for_backward(q, out, lse, *own, *weights)
+        ctx.scale, ctx.ring, ctx.backend, ctx.schedule, ctx.codec = scale, ring, backend, schedule, codec
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, out, lse, *rest = ctx.saved_tensors
+        codec, n = ctx.codec, ctx.codec.n_blocks
+        own, weights = rest[:n], rest[n:]
         ring, backend, scale, chunk = ctx.ring, ctx.backend, ctx.scale, q.shape[1] // 2
         dq = torch.zeros_like(q, dtype=torch.float32)
-        k_blk, v_blk = k, v
-        dkv_in_flight = None
+        dweights = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+        blocks, acc_in_flight = own, None
         for step, block in enumerate(ctx.schedule):
             last = step == ring.size - 1
-            kv_in_flight = None if last else ring.shift([k_blk, v_blk])
-            if step == 0:  # this rank's own block: its accumulator starts here
-                dk_acc = torch.zeros_like(k, dtype=torch.float32)
-                dv_acc = torch.zeros_like(v, dtype=torch.float32)
+            blocks_in_flight = None if last else ring.shift(blocks)
+            if step == 0:  # this rank's own blocks: their accumulators start here
+                acc = [torch.zeros_like(t, dtype=torch.float32) for t in own]
             if block is not None:
                 rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
-                dq_b, dk_b, dv_b = backend.backward(dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
-                                                    out[:, rows], lse[:, :, rows].contiguous(), block.causal, scale)
+                k_b, v_b = codec.expand(blocks, weights, cols)
+                dq_b, dk_b, dv_b = backend.backward(dout[:, rows], q[:, rows], k_b, v_b, out[:, rows],
+                                                    lse[:, :, rows].contiguous(), block.causal, scale)
                 dq[:, rows] += dq_b.float()
-            if step > 0:  # the accumulator of the block we hold arrives from the previous rank
-                dk_acc, dv_acc = dkv_in_flight.wait()
+                d_blocks, d_weights = codec.grads(dk_b, dv_b, blocks, weights, cols)
+                for dw_acc, dw in zip(dweights, d_weights):
+                    dw_acc += dw.float()
+            if step > 0:  # the accumulators of the blocks we hold arrive from the previous rank
+                acc = acc_in_flight.wait()
             if block is not None:
-                dk_acc[:, cols] += dk_b.float()
-                dv_acc[:, cols] += dv_b.float()
+                for a, d in zip(acc, d_blocks):
+                    a[:, cols] += d.float()
             if not last:
-                k_blk, v_blk = kv_in_flight.wait()
-            dkv_in_flight = ring.shift([dk_acc, dv_acc])  # one step behind its block; the last hop returns it home
-        dk_acc, dv_acc = dkv_in_flight.wait()
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+                blocks = blocks_in_flight.wait()
+            acc_in_flight = ring.shift(acc)  # one step behind its block; the last hop returns it home
+        acc = acc_in_flight.wait()
+        return (dq.to(q.dtype), None, None, None, None, None, *(a.to(t.dtype) for a, t in zip(acc, own)),
+                *(d.to(w.dtype) for d, w in zip(dweights, weights)))
 
 
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group | None = None,
@@ -273,7 +302,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group
     if isinstance(backend, str):
         backend = get_backend(backend, q.device)
     ring = ring if ring is not None else P2PRing(group)
-    return RingAttentionFunction.apply(q, k, v, float(scale), ring, backend, layout)
+    return RingAttentionFunction.apply(q, float(scale), ring, backend, layout, KVBlocks(), k, v)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,
@@ -300,14 +329,15 @@ class RingAttention(nn.Module):
         return f"backend={self.backend_name}, cp={self.group.size}"
 
 
-def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Swap every LocalAttention core for zig-zag ring attention over the "cp" group.
+def context_parallel_plan(model: nn.Module, dims: ParallelDims, plan, rings: dict | None = None) -> None:
+    """Plan every LocalAttention core swapped for zig-zag ring attention over the "cp" group (into the
+    layer plan, moe_lc/parallel/layer_plan.py). `rings`: {attention module type: ring core class} where
+    it is not RingAttention (MLA's latent ring, latent_ring.py, whose `attend` rule the plan matches).
 
     Everything else is per token and needs no change: prepare_batch shards tokens, labels, mask and
     positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp).
     The sequence-wise aux loss is refused by the recipe's rules (it would see zig-zag chunks only)."""
-    group = dims["cp"]
-    owners = [m for m in model.modules() if isinstance(getattr(m, "core", None), LocalAttention)]
-    for module in owners:
-        module.core = RingAttention(group, module.core.backend_name)
-    return model
+    group, rings = dims["cp"], rings or {}
+    for module in model.modules():
+        if isinstance(getattr(module, "core", None), LocalAttention):
+            plan.set(module, core=rings.get(type(module), RingAttention)(group, module.core.backend_name))

@@ -148,16 +148,22 @@ def _expert_major(recv_RL: torch.Tensor, n_rows: int) -> torch.Tensor:
 
 # -- dispatchers ----------------------------------------------------------------------------------
 def counter_elems(n_experts: int, n_nodes: int) -> int:
-    """fp64 counters a dispatcher keeps per MoE layer (see `AllToAllDispatcher.stats`): the load of each
-    expert, the nodes-per-token histogram (0..N), tokens, inter-node slots and inter-node pairs."""
+    """fp64 elements per MoE layer in the step's metrics all-reduce under EP: the router's load of each expert
+    (the one count of it) and the dispatcher's `counters` (nodes-per-token histogram 0..N, tokens, slots, pairs)."""
     return n_experts + (n_nodes + 1) + 3
+
+
+def named_counters(c, n_nodes: int) -> dict:
+    """A dispatcher's counters (a (N + 4,) tensor or list, see `AllToAllDispatcher.counters`) by name."""
+    return {"nodes_per_token": c[:n_nodes + 1], "tokens": c[n_nodes + 1], "inter_node_slots": c[n_nodes + 2],
+            "inter_node_pairs": c[n_nodes + 3]}
 
 
 class AllToAllDispatcher(TokenDispatcher):
     """Flat dispatch: one all-to-all over ep each way (see the module docstring).
 
-    Counters (summed since `stats(reset=True)`, training forwards only; see `stats`) let the trainer
-    log expert loads, imbalance and inter-node token copies.
+    Counters (summed since `counters(reset=True)`, training forwards only; see `counters`) let the
+    trainer log how tokens spread over ep ranks and nodes; the expert loads are the router's to count.
     """
 
     def __init__(self, group: Group, topo: ExpertTopology, counting=lambda: True, overlap: bool = True):
@@ -174,7 +180,7 @@ class AllToAllDispatcher(TokenDispatcher):
         return out.view(self.group.size, -1)
 
     @torch.no_grad()
-    def _count(self, idx_TK: torch.Tensor, counts_E: torch.Tensor) -> None:
+    def _count(self, idx_TK: torch.Tensor) -> None:
         if not self.counting():
             return
         topo = self.topo
@@ -186,27 +192,24 @@ class AllToAllDispatcher(TokenDispatcher):
         hist = expert_counts(has_TN.sum(1), topo.n_nodes + 1)
         extra = torch.stack([(node_TK != topo.node).sum(), remote.sum()])
         tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
-        counts = torch.cat([counts_E.double(), hist.double(), tokens, extra.double()])
+        counts = torch.cat([hist.double(), tokens, extra.double()])
         self._counts = counts if self._counts is None else self._counts + counts
 
-    def stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
-        """This rank's counters since the last reset (training forwards of every micro-batch):
+    def counters(self, reset: bool = True) -> torch.Tensor:
+        """This rank's counters since the last reset (training forwards of every micro-batch), (N + 4,) fp64:
 
-        load (E,)               token copies this rank routed to each (global) expert
         nodes_per_token (N+1,)  histogram: tokens whose experts lie on n distinct nodes
         tokens ()               tokens routed
         inter_node_slots ()     (token, expert) copies whose expert is on another node (flat traffic)
         inter_node_pairs ()     (token, node) pairs with the node remote (hierarchical traffic)
         """
-        E, N = self.topo.n_experts, self.topo.n_nodes
         if self._counts is None:  # nothing routed since the last reset
-            c = torch.zeros(counter_elems(E, N), dtype=torch.float64, device=self.group.device_type or "cpu")
+            c = torch.zeros(self.topo.n_nodes + 4, dtype=torch.float64, device=self.group.device_type or "cpu")
         else:
             c = self._counts if reset else self._counts.clone()
         if reset:
             self._counts = None
-        return {"load": c[:E], "nodes_per_token": c[E:E + N + 1], "tokens": c[E + N + 1],
-                "inter_node_slots": c[E + N + 2], "inter_node_pairs": c[E + N + 3]}
+        return c
 
     # -- dispatch / combine -------------------------------------------------------------------------
     def dispatch(self, x_TD, idx_TK, n_experts):
@@ -217,7 +220,7 @@ class AllToAllDispatcher(TokenDispatcher):
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # (token, slot) copies sorted by expert = by destination rank
         counts_E = expert_counts(flat, n_experts)
-        self._count(idx_TK, counts_E)
+        self._count(idx_TK)
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
         # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
         # know the sizes to post the transfers). Kernels that send into worst-case-sized buffers
@@ -276,7 +279,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         T, K = idx_TK.shape
         N = topo.n_nodes
         counts_E = expert_counts(idx_TK, n_experts)
-        self._count(idx_TK, counts_E)
+        self._count(idx_TK)
         has_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
         has_TN.scatter_(1, topo.node_of_expert(idx_TK), True)
         pair_n, pair_t = has_TN.t().nonzero(as_tuple=True)  # node-major, tokens in order
@@ -344,10 +347,12 @@ class HierarchicalDispatcher(AllToAllDispatcher):
 DISPATCHERS = {"flat": AllToAllDispatcher, "hierarchical": HierarchicalDispatcher}
 
 
-# -- the parallelize step -------------------------------------------------------------------------
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch: str, placements: Placements) -> nn.Module:
-    """Shard every MoE layer's routed experts over ep (contiguous blocks of E/ep) and swap in an
-    all-to-all dispatcher. Expert gradients are summed over edp (their placement's grad group)."""
+# -- the layer plan's rule ------------------------------------------------------------------------
+def expert_parallel_plan(model: nn.Module, dims: ParallelDims, expert_dispatch: str, placements: Placements,
+                         plan) -> None:
+    """Plan every MoE layer's routed experts sharded over ep (contiguous blocks of E/ep, into
+    `placements`) and an all-to-all dispatcher (into the layer plan, moe_lc/parallel/layer_plan.py).
+    Expert gradients are summed over edp (their placement's grad group)."""
     group = dims["ep"]
     for moe in model.modules():
         if not isinstance(moe, MoE):
@@ -356,42 +361,40 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, expert_dispatch:
         topo.check_groups_map_to_nodes(moe.router.n_groups, moe.router.topk_groups)
         for linear in (moe.experts.w13, moe.experts.w2):
             placements.shard_(linear.weight, Shard("ep", 0), group)
-            linear.n_experts = topo.per_rank
+            plan.set(linear, n_experts=topo.per_rank)
         router = moe.router
-        moe.dispatcher = DISPATCHERS[expert_dispatch](
-            group, topo, counting=lambda r=router: r.training and r.count_loads, overlap=dims.overlap)
-    return model
+        plan.set(moe, dispatcher=DISPATCHERS[expert_dispatch](
+            group, topo, counting=lambda r=router: r.training and r.count_loads, overlap=dims.overlap))
 
 
-@torch.no_grad()
-def expert_parallel_metrics(model: nn.Module, dims: ParallelDims, reset: bool = True) -> dict:
-    """Dispatcher counters of every MoE layer summed over the stage's dp*cp*tp ranks (one all-reduce;
-    collective), as metrics per layer L:
+def dispatcher_counters(moes) -> torch.Tensor | None:
+    """(L, N + 4) fp64: the counters of every MoE layer's dispatcher since the last call (`counters`, reset
+    here), rows in the order of `moes`; None when the layers have no expert-parallel dispatcher (ep = 1)."""
+    dispatchers = [m.dispatcher for m in moes]
+    if not any(isinstance(d, AllToAllDispatcher) for d in dispatchers):
+        return None
+    return torch.stack([d.counters() for d in dispatchers])  # expert parallelism swaps every layer's
 
-      moe/load/layer{L}                     list of E floats: token copies per expert
+
+def expert_parallel_metrics(moes: dict[str, MoE], loads: list[list[float]], counters: list[list[float]]) -> dict:
+    """Metrics per MoE layer L from the step's expert loads (E per layer) and dispatcher counters
+    (`dispatcher_counters`), both summed over the stage's dp*cp*tp ranks and on the host, in `moes` order:
+
       moe/expert_imbalance/layer{L}         max / mean expert load
       moe/ep_rank_imbalance/layer{L}        max / mean tokens per ep rank (what bounds step time)
       moe/nodes_per_token_max/layer{L}      most nodes any token's experts lay on (<= topk_groups)
       moe/inter_node_tokens_per_token/layer{L}  token copies that crossed a node per routed token,
                                             for the active dispatcher (flat: slots, hierarchical: pairs)
     """
-    layers = {name: m for name, m in model.moe_layers().items() if isinstance(m.dispatcher, AllToAllDispatcher)}
-    if not layers:
-        return {}
-    stats = [m.dispatcher.stats(reset) for m in layers.values()]
-    flat = torch.stack([torch.cat([s["load"], s["nodes_per_token"], torch.stack(
-        [s["tokens"], s["inter_node_slots"], s["inter_node_pairs"]])]) for s in stats])
-    comm.all_reduce(flat, dims["dp_cp_tp"])
     out = {}
-    for (name, moe), row in zip(layers.items(), flat.tolist()):  # the metrics' one host sync per step
+    for (name, moe), load, row in zip(moes.items(), loads, counters):
         d = moe.dispatcher
-        E, N, R = d.topo.n_experts, d.topo.n_nodes, d.topo.size
-        load, hist, (tokens, slots, pairs) = row[:E], row[E:E + N + 1], row[E + N + 1:]
+        E, R, c = d.topo.n_experts, d.topo.size, named_counters(row, d.topo.n_nodes)
         per_rank = [sum(load[j * E // R:(j + 1) * E // R]) for j in range(R)]
-        out[f"moe/load/layer{name}"] = load
         out[f"moe/expert_imbalance/layer{name}"] = max(load) / max(sum(load) / E, 1e-9)
         out[f"moe/ep_rank_imbalance/layer{name}"] = max(per_rank) / max(sum(per_rank) / R, 1e-9)
-        out[f"moe/nodes_per_token_max/layer{name}"] = max((n for n, h in enumerate(hist) if h > 0), default=0)
-        crossed = pairs if isinstance(d, HierarchicalDispatcher) else slots
-        out[f"moe/inter_node_tokens_per_token/layer{name}"] = crossed / max(tokens, 1.0)
+        out[f"moe/nodes_per_token_max/layer{name}"] = max((n for n, h in enumerate(c["nodes_per_token"]) if h > 0),
+                                                          default=0)
+        crossed = c["inter_node_pairs"] if isinstance(d, HierarchicalDispatcher) else c["inter_node_slots"]
+        out[f"moe/inter_node_tokens_per_token/layer{name}"] = crossed / max(c["tokens"], 1.0)
     return out

@@ -1,17 +1,15 @@
-"""Apply parallelism to a plain single-device model, in one documented order (the order of the code):
-
-    PP split -> TP/SP -> EP -> CP -> FP8 GEMMs, FP8 dispatch -> recomputation -> FP8 activation caching
-    (ZeRO-1 lives in the optimizer)
+"""Apply parallelism to a plain single-device model: resolve its layer plan, apply it in one pass, then
+split it into this rank's pipeline stages (ZeRO-1 lives in the optimizer).
 
 The model arrives either fully initialized (tests; every rank holds the same values and keeps its
-slices) or built on the meta device (the trainer): each step swaps parallel-aware pieces into the
-model (the one Linear's TP role and GEMMs, vocab-parallel embedding and loss, an all-to-all token
-dispatcher, ring attention, recomputation seams) and records how it cut each parameter in a
-`Placements` table; then `materialize` allocates and initializes only this rank's slices, with the
-same name-seeded values a single device would have. The result, `Parallelized`, carries the model,
-its pipeline stages and a placement per parameter (grad group, shards, grad-norm weight), which the
-optimizer, checkpoints, final-state gathering and the planner read. The model code never imports
-this package.
+slices) or built on the meta device (the trainer). The layer plan (layer_plan.py) decides, from the
+recipe and the layout, what every module does: the one Linear's TP role, GEMMs, kept input and deferred
+weight gradient, vocab-parallel embedding and loss, an all-to-all token dispatcher, ring attention,
+recomputation and FP8 caching seams; the parameter shards go into a `Placements` table beside it.
+Then `materialize` allocates and initializes only this rank's slices, with the same name-seeded values
+a single device would have. The result, `Parallelized`, carries the model, its pipeline chunks, the
+plan and a placement per parameter (grad group, shards, grad-norm weight), which the optimizer,
+checkpoints, final-state gathering and the planner read. The model code never imports this package.
 """
 
 from __future__ import annotations
@@ -20,64 +18,44 @@ import torch
 from torch import nn
 
 from moe_lc.config import PrecisionConfig, RecomputeConfig
-from moe_lc.model.fp8_cache import apply_fp8_cache
 from moe_lc.model.init import init_buffers, init_rules, normal_rows
-from moe_lc.model.moe import MoE, RoutedExperts
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.recompute import apply_recompute
-from moe_lc.ops.fp8_linear import apply_fp8
 from moe_lc.parallel import comm
+from moe_lc.parallel.layer_plan import resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", schedule=None,
-                stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
+def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
+                schedule=None, stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
                 recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                device: torch.device | None = None) -> Parallelized:
-    """Shard `model` for this rank's coordinates (see the module docstring for the order).
+                device: torch.device | None = None, route=None, defer_wgrad: bool | None = None) -> Parallelized:
+    """Shard `model` for this rank's coordinates (see the module docstring).
 
     Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
-    module holds only this rank's stages, and `stages` lists the chunk modules the runtime executes.
+    module holds only this rank's stages, and `chunks` lists the chunk modules the runtime executes.
     `aux_loss_scale`: each micro-batch's share of the step's loss (1 / (micro-batches * dp)), by which
     the MoE layers scale their sequence-wise balance loss. `device` is where FP8 kernels will run.
+    `route`: a router selection replacing the learned one (the dry run's balanced routing).
+    `defer_wgrad`: give the deferring Linears the rank's weight-gradient store (default: under a
+    pipeline schedule; the planner asks for it to measure what a split backward holds).
     """
     single_device_order = [name for name, _ in model.named_parameters()]
     placements = Placements()
-    stages, stage_ids = [], [0]
+    plan = resolve_layer_plan(model, dims, placements, expert_dispatch=expert_dispatch, mla_ring=mla_ring,
+                              precision=precision, recompute=recompute, aux_loss_scale=aux_loss_scale,
+                              device=device, route=route,
+                              pipelined=schedule is not None if defer_wgrad is None else defer_wgrad)
+    model = plan.apply(model)
+    chunks, stage_ids = [], [0]
     if schedule is not None:
         from moe_lc.parallel.pipeline.stage import split_for_rank
 
-        model, stages, stage_ids = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
-    if dims.tp > 1:
-        from moe_lc.parallel.tensor_plan import apply_tensor_parallel
-
-        apply_tensor_parallel(model, dims, placements, stages)
-    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
-        placements.set_group(experts.parameters(), "edp")
-    if dims.ep > 1 and any(isinstance(m, MoE) for m in model.modules()):
-        from moe_lc.parallel.expert import apply_expert_parallel
-
-        apply_expert_parallel(model, dims, expert_dispatch, placements)
-    if dims.cp > 1:
-        from moe_lc.parallel.context import apply_context_parallel
-
-        apply_context_parallel(model, dims)
-    if precision is not None and precision.recipe == "fp8":
-        apply_fp8(model, precision.fp8_scaling, precision.fp8_backend, device)
-    if precision is not None and precision.fp8_dispatch:
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            moe.dispatcher.fp8_tokens = True
-    if recompute is not None:
-        apply_recompute(model, recompute.policy, recompute.selective)
-    if precision is not None and precision.fp8_cache:  # after recomputation: it reads what that keeps
-        apply_fp8_cache(model, precision.fp8_cache)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.aux_loss_scale = aux_loss_scale
+        model, chunks, stage_ids = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
     local = dict(model.named_parameters())
     named = [(name, local[name]) for name in single_device_order if name in local]
-    result = Parallelized(model, placements.by_name(named), stages, stage_ids)
+    result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe())
     if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
         install_grad_hooks(model, result.placements)
     return result

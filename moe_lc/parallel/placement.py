@@ -1,7 +1,7 @@
-"""Where each parameter lives: `Shard` specs, the placement table the parallelize steps fill, and
+"""Where each parameter lives: `Shard` specs, the placement table the layer plan's rules fill, and
 gathering a full tensor back.
 
-A parallelize step that shards a parameter records it in the `Placements` table (never on the
+A layer-plan rule that shards a parameter (tensor_plan.py, expert.py) records it in the `Placements` table (never on the
 parameter): the full (single-device) tensor is rebuilt by undoing the shards in reverse order. One
 table serves initialization (each rank materializes only its slice of the seeded full tensor),
 ZeRO-1 (gradient groups and grad-norm weights), final-state gathering, checkpoints and the planner.
@@ -100,8 +100,8 @@ class ParamPlacement:
 
 
 class Placements:
-    """The table the parallelize steps fill while they run, keyed by the Parameter object (names can
-    change as modules are swapped; the object does not)."""
+    """The table the layer plan's rules fill, keyed by the Parameter object (names can change as
+    modules are swapped; the object does not)."""
 
     def __init__(self):
         self._table: dict[int, tuple[nn.Parameter, ParamPlacement]] = {}
@@ -155,21 +155,25 @@ class Parallelized:
     final-state gathering and the planner read.
 
     module      this rank's model (under PP the union of its stages, single-device parameter names)
-    stages      the chunk modules the pipeline runtime executes, sharing `module`'s submodules ([]: no PP)
-    stage_ids   the pipeline stages this rank holds ([0] without PP)
     placements  every parameter of `module` by name, in single-device registration order
+    chunks      the modules a forward runs: under PP one per pipeline stage the rank holds (sharing
+                `module`'s submodules, in local chunk order), else [module]
+    stage_ids   the pipeline stage each chunk is ([0] without PP)
+    wgrad_store where the chunks' deferring Linears push their weight gradients (pipelines; else None)
+    decisions   the layer plan it was built from, one line per decision (moe_lc/parallel/layer_plan.py)
     """
 
     module: nn.Module
     placements: dict[str, ParamPlacement]
-    stages: list[nn.Module] = field(default_factory=list)
+    chunks: list[nn.Module] = field(default_factory=list)
     stage_ids: list[int] = field(default_factory=lambda: [0])
+    wgrad_store: object = None
+    decisions: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.chunks = self.chunks or [self.module]
 
     def named_parameters(self):
         """(name, param, placement) in single-device order (the same on DualPipe's mirror ranks)."""
         params = dict(self.module.named_parameters())
         return [(name, params[name], place) for name, place in self.placements.items()]
-
-    def chunks(self) -> list[nn.Module]:
-        """The modules a forward runs: the pipeline stages, or the whole model."""
-        return self.stages or [self.module]

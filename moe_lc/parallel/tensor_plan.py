@@ -1,6 +1,7 @@
-"""The tensor-parallel plan: a table from module type to how its parameters are cut and which TP role
-its Linears take (the layout is described in tensor.py). `apply_tensor_parallel` walks the model and
-applies the entry of each module's type; the planner reads the result through the same placements.
+"""The tensor-parallel rules of the layer plan: a table from module type to how its parameters are cut
+and which TP role its Linears take (the layout is described in tensor.py). `tensor_parallel_plan` walks
+the model and records each module type's entry: shards in the placements (which the optimizer,
+checkpoints and the planner read), roles and local head counts in the layer plan (layer_plan.py).
 
     Attention      wqkv column-parallel by heads (q | k | v sections; kv heads replicated when K < N),
                    wo row-parallel
@@ -39,6 +40,7 @@ from moe_lc.parallel.tensor import (ColumnParallel, RowParallel, SequenceGather,
 class _TP:
     dims: ParallelDims
     placements: Placements
+    plan: object  # the LayerPlan being resolved (layer_plan.py, which imports this file)
 
     def __post_init__(self):
         self.group, self.n = self.dims["tp"], self.dims.tp
@@ -52,7 +54,7 @@ class _TP:
         if linear.bias is not None:
             self.shard(linear.bias, Shard(shard.group, 0, shard.sections))
         self.shard(linear.weight, shard)
-        linear.tp = role
+        self.plan.set(linear, tp=role)
 
 
 def _attention(attn: Attention, tp: _TP) -> list:
@@ -60,7 +62,7 @@ def _attention(attn: Attention, tp: _TP) -> list:
     kv_pieces = min(K, N)  # K < N: each kv head replicated on N/K ranks
     tp.linear(attn.wqkv, Shard("tp", 0, ((H * Dh, N), (K * Dh, kv_pieces), (K * Dh, kv_pieces))), tp.column)
     tp.linear(attn.wo, Shard("tp", 1), tp.row)
-    attn.n_heads, attn.n_kv_heads = H // N, K // kv_pieces
+    tp.plan.set(attn, n_heads=H // N, n_kv_heads=K // kv_pieces)
     if K < N:
         hook, weight = replicated_rows_grad(attn.wqkv.weight, H // N * Dh, kv_share_group(tp.dims, K))
         place = tp.placements.of(attn.wqkv.weight)
@@ -70,14 +72,14 @@ def _attention(attn: Attention, tp: _TP) -> list:
 
 def _mla(attn: MLAttention, tp: _TP) -> list:
     tp.placements.set_group(attn.wa.parameters(), "dp_cp_tp")
-    attn.gather = SequenceGather(tp.group)
+    tp.plan.set(attn, gather=SequenceGather(tp.group))
     if attn.wq_b is not None:
         tp.shard(attn.wq_b.weight, Shard("tp", 0))  # rows are head-major: (H, Dn + Dr)
     else:
         tp.linear(attn.wq, Shard("tp", 0), tp.column)  # queries straight from x gather x
     tp.shard(attn.wkv_b.weight, Shard("tp", 0))  # rows (H, Dn + Dv)
     tp.linear(attn.wo, Shard("tp", 1), tp.row)
-    attn.n_heads //= tp.n
+    tp.plan.set(attn, n_heads=attn.n_heads // tp.n)
     own = [attn.wa, attn.wkv_b, attn.wo] + [m for m in (attn.wq, attn.wq_b) if m is not None]
     return [p for m in own for p in m.parameters()]  # its latent norms are visited on their own
 
@@ -103,35 +105,25 @@ TP_PLAN = {Attention: _attention, MLAttention: _mla, SwiGLU: _swiglu, RMSNorm: _
            RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection}
 
 
-def _swap(modules: list[nn.Module], name: str, new: nn.Module) -> None:
-    """Replace submodule `name` on the model and on its pipeline chunks (shells sharing submodules)."""
-    old = getattr(modules[0], name)
-    for m in modules:
-        if getattr(m, name, None) is old:
-            setattr(m, name, new)
-
-
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, placements: Placements,
-                          stages: list[nn.Module] = ()) -> nn.Module:
-    """Shard a single-device Transformer (or this rank's pipeline stages, `model` being their union)
-    over dims["tp"] with sequence parallelism, in place, recording every shard in `placements`."""
+def tensor_parallel_plan(model: nn.Module, dims: ParallelDims, placements: Placements, plan) -> None:
+    """Plan a single-device Transformer's tensor parallelism over dims["tp"] with sequence parallelism:
+    every shard into `placements`, every module's role into `plan` (nothing on the model changes here)."""
     assert model.cfg.n_heads % dims.tp == 0 and model.cfg.vocab_size % dims.tp == 0, "checked by the recipe's rules"
-    tp = _TP(dims, placements)
+    tp = _TP(dims, placements, plan)
     if model.cfg.attention == "gqa" and model.cfg.n_kv_heads < dims.tp:
         kv_share_group(dims, model.cfg.n_kv_heads)  # every stage creates it, attention or not
     handled = set()
     for module in list(model.modules()):
-        plan = TP_PLAN.get(type(module))
-        if plan is not None:
-            handled |= {id(p) for p in plan(module, tp)}
+        rule = TP_PLAN.get(type(module))
+        if rule is not None:
+            handled |= {id(p) for p in rule(module, tp)}
     if getattr(model, "embed", None) is not None:
         tp.shard(model.embed.weight, Shard("tp", 0))
-        _swap([model, *stages], "embed", VocabParallelEmbedding(model.embed.weight, tp.group))
+        plan.set(model, embed=VocabParallelEmbedding(model.embed.weight, tp.group))
         handled.add(id(model.embed.weight))
     if getattr(model, "head", None) is not None:
         tp.linear(model.head, Shard("tp", 0), tp.column)
-        _swap([model, *stages], "loss_fn", VocabParallelCrossEntropy(tp.group))
+        plan.set(model, loss_fn=VocabParallelCrossEntropy(tp.group))
         handled |= {id(p) for p in model.head.parameters()}
     unknown = [n for n, p in model.named_parameters() if id(p) not in handled]
     assert not unknown, f"the tensor-parallel plan does not cover parameters {unknown}"
-    return model

@@ -77,15 +77,8 @@ def linear_shapes(model_cfg) -> list[dict]:
 
 
 def _raw_operands(x, w, recipe: str):
-    """Quantized, padded operands exactly as fp8._cuda_native_gemm builds them (kernel-only timing)."""
-    g_x, g_w = fp8._GRANULARITY[recipe]["fprop"]
-    multiple = 16 if recipe == "tensorwise" else fp8.BLOCK
-    if x.device.type == "cuda":
-        x, w = fp8._pad_rows_cols(x, 16, multiple), fp8._pad_rows_cols(w, multiple, multiple)
-    (xq, xs), (wq, ws) = fp8._quantize(x, g_x, None), fp8._quantize(w, g_w, None)
-    if recipe == "blockwise":
-        xs, ws = fp8._cuda_blockwise_scale(xs, g_x, is_rhs=False), fp8._cuda_blockwise_scale(ws, g_w, is_rhs=True)
-    return xq, xs, wq, ws
+    """Quantized, padded operands exactly as the wrapper's native kernels take them (kernel-only timing)."""
+    return fp8.scaled_mm_operands(x, w, *fp8.GEMM_GRANULARITY[recipe]["fprop"])
 
 
 def variants(ctx: Context, x, w) -> list[tuple[str, str, object]]:

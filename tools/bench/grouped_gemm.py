@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lc.ops.grouped_gemm import _use_grouped_mm, grouped_mm
+from moe_lc.ops.grouped_gemm import grouped_mm, use_grouped_mm
 from moe_lc.ops.linear import GroupedLinear
 from .common import Context, Recorder, tflops, time_fn
 
@@ -134,7 +134,7 @@ def _measure_case(ctx: Context, rec: Recorder, base: dict, counts_cpu: torch.Ten
         (xg @ w_dense).backward(dy)
         xg.grad = w_dense.grad = None
 
-    kernel = "torch._grouped_mm" if _use_grouped_mm(x, w_EKN) else "loop fallback"
+    kernel = "torch._grouped_mm" if use_grouped_mm(x, w_EKN) else "loop fallback"
     results = {}
     for impl, fwd, fwd_bwd in (("grouped", grouped_fwd, grouped_fwd_bwd), ("loop", loop_fwd, loop_fwd_bwd),
                                ("dense", dense_fwd, dense_fwd_bwd)):

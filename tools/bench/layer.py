@@ -24,7 +24,7 @@ import torch
 
 from ..activation_memory import estimate
 from moe_lc.config import load_config
-from moe_lc.model.recompute import apply_recompute
+from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.model.block import Block
 from moe_lc.model.init import init_weights
@@ -53,7 +53,7 @@ def build(ctx: Context):
     with torch.no_grad():
         init_weights(block, 0, 0.02, m.n_layers)
     block = block.to(device=ctx.device, dtype=torch.bfloat16)
-    apply_recompute(block, cfg.recompute.policy, cfg.recompute.selective)
+    apply_layer_plan(block, recompute=cfg.recompute)
     rope = RotaryEmbedding.from_config(m.rope, m.rope_dim).to(ctx.device)
     return block, rope, m, cfg.recompute
 

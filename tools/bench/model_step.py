@@ -8,7 +8,7 @@ micro-batch 1, at S = 4K, 32K and 128K tokens; `--set` adds overrides (e.g. mode
 ~2.3B). Param counts (moe_lc.model.counting.param_counts) are printed and stored.
 
 The step is the trainer's own: a `moe_lc.train.Trainer` built from that config (build_model ->
-parallelize (a no-op at world 1) -> apply_recompute -> ZeroAdamW, the same code a run executes),
+parallelize (the layer plan: recompute seams at world 1) -> ZeroAdamW, the same code a run executes),
 timed over `Trainer.train_step()` (forward, backward, ZeroAdamW step, router bias update, and the
 host syncs the trainer does). Only its data loader is replaced, by fixed random tokens, so that
 sample generation is not timed. `optimizer_ms` times ZeroAdamW.step alone inside those steps.

@@ -26,7 +26,8 @@ import time
 import torch
 from torch import nn
 
-from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+from moe_lc.model.forward_stats import ForwardStats
+from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.pipeline.overlap import PhasedRun, interleave
@@ -40,19 +41,18 @@ class PipelineRuntime:
 
     chunks: the rank's chunk modules (Transformer shells, see stage.py), indexed by local chunk.
     hidden_shape: (micro_batch, local sequence, dim) of activations sent between stages.
+    store: where the chunks' deferring Linears push their weight-gradient GEMMs (the layer plan's
+    `wgrad_store`); a split B defers them there, W runs them.
     """
 
     def __init__(self, schedule: Schedule, rank: int, chunks: list[nn.Module], pp_group: Group,
-                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, overlap: bool = True):
+                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, overlap: bool = True,
+                 store: WeightGradStore | None = None):
         self.schedule, self.rank, self.chunks = schedule, rank, chunks
         self.pp_group, self.hidden_shape, self.dtype, self.device = pp_group, hidden_shape, dtype, device
         self.overlap = overlap
         self.last_stage = schedule.n_stages - 1
-        self.store = WeightGradStore()
-        for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, (Linear, GroupedLinear)) and module.defer_wgrad:
-                    module.wgrad_store = self.store
+        self.store = store if store is not None else WeightGradStore()  # None: nothing defers (tests)
         self.trace: list[tuple] = []  # what was executed, in order (compared with the schedule in tests)
         # when a list (train.trace_step): ("step" | "action", ...) and the phased runs' phase intervals
         self.timeline: list[tuple] | None = None
@@ -71,11 +71,12 @@ class PipelineRuntime:
         return arrivals
 
     # -- one step -----------------------------------------------------------------------------------
-    def step(self, batches: list[dict], loss_scale: float) -> torch.Tensor:
+    def step(self, batches: list[dict], loss_scale: float, stats: ForwardStats | None = None) -> torch.Tensor:
         """Run every action for one optimizer step. batches[mb]: prepare_batch() output (all ranks
         hold the data: stage 0 reads inputs, the last stage labels). Each micro-batch's summed loss is
-        multiplied by loss_scale before backward. Returns this rank's summed loss (fp64, detached)."""
-        self.batches, self.loss_scale = batches, loss_scale
+        multiplied by loss_scale before backward; every forward adds to `stats` (the step's MTP and aux
+        losses). Returns this rank's summed loss (fp64, detached)."""
+        self.batches, self.loss_scale, self.stats = batches, loss_scale, stats
         self.outputs, self.acts, self.grads, self.input_grads, self.wqueue = {}, {}, {}, {}, {}
         self.sending: list[tuple] = []  # (handle, PhasedRun whose output it sends, or None)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -118,7 +119,8 @@ class PipelineRuntime:
         x = batch["inputs"] if s == 0 else _arrived(self.acts.pop((s, mb))).detach().requires_grad_()
         last = s == self.last_stage
         phases = self.chunks[chunk].phases(batch["positions"], batch["labels"] if last else None,
-                                           batch["loss_mask"] if last else None, batch.get("mtp") if last else None)
+                                           batch["loss_mask"] if last else None, batch.get("mtp") if last else None,
+                                           self.stats)
         run = PhasedRun(phases, x)
         run.record, run.label = self.timeline, f"stage {s} mb {mb}"
         return s, run

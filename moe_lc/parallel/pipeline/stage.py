@@ -5,8 +5,10 @@ the last stage the final norm, the output head and the loss). By default the cut
 training FLOPs per token of each block (moe_lc.model.counting, MLA included) plus the head's on the
 last stage; a recipe can fix it with `parallel.pp_stage_layers`.
 
-A rank keeps one module per chunk it runs (`chunk_modules`) and one "union" module holding all of
-its chunks' blocks (`union_module`), through which the optimizer, checkpoints and metrics see the
+Words: a *stage* is a contiguous run of layers (stage ids count along the pipeline); a *chunk* is the
+module a rank runs for one stage it holds (DualPipe and interleaved 1F1B give a rank two or more).
+A rank keeps one chunk module per stage it holds and one "union" module holding all of its chunks'
+blocks (`split_for_rank`), through which the optimizer, checkpoints and metrics see the
 parameters under their single-device names (`layers.5.attn.wqkv.weight`), whatever the layout.
 Chunk modules share their submodules with the union module: nothing is copied.
 """

@@ -1,0 +1,231 @@
+"""The layer plan: what every module of a rank does, decided once from the recipe and the layout, then
+applied in one pass. Nothing else assigns these attributes of a built model (tests/test_layer_plan.py).
+
+Each decision has exactly one rule, and `LayerPlan.set` refuses a second, different value for the same
+attribute, so the rules can be resolved in any order and none reads what another put on a module:
+
+    decision                                  attributes it sets                rule
+    tensor parallelism: TP role, local heads,  Linear.tp, .n_heads/.n_kv_heads,  parallel/tensor_plan.py
+      vocab-parallel embedding and loss        .gather, .embed, .loss_fn
+    expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/expert.py
+      all-to-all token dispatcher              MoE.dispatcher
+    context parallelism: the attention core    .core (zig-zag ring attention;    parallel/context.py
+                                                 MLA's latent ring)
+    GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
+    recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
+                                               .attend, .out_proj                  model/fp8_cache.py)
+    how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
+    deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
+    the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
+    FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
+
+What the model declares about itself (the output head and router stay in the compute dtype, the
+router's W is never deferred) is set by its constructors (`fp8_eligible`, `defer_wgrad`) and only read here.
+Parameter shards are recorded in a `Placements` table beside the plan (moe_lc/parallel/placement.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import InitVar, dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from moe_lc.config import PrecisionConfig, RecomputeConfig
+from moe_lc.model.attention import Attention
+from moe_lc.model.block import Block
+from moe_lc.model.ffn import SwiGLU, swiglu_then
+from moe_lc.model.fp8_cache import attn_out_fp8_cached, swiglu_fp8_cached
+from moe_lc.model.mla import MLAttention, attend
+from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, fp32_logits
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, mla_up_replayed,
+                                    swiglu_replayed)
+from moe_lc.model.seams import run_now
+from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
+from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.placement import Placements
+
+
+# Every attribute a plan decides: nothing outside this file assigns them on a module after it is built
+# (tests/test_layer_plan.py reads this set).
+DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
+                     "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
+                     "aux_loss_scale", "select", "fp8_tokens"})
+
+
+@dataclass
+class LayerPlan:
+    """{module name: {attribute: value}} for one rank's model ("" is the model itself), resolved on the
+    whole model before the pipeline split; it keeps names, never the model (whose other stages the
+    split lets go).
+
+    wgrad_store: the store every deferring Linear pushes its weight-gradient GEMM to under a pipeline
+    schedule (its runtime decides when a B is split), None without PP."""
+
+    model: InitVar[nn.Module]
+    settings: dict[str, dict[str, object]] = field(default_factory=dict)
+    wgrad_store: WeightGradStore | None = None
+
+    def __post_init__(self, model: nn.Module):
+        self._names = {id(m): name for name, m in model.named_modules()}
+
+    def set(self, module: nn.Module, **attrs) -> None:
+        """Decide attributes of `module`; a second, different decision for one is a bug in the rules."""
+        name = self._names[id(module)]
+        row = self.settings.setdefault(name, {})
+        for attr, value in attrs.items():
+            assert attr in DECIDED, f"{attr!r} is not a layer-plan decision (add it to DECIDED)"
+            old = row.get(attr, value)
+            if old is not value and old != value:
+                raise AssertionError(f"the layer plan decides {name or '<model>'}.{attr} twice: {old!r} and {value!r}")
+            row[attr] = value
+
+    def get(self, module: nn.Module, attr: str, default=None):
+        return self.settings.get(self._names[id(module)], {}).get(attr, default)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Set every decided attribute on `model` (the one resolved), in one pass: the only place that does."""
+        modules = dict(model.named_modules())
+        for name, row in self.settings.items():
+            for attr, value in row.items():
+                setattr(modules[name], attr, value)
+        return model
+
+    def describe(self) -> list[str]:
+        """One line per module and decision, for `--print-plan` style inspection and tests."""
+        return [f"{name or '<model>'}.{attr} = {_short(value)}" for name, row in self.settings.items()
+                for attr, value in row.items()]
+
+
+def _short(value) -> str:
+    if isinstance(value, partial):
+        return f"{value.func.__name__}({', '.join(f'{k}=...' for k in value.keywords)})"
+    return getattr(value, "__name__", None) or repr(value)
+
+
+def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, placements: Placements | None = None, *,
+                       expert_dispatch: str = "flat", mla_ring: str = "latent", precision: PrecisionConfig | None = None,
+                       recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
+                       device: torch.device | None = None, pipelined: bool = False, route=None) -> LayerPlan:
+    """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
+
+    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring); placements: where parameter shards are recorded (a fresh table
+    when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
+    route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
+    FP8 kernels will run (checked up front)."""
+    plan, placements = LayerPlan(model), placements if placements is not None else Placements()
+    precision = precision or PrecisionConfig()
+    tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if tp > 1:
+        from moe_lc.parallel.tensor_plan import tensor_parallel_plan
+
+        tensor_parallel_plan(model, dims, placements, plan)
+    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        placements.set_group(experts.parameters(), "edp")
+    if ep > 1 and moes:
+        from moe_lc.parallel.expert import expert_parallel_plan
+
+        expert_parallel_plan(model, dims, expert_dispatch, placements, plan)
+    elif precision.fp8_dispatch:
+        for moe in moes:
+            plan.set(moe, dispatcher=LocalDispatcher())
+    for moe in moes:
+        if precision.fp8_dispatch:
+            plan.get(moe, "dispatcher").fp8_tokens = True  # the plan's own, fresh dispatcher object
+        plan.set(moe, aux_loss_scale=aux_loss_scale)
+        if route is not None:
+            plan.set(moe.router, select=route)
+    if cp > 1:
+        from moe_lc.parallel.context import context_parallel_plan
+
+        from moe_lc.parallel.latent_ring import LatentRingAttention
+
+        context_parallel_plan(model, dims, plan, {MLAttention: LatentRingAttention} if mla_ring == "latent" else {})
+    gemms = _gemms(model, precision, device)
+    for linear, g in gemms.items():
+        plan.set(linear, gemms=g)
+    recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
+    _seams(model, plan, recompute, cache, latent_ring=cp > 1 and mla_ring == "latent")
+    if "linear" in cache:
+        _keep_inputs(model, plan, list(gemms), recompute, cache)
+    if pipelined:
+        plan.wgrad_store = WeightGradStore()
+        for m in model.modules():
+            if isinstance(m, (Linear, GroupedLinear)) and m.defer_wgrad:
+                plan.set(m, wgrad_store=plan.wgrad_store)
+    return plan
+
+
+def apply_layer_plan(model: nn.Module, dims: ParallelDims | None = None, **options) -> LayerPlan:
+    """Resolve `model`'s plan (`resolve_layer_plan`'s options) and apply it; returns the plan."""
+    plan = resolve_layer_plan(model, dims, **options)
+    plan.apply(model)
+    return plan
+
+
+def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Module, object]:
+    """{Linear: its FP8 GEMMs} for every FP8-eligible Linear under precision.recipe = "fp8"."""
+    if precision.recipe != "fp8":
+        return {}
+    eligible = [m for m in model.modules() if isinstance(m, (Linear, GroupedLinear)) and m.fp8_eligible]
+    return dict(zip(eligible, fp8_gemms(len(eligible), precision.fp8_scaling, precision.fp8_backend, device)))
+
+
+def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], latent_ring: bool) -> None:
+    """Recomputation (policy, selective items) and FP8 activation caching (`cache` items) at the model's
+    seams (moe_lc/model/seams.py). A SwiGLU's output is kept by neither when "swiglu" is cached in FP8
+    (that copy replaces the selective replay's compute-dtype one). MLA attends through its latent ring
+    under context parallelism (`latent_ring`, parallel/latent_ring.py), "mla_up" keeping the latents."""
+    policy, items = recompute.policy, set(recompute.selective) if recompute.policy == "selective" else set()
+    assert policy in POLICIES and items <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
+    for module in model.modules():
+        if isinstance(module, Block):
+            plan.set(module, replay=partial(checkpointed, owner=module) if policy == "full" else run_now)
+        elif isinstance(module, RMSNorm):
+            plan.set(module, replay=checkpointed if "norm" in items else run_now)
+        elif isinstance(module, Router):
+            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits)
+        elif isinstance(module, (SwiGLU, RoutedExperts)):
+            plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
+                     swiglu_replayed if "swiglu" in items else swiglu_then)
+        elif isinstance(module, (Attention, MLAttention)):
+            mla_up = isinstance(module, MLAttention) and "mla_up" in items  # keeps the latents, no core replay
+            plan.set(module, replay=checkpointed if "attention" in items and not mla_up else run_now)
+            if isinstance(module, MLAttention):
+                plan.set(module, attend=_mla_attend(mla_up, latent_ring))
+            if "attn_out" in cache:
+                plan.set(module, out_proj=attn_out_fp8_cached)
+
+
+def _mla_attend(mla_up: bool, latent_ring: bool):
+    from moe_lc.parallel.latent_ring import latent_attend, latent_attend_mla_up
+
+    if latent_ring:
+        return latent_attend_mla_up if mla_up else latent_attend
+    return mla_up_replayed if mla_up else attend
+
+
+def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: list, recompute: RecomputeConfig,
+                 cache: set[str]) -> None:
+    """FP8 cache item "linear": every FP8 Linear keeps its input for W as its GEMM quantizes it, except where
+    another part keeps that input in the compute dtype anyway (an FP8 copy would only add bytes; such a
+    Linear still holds a deferred W's operands in FP8): attention's wo (the core keeps its output), a down
+    projection whose input is recomputed, the shared experts' up projection while the router's replay
+    keeps their common input."""
+    items = set(recompute.selective) if recompute.policy == "selective" else set()
+    swiglu_rebuilt = "swiglu" in items or "swiglu" in cache
+    elsewhere = set()
+    for module in model.modules():
+        if isinstance(module, (Attention, MLAttention)):
+            elsewhere.add(module.wo)
+        elif isinstance(module, (SwiGLU, RoutedExperts)) and swiglu_rebuilt:
+            elsewhere.add(module.w2)
+        elif isinstance(module, MoE) and module.shared is not None and "router" in items:
+            elsewhere.add(module.shared.w13)
+    for linear in fp8_linears:
+        plan.set(linear, keep_input=HoldFp8ForWgrad() if linear in elsewhere else KeepFp8ForWgrad())
+
