@@ -124,3 +124,40 @@ def test_one_host_sync_per_dispatch_with_fp8_experts():
     assert len(dispatch) == 1, reads  # one call site: the layout's one read per dispatch
     assert not any("moe_lc/ops/" in site for site in reads), reads
     assert sum(n for site, n in reads.items() if "(dispatch)" not in site) <= 8, reads
+
+
+# The 671B 128K recipe's terms at a reduced shape (world 8): MLA at V3's widths on the latent ring over
+# cp 4 (4K tokens per rank, as at 128K), pp 2 DualPipe, FP8 GEMMs and caching, mla_up recompute; 4 blocks
+REDUCED_128K = ["parallel.pp=2", "parallel.dp=1", "parallel.cp=4", "parallel.ep=4", "parallel.ranks_per_node=4",
+                "model.n_layers=4", "model.moe.n_dense_layers=1", "model.moe.n_routed_experts=16",
+                "model.moe.n_groups=4", "model.moe.topk_groups=2", "train.seq_len=16384", "train.global_batch=8"]
+
+
+@pytest.fixture(scope="module")
+def reduced_128k() -> dict:
+    result = dryrun(str(ROOT / "recipes" / "deepseek_v3_671b_128k.toml"), "--ranks", "0",
+                    *[f"--set={s}" for s in REDUCED_128K])
+    return result["ranks"][0]
+
+
+def test_reduced_128k_mla_ring_layout_matches_the_planners_states_saved_bytes_and_traffic(reduced_128k):
+    memory = reduced_128k["comparison"]["memory"]
+    for state in ("params", "grads", "optimizer"):
+        assert memory[state][0] == memory[state][1], state
+    traced, planned = memory["saved activations"]
+    assert traced == pytest.approx(planned, rel=0.02)
+    comm = reduced_128k["comparison"]["comm"]
+    assert all(traced == planned for traced, planned, _ in comm.values()), comm
+    tokens, per_token = 16384 // 4, 512 + 64  # the latent ring: kv_lora_rank + qk_rope_head_dim values per token
+    blocks = tokens * per_token
+    per_call = 3 * blocks * 2 * 2 + 4 * blocks * 4  # (cp-1) blocks each way in bf16, cp fp32 accumulators
+    # DualPipe pp 2: rank 0 runs stage 0 (blocks 0, 1) for the 4 micro-batches of one direction and the last
+    # stage (blocks 2, 3 and the MTP block) for the 4 of the other: 4 x 2 + 4 x 3 attention calls
+    assert comm["comm/cp/send_bytes"][0] == (4 * 2 + 4 * 3) * per_call
+
+
+@pytest.mark.xfail(strict=True, reason="#38: the latent ring's backward working set at 128K (fp32 dq, the "
+                                       "up-projection's FP8 gradient temporaries) is not placed by the planner's walk")
+def test_reduced_128k_peak_within_3_percent_of_the_planner(reduced_128k):
+    traced, planned = reduced_128k["comparison"]["memory"]["peak"]
+    assert traced == pytest.approx(planned, rel=0.03)
