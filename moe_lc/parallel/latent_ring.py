@@ -54,15 +54,24 @@ class LatentBlocks:
         k = torch.cat([k_nope, k_r.unsqueeze(2).expand(B, s, self.n_heads, k_r.shape[-1])], dim=-1)
         return k, v
 
+    ROWS = 1024  # block rows whose [dk_nope | dv] is formed (and FP8-quantized) at once: a multiple of 128,
+    # so FP8 tiles along the tokens stay whole; it bounds the fp32 quantization temporaries (at 128K on cp32
+    # a whole block's would be 3 x 512 MiB)
+
     def grads(self, dk, dv, blocks, weights, cols):
-        """-> ((d c (B,s,Ckv), d k_r (B,s,Dr) fp32), (d W_UKV,)) for the block's key columns."""
+        """-> ((d c (B,s,Ckv), d k_r (B,s,Dr) fp32), (d W_UKV fp32,)) for the block's key columns."""
         c = blocks[0][:, cols]
         B, s, C = c.shape
-        dkv = torch.cat([dk[..., :self.nope_dim], dv], dim=-1).reshape(B * s, -1).to(c.dtype)
-        w = weights[0].to(c.dtype)
-        dc = self.gemms.dgrad(dkv, w).view(B, s, C)
-        dw = self.gemms.wgrad(dkv, c.reshape(-1, C))
-        return (dc, dk[..., self.nope_dim:].float().sum(2)), (dw,)
+        c2, w = c.reshape(B * s, C), weights[0].to(c.dtype)
+        dk2, dv2 = dk.reshape(B * s, self.n_heads, -1), dv.reshape(B * s, self.n_heads, -1)
+        dc, dw = torch.empty_like(c2), None
+        for lo in range(0, B * s, self.ROWS):
+            rows = slice(lo, lo + self.ROWS)
+            dkv = torch.cat([dk2[rows, :, :self.nope_dim], dv2[rows]], dim=-1).flatten(1).to(c.dtype)
+            dc[rows] = self.gemms.dgrad(dkv, w)
+            part = self.gemms.wgrad(dkv, c2[rows]).float()
+            dw = part if dw is None else dw.add_(part)
+        return (dc.view(B, s, C), dk[..., self.nope_dim:].float().sum(2)), (dw,)
 
 
 class LatentRingAttention(nn.Module):
