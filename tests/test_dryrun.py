@@ -156,8 +156,10 @@ def test_reduced_128k_mla_ring_layout_matches_the_planners_states_saved_bytes_an
     assert comm["comm/cp/send_bytes"][0] == (4 * 2 + 4 * 3) * per_call
 
 
-@pytest.mark.xfail(strict=True, reason="#38: the latent ring's backward working set at 128K (fp32 dq, the "
-                                       "up-projection's FP8 gradient temporaries) is not placed by the planner's walk")
+@pytest.mark.xfail(strict=True, reason="at this reduced shape the peak holds the dense FFN weight's FP8 "
+                                       "quantization temporaries (3 fp32 copies of w13's 36,864 x 7,168, 1 GiB each), "
+                                       "which the planner's walk does not place (traced +5.1%); at full size every "
+                                       "role is within 3% (docs/results/dryrun-671b-128k)")
 def test_reduced_128k_peak_within_3_percent_of_the_planner(reduced_128k):
     traced, planned = reduced_128k["comparison"]["memory"]["peak"]
     assert traced == pytest.approx(planned, rel=0.03)
