@@ -75,19 +75,24 @@ class MLAttention(nn.Module):
             q_src = self.wq(x_BSD)
         return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin))
 
+    def up_project_q(self, q_src):
+        """The query up-projection: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora)."""
+        return self.wq_b(self.q_norm(q_src)) if self.q_lora_rank else q_src
+
     def up_project(self, q_src, c_kv):
-        """The up-projections: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora), kv (B, S, H*(Dn+Dv))."""
-        q = self.wq_b(self.q_norm(q_src)) if self.q_lora_rank else q_src
-        return q, self.wkv_b(self.kv_norm(c_kv))
+        """The up-projections: q (B, S, H*(Dn+Dr)) as `up_project_q`, kv (B, S, H*(Dn+Dv))."""
+        return self.up_project_q(q_src), self.wkv_b(self.kv_norm(c_kv))
+
+    def rope_q(self, q, cos, sin):
+        """q (B, S, H*(Dn+Dr)) -> (B, S, H, Dn+Dr) with RoPE on each head's last Dr dims (h: local heads)."""
+        q_nope, q_r = rearrange(q, "b s (h d) -> b s h d", h=self.n_heads).split([self.nope_dim, self.rope_dim], dim=-1)
+        return torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
 
     def rope_qkv(self, q, kv, k_r, cos, sin):
         """q, kv as up_project returns them, roped k_r (B, S, 1, Dr) -> the core's q, k (B, S, H, Dn+Dr), v."""
-        heads = "b s (h d) -> b s h d"  # h: the local heads under TP
-        q_nope, q_r = rearrange(q, heads, h=self.n_heads).split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
-        k_nope, v = rearrange(kv, heads, h=self.n_heads).split([self.nope_dim, self.v_dim], dim=-1)
+        k_nope, v = rearrange(kv, "b s (h d) -> b s h d", h=self.n_heads).split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_r.expand(*k_nope.shape[:3], self.rope_dim)], dim=-1)
-        return q, k, v
+        return self.rope_q(q, cos, sin), k, v
 
     def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
         """-> (B, S, H, Dv)."""

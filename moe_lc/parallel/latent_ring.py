@@ -97,10 +97,8 @@ class LatentRingAttention(nn.Module):
 def _queries_and_latents(mla: MLAttention, q_src, c_kv, k_r, cos, sin):
     """-> roped q (B,S,H,Dn+Dr), normalized latent c (B,S,Ckv), roped shared key k_r (B,S,Dr)."""
     B, S, _ = c_kv.shape
-    q = mla.wq_b(mla.q_norm(q_src)) if mla.q_lora_rank else q_src
-    q_nope, q_r = q.view(B, S, mla.n_heads, -1).split([mla.nope_dim, mla.rope_dim], dim=-1)
-    q = torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
-    return q, mla.kv_norm(c_kv), apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin).view(B, S, mla.rope_dim)
+    k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin).view(B, S, mla.rope_dim)
+    return mla.rope_q(mla.up_project_q(q_src), cos, sin), mla.kv_norm(c_kv), k_r
 
 
 def _ring(q, c, k_r, mla: MLAttention):
