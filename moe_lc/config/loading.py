@@ -14,7 +14,7 @@ import math
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from moe_lc.config.rules import ConfigError, recipe_warnings, validate
 from moe_lc.config.sections import SECTIONS, Config, ModelConfig

@@ -1,0 +1,191 @@
+"""Model sections of a recipe: [model] holds the shape every block shares; its components read their
+own sub-tables: [model.moe] (router and experts), [model.rope] (RoPE / YaRN), [model.mla] (latent
+attention) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
+the field helpers are in `fields.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_lc.config.choices import AttentionKind, AttnBackend, GroupScore, RopeScaling, ScoreFunc
+from moe_lc.config.fields import f, non_negative, positive
+
+# --------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """[model.moe]: shared + fine-grained routed experts, group-limited routing, load balancing."""
+
+    n_dense_layers: int = f(1, "the first n_dense_layers blocks use the dense SwiGLU (model.ffn_dim), the rest MoE")
+    n_routed_experts: int = f(8, "fine-grained routed experts per MoE layer (0 = a dense model)")
+    n_shared_experts: int = f(1, "always-active shared experts per MoE layer")
+    ffn_dim: int = f(128, "hidden width of each routed (and shared) expert")
+    topk: int = f(2, "routed experts per token")
+    n_groups: int = f(4, "expert groups (map to nodes under EP); divides n_routed_experts")
+    topk_groups: int = f(2, "groups a token may use (node-limited routing); <= n_groups")
+    score_func: ScoreFunc = f("sigmoid", "router affinity")
+    group_score: GroupScore = f("top2_sum", "a group's score: the sum of its top-2 affinities (DeepSeek-V3) or its best one (V2)")
+    norm_topk_prob: bool = f(True, "renormalize the top-k affinities to sum to 1 (DeepSeek-V3; V2 does not)")
+    routed_scaling_factor: float = f(1.0, "gate weights are the (normalized) top-k affinities times this")
+    bias_update_speed: float = f(1e-3, "aux-loss-free balancing: bias step per optimizer step (0 = off)")
+    aux_loss_weight: float = f(0.0, "weight of the sequence-wise balance loss (0 = off)")
+    weighted_swiglu: bool = f(False, "gate weights multiply each expert's SwiGLU output before its down projection "
+                                     "(the same function; combine then only sums and saves no expert outputs)")
+
+    def errors(self, n_layers: int) -> list[str]:
+        e, p = [], "model.moe"
+        if not 0 <= self.n_dense_layers <= n_layers:
+            e.append(f"{p}.n_dense_layers={self.n_dense_layers} must lie in [0, model.n_layers={n_layers}]")
+        non_negative(e, f"{p}.n_routed_experts", self.n_routed_experts)
+        non_negative(e, f"{p}.n_shared_experts", self.n_shared_experts)
+        non_negative(e, f"{p}.bias_update_speed", self.bias_update_speed)
+        non_negative(e, f"{p}.aux_loss_weight", self.aux_loss_weight)
+        positive(e, f"{p}.routed_scaling_factor", self.routed_scaling_factor)
+        if self.n_routed_experts <= 0 or self.n_dense_layers >= n_layers:
+            return e
+        positive(e, f"{p}.ffn_dim", self.ffn_dim)
+        E = self.n_routed_experts
+        if not 1 <= self.topk <= E:
+            e.append(f"{p}.topk={self.topk} must lie in [1, n_routed_experts={E}]")
+        if self.n_groups < 1 or E % self.n_groups:
+            e.append(f"{p}.n_groups={self.n_groups} must divide {p}.n_routed_experts={E}")
+        elif not 1 <= self.topk_groups <= self.n_groups:
+            e.append(f"{p}.topk_groups={self.topk_groups} must lie in [1, n_groups={self.n_groups}]")
+        elif self.topk > self.topk_groups * (E // self.n_groups):
+            e.append(f"{p}.topk={self.topk} exceeds the experts in topk_groups={self.topk_groups} groups of "
+                     f"{E // self.n_groups}")
+        elif self.n_groups > 1 and E // self.n_groups < 2 and self.group_score == "top2_sum":
+            e.append(f"{p}.n_groups={self.n_groups}: each group needs >= 2 experts (group score = top-2 sum)")
+        return e
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """[model.rope]: rotary position embedding and its YaRN extension."""
+
+    theta: float = f(10000.0, "RoPE base b (theta_i = b^(-2i/d))")
+    scaling: RopeScaling = f("none", "long-context extension of the frequencies")
+    factor: float = f(1.0, "YaRN scale factor s (e.g. 32 for 4K -> 128K)")
+    original_seq_len: int = f(4096, "YaRN: context length L the model was pre-trained at")
+    beta_fast: float = f(32.0, "YaRN: dims with more than beta_fast rotations in L keep theta_i")
+    beta_slow: float = f(1.0, "YaRN: dims with fewer than beta_slow rotations in L use theta_i/s")
+    truncate: bool = f(True, "YaRN: round the correction range to whole dims (floor / ceil), as the official code")
+    mscale: float = f(1.0, "YaRN: cos/sin factor m(s, mscale) / m(s, mscale_all_dim), m(s, x) = 0.1 x ln(s) + 1")
+    mscale_all_dim: float = f(0.0, "YaRN: 0 = cos/sin factor m(s, 1); MLA multiplies its softmax scale by m(s, this)^2")
+
+    def errors(self) -> list[str]:
+        e = []
+        positive(e, "model.rope.theta", self.theta)
+        if self.scaling == "yarn":
+            if self.factor < 1:
+                e.append(f"model.rope.factor={self.factor} must be >= 1 with rope.scaling = 'yarn'")
+            if not self.beta_fast > self.beta_slow:
+                e.append(f"model.rope.beta_fast={self.beta_fast} must exceed rope.beta_slow={self.beta_slow}")
+            positive(e, "model.rope.original_seq_len", self.original_seq_len)
+        return e
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """[model.mla]: multi-head latent attention (DeepSeek-V2/V3), read when model.attention = 'mla'."""
+
+    q_lora_rank: int = f(0, "query latent rank (0 = project queries straight from x)")
+    kv_lora_rank: int = f(0, "key/value latent rank")
+    qk_nope_head_dim: int = f(0, "per-head query/key dims without RoPE")
+    qk_rope_head_dim: int = f(0, "decoupled RoPE dims (one rotated key shared by all heads)")
+    v_head_dim: int = f(0, "per-head value dim")
+
+    def errors(self) -> list[str]:
+        e = []
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            positive(e, f"model.mla.{name}", getattr(self, name))
+        non_negative(e, "model.mla.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            e.append(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        return e
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """[model.mtp]: multi-token prediction (DeepSeek-V3)."""
+
+    depth: int = f(0, "prediction modules (0 = off); module d predicts token t+1+d")
+    loss_weight: float = f(0.3, "weight lambda of the MTP loss: lambda / depth * sum of module losses")
+
+    def errors(self) -> list[str]:
+        e = []
+        non_negative(e, "model.mtp.depth", self.depth)
+        non_negative(e, "model.mtp.loss_weight", self.loss_weight)
+        return e
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """[model]: shape of the decoder-only MoE transformer (DeepSeek-style)."""
+
+    vocab_size: int = f(512, "embedding rows; >= the tokenizer's vocabulary (padded for TP)")
+    dim: int = f(128, "model width (hidden size)")
+    n_layers: int = f(4, "transformer blocks")
+    n_heads: int = f(4, "query heads")
+    n_kv_heads: int = f(2, "key/value heads (grouped-query attention); divides n_heads")
+    head_dim: int = f(0, "per-head width; 0 means dim // n_heads")
+    ffn_dim: int = f(512, "hidden width of the dense SwiGLU FFN (the first moe.n_dense_layers blocks)")
+    norm_eps: float = f(1e-6, "RMSNorm epsilon")
+    init_std: float = f(0.02, "std of the normal init of weights (output projections scaled by depth)")
+    attention: AttentionKind = f("gqa", "grouped-query, or multi-head latent attention ([model.mla])")
+    attn_backend: AttnBackend = f("auto", "attention kernel; auto = the fastest usable on the device")
+    qkv_bias: bool = f(False, "biases on the q, k, v projections (Qwen2); GQA only")
+    moe: MoEConfig = f(MoEConfig(), "[model.moe]")
+    rope: RopeConfig = f(RopeConfig(), "[model.rope]")
+    mla: MLAConfig = f(MLAConfig(), "[model.mla]")
+    mtp: MTPConfig = f(MTPConfig(), "[model.mtp]")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or (self.dim // self.n_heads if self.n_heads > 0 else 0)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head (MLA: nope + rope dims)."""
+        return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dims per head (MLA rotates only its decoupled part)."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def has_moe(self) -> bool:
+        return self.moe.n_routed_experts > 0 and self.moe.n_dense_layers < self.n_layers
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe.n_routed_experts > 0 and layer_id >= self.moe.n_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(self.n_layers - self.moe.n_dense_layers, 0) if self.moe.n_routed_experts else 0
+
+    def errors(self) -> list[str]:
+        e = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "init_std"):
+            positive(e, f"model.{name}", getattr(self, name))
+        if self.attention == "mla":
+            e += self.mla.errors()
+            if self.qkv_bias:
+                e.append("model.qkv_bias = true needs model.attention = 'gqa' (MLA has no q/k/v projections)")
+        elif self.n_heads > 0 and self.n_kv_heads > 0 and self.dim > 0:
+            if self.n_heads % self.n_kv_heads:
+                e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+            if self.head_dim < 0:
+                e.append(f"model.head_dim={self.head_dim} must be >= 0 (0 = dim // n_heads)")
+            elif self.head_dim == 0 and self.dim % self.n_heads:
+                e.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim} when head_dim = 0")
+            elif self.head_size % 2:
+                e.append(f"model head size {self.head_size} must be even for RoPE")
+        return e + self.moe.errors(self.n_layers) + self.rope.errors() + self.mtp.errors()
