@@ -122,13 +122,14 @@ class Trainer:
         return cfg.train.microbatches(dp)
 
     def train_step(self) -> StepResult:
-        t, m = self.cfg.train, self.cfg.model
+        t, m, d = self.cfg.train, self.cfg.model, self.cfg.data
         micro = self.loader.next_step()
         n_tokens = step_token_count(micro, t.global_batch * t.seq_len, self.dims, self.device)
         batches = []
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
-            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, m.mtp.depth))
+            batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, m.mtp.depth,
+                                         mb.get("documents"), d.document_mask, d.document_positions))
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")

@@ -107,7 +107,7 @@ def forward_backward(model, runtime: PipelineRuntime | None, batches: list[dict]
     loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0]["inputs"].device)
     for batch in batches:
         loss = model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                     loss_mask=batch["loss_mask"], mtp=batch["mtp"], stats=stats)
+                     loss_mask=batch["loss_mask"], mtp=batch["mtp"], stats=stats, docs=batch.get("docs"))
         (loss * scale).backward()
         loss_sum += loss.detach().double() * (scale * n_tokens)
     return loss_sum, stats

@@ -18,21 +18,25 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.seams import project_now, run_now
 from moe_lc.ops.attention import attention, get_backend
+from moe_lc.ops.documents import Documents
 from moe_lc.ops.linear import Linear
 
 
 class LocalAttention(nn.Module):
-    """Causal attention on one device: (q (B,S,H,Dqk), k, v (B,S,K,Dv)) -> (B,S,H,Dv)."""
+    """Causal attention on one device: (q (B,S,H,Dqk), k, v (B,S,K,Dv)) -> (B,S,H,Dv); with `docs`
+    (moe_lc/ops/documents.py) it stays inside each packed document."""
 
     def __init__(self, backend: str = "auto"):
         super().__init__()
         self.backend_name = backend
         self._backend = None
 
-    def forward(self, q, k, v, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, scale: float, docs: Documents | None = None) -> torch.Tensor:
         if self._backend is None:  # resolved on first use: the device is known then
             self._backend = get_backend(self.backend_name, q.device)
-        return attention(q, k, v, causal=True, scale=scale, backend=self._backend)
+        whole = ((0, q.shape[1]),)
+        pieces = docs.plan_call(whole, [whole])[0] if docs is not None else None
+        return attention(q, k, v, causal=True, scale=scale, backend=self._backend, pieces=pieces)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}"
@@ -51,13 +55,16 @@ class Attention(nn.Module):
         self.replay = run_now
         self.out_proj = project_now
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Documents | None = None) -> torch.Tensor:
+        """docs: the micro-batch's packed documents when attention stays inside each (else None)."""
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
-        return self.out_proj(self.wo, lambda: self.replay(self._rope_and_core, qkv, cos, sin))
+        return self.out_proj(self.wo, lambda: self.replay(self._rope_and_core, qkv, cos, sin, docs))
 
-    def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       docs: Documents | None = None) -> torch.Tensor:
         """qkv (B, S, (H + 2K) * Dh) -> attention output (B, S, H, Dh)."""
         dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in qkv.split([dq, dkv, dkv], dim=-1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.core(q, k, v, self.softmax_scale)
+        return self.core(q, k, v, self.softmax_scale, docs)

@@ -32,22 +32,23 @@ class Block(nn.Module):
         self.replay = run_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                stats: ForwardStats | None = None) -> torch.Tensor:
-        return self.replay(lambda x: run_phases(self._phases(cos, sin, stats), x), x_BSD)
+                stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
+        return self.replay(lambda x: run_phases(self._phases(cos, sin, stats, docs), x), x_BSD)
 
-    def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None) -> list:
+    def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
         recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
-        `ForwardStats`, where an MoE block records its aux loss."""
+        `ForwardStats`, where an MoE block records its aux loss. `docs`: the micro-batch's packed
+        documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
         return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
-                for fn in self._phases(cos, sin, stats)]
+                for fn in self._phases(cos, sin, stats, docs)]
 
-    def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None) -> list:
+    def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
 
         def attention(h):
-            return (h + self.attn(self.attn_norm(h), cos, sin),)
+            return (h + self.attn(self.attn_norm(h), cos, sin, docs),)
 
         def ffn(h):
             return (h + self.ffn(self.ffn_norm(h)),)

@@ -66,14 +66,16 @@ class MLAttention(nn.Module):
         self.attend = attend
         self.out_proj = project_now
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+        """docs: the micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside
+        each, else None."""
         a = self.gather(self.wa(x_BSD))
         if self.q_lora_rank:
             q_src, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
         else:
             c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_src = self.wq(x_BSD)
-        return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin))
+        return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin, docs))
 
     def up_project_q(self, q_src):
         """The query up-projection: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora)."""
@@ -94,15 +96,15 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_r.expand(*k_nope.shape[:3], self.rope_dim)], dim=-1)
         return self.rope_q(q, cos, sin), k, v
 
-    def _rope_and_core(self, q, kv, k_r, cos, sin) -> torch.Tensor:
+    def _rope_and_core(self, q, kv, k_r, cos, sin, docs=None) -> torch.Tensor:
         """-> (B, S, H, Dv)."""
-        return self.core(*self.rope_qkv(q, kv, k_r, cos, sin), self.softmax_scale)
+        return self.core(*self.rope_qkv(q, kv, k_r, cos, sin), self.softmax_scale, docs)
 
 
-def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tensor:
+def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
     """The default `attend` seam: up-projections, the shared key's RoPE, then (through `replay`) the
     queries' RoPE and the core -> (B, S, H, Dv)."""
     B, S, _ = c_kv.shape
     q, kv = mla.up_project(q_src, c_kv)
     k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin)  # one rotated key for every head
-    return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin)
+    return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin, docs)

@@ -54,18 +54,18 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, layer_id)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, h_BSD, emb_BSD, cos, sin, stats: ForwardStats | None = None):
+    def forward(self, h_BSD, emb_BSD, cos, sin, stats: ForwardStats | None = None, docs=None):
         x = self.eh_proj(torch.cat([self.hnorm(h_BSD), self.enorm(emb_BSD)], dim=-1))
-        return self.block(x, cos, sin, stats)
+        return self.block(x, cos, sin, stats, docs)
 
 
 def mtp_loss(modules: nn.ModuleList, embed, head, loss_fn, h_BSD, targets: dict, cos, sin,
-             stats: ForwardStats | None = None) -> list[torch.Tensor]:
+             stats: ForwardStats | None = None, docs=None) -> list[torch.Tensor]:
     """Summed CE of each depth (a list of D fp32 scalars); `embed`/`head`/`loss_fn` are the main
-    model's shared modules; `stats` as `Transformer.forward`'s."""
+    model's shared modules; `stats`, `docs` as `Transformer.forward`'s."""
     losses = []
     for d, module in enumerate(modules):
-        h_BSD = module(h_BSD, embed(targets["inputs"][:, d]), cos, sin, stats)
+        h_BSD = module(h_BSD, embed(targets["inputs"][:, d]), cos, sin, stats, docs)
         logits = head(module.norm(h_BSD))
         losses.append(loss_fn(logits, targets["labels"][:, d], targets["mask"][:, d]))
     return losses

@@ -84,14 +84,14 @@ def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | N
     return recompute_from((gate_up, weight), (h,), lambda g, w: (swiglu(g, w),), down, *args)
 
 
-def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tensor:
+def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
     """The MLA `attend` seam under selective "mla_up" (DeepSeek-V3 3.2.2: recompute RMSNorm and the MLA
     up-projections in backward): only the latents (c_q or q, c_kv, k_r) stay for backward; the
     latent norms, up-projections and RoPE are checkpointed, and the core's saved q, k, v are rebuilt
     from the latents when its backward needs them. The core's output and LSE are kept (its forward is
     not repeated); the up-projections run twice in backward (once per consumer)."""
     if not torch.is_grad_enabled():
-        return attend(mla, q_src, c_kv, k_r, cos, sin)
+        return attend(mla, q_src, c_kv, k_r, cos, sin, docs)
 
     def qkv(q_src, c_kv, k_r):
         B, S, _ = c_kv.shape
@@ -99,7 +99,7 @@ def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> torch.Tenso
         return mla.rope_qkv(q, kv, apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
 
     q, k, v = checkpoint(qkv, q_src, c_kv, k_r, use_reentrant=False)
-    return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale)
+    return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale, docs)
 
 
 def fp32_logits_replayed(gate, x_TD: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(*self.args).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        """positions (S,) or (B, S) (per row under `data.document_positions`) -> cos, sin (..., rot_dim / 2)."""
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
@@ -102,7 +103,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., j], x[..., j + d/2]).  x: (B, S, H, d); cos, sin: (S, d/2). Same dtype out."""
+    """Rotate pairs (x[..., j], x[..., j + d/2]).  x: (B, S, H, d); cos, sin: (S, d/2), or (B, S, d/2)
+    when each row has its own positions. Same dtype out."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None, :], sin[:, :, None, :])
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).to(x.dtype)

@@ -85,37 +85,39 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                mtp: dict | None = None, stats: ForwardStats | None = None) -> torch.Tensor:
+                mtp: dict | None = None, stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
         """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
-        shards under CP pass theirs). mtp: `mtp.mtp_targets` for multi-token prediction. stats: the
-        step's `ForwardStats`, which this forward adds its MTP losses and MoE aux losses to. Returns
+        shards under CP pass theirs), or (B, S) when each row has its own (positions restarting at
+        each packed document). mtp: `mtp.mtp_targets` for multi-token prediction. stats: the
+        step's `ForwardStats`, which this forward adds its MTP losses and MoE aux losses to. docs:
+        the packed documents attention stays inside (moe_lc/ops/documents.py), or None. Returns
         hidden (B, S', D) without `head`, else logits (B, S, V) when labels is None, else the fp32
         loss summed over valid tokens (plus the weighted MTP losses when mtp is given)."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats), inputs)
+        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats, docs), inputs)
 
     def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None,
-               stats: ForwardStats | None = None) -> list:
+               stats: ForwardStats | None = None, docs=None) -> list:
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
         chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if self.embed is not None else []
         for block in self.layers.values():
-            chain += block.phases(cos, sin, stats)
+            chain += block.phases(cos, sin, stats, docs)
         if self.head is not None:
-            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats),), "head"))
+            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs),), "head"))
         return chain
 
-    def _output(self, h, labels, loss_mask, mtp, cos, sin, stats):
+    def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs):
         logits = self.head(self.norm(h))
         if labels is None:
             return logits
         loss = self.loss_fn(logits, labels, loss_mask)
         if self.mtp is not None and mtp is not None:
             embed = self.embed if self.embed is not None else self.mtp_embed
-            losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin, stats)
+            losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin, stats, docs)
             if stats is not None:
                 stats.add_mtp_losses(losses)
             loss = loss + self.mtp_loss_weight / len(losses) * sum(losses)

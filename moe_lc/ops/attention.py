@@ -141,13 +141,18 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Atten
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """out, lse = backend.forward(...); backward calls backend.backward with the saved (q, k, v, out, lse)."""
+    """out, lse = backend.forward(...); backward calls backend.backward with the saved (q, k, v, out, lse).
+    With `pieces` (packed documents): backend.forward_pieces / backward_pieces instead, causal unused."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, backend: AttentionBackend):
-        out, lse = backend.forward(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal: bool, scale: float, backend: AttentionBackend, pieces=None):
+        if pieces is None:
+            out, lse = backend.forward(q, k, v, causal, scale)
+        else:
+            out, lse = backend.forward_pieces(q, k, v, pieces, scale)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.backend, ctx.pieces = causal, scale, backend, pieces
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -155,23 +160,29 @@ class _AttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        if ctx.pieces is None:
+            dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        else:
+            grads = ctx.backend.backward_pieces(dout, q, k, v, out, lse, ctx.pieces, ctx.scale)
+            dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        return dq, dk, dv, None, None, None, None
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-                       backend: AttentionBackend | str = "auto") -> tuple[Tensor, Tensor]:
+                       backend: AttentionBackend | str = "auto", pieces=None) -> tuple[Tensor, Tensor]:
     """Differentiable in q, k, v through `out`; lse (B, H, Q) float32 carries no gradient.
 
     scale defaults to 1/sqrt(D_qk). backend: a name (resolved for q's device) or a backend object.
+    pieces: attend only inside these rectangles (`Documents.pieces`, moe_lc/ops/documents.py; packed
+    documents), instead of the causal / full mask.
     """
     if isinstance(backend, str):
         backend = get_backend(backend, q.device)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    return _AttentionFunction.apply(q, k, v, causal, scale, backend)
+    return _AttentionFunction.apply(q, k, v, causal, scale, backend, pieces)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-              backend: AttentionBackend | str = "auto") -> Tensor:
+              backend: AttentionBackend | str = "auto", pieces=None) -> Tensor:
     """softmax(scale * q k^T [causal mask]) v per head: (B, Q, H, D_qk) x ... -> (B, Q, H, D_v)."""
-    return attention_with_lse(q, k, v, causal, scale, backend)[0]
+    return attention_with_lse(q, k, v, causal, scale, backend, pieces)[0]

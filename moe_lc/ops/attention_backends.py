@@ -80,6 +80,101 @@ class AttentionBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
+    # Packed documents (moe_lc/ops/documents.py): attention over `Piece`s only. A backend with a varlen
+    # kernel defines `varlen_forward` / `varlen_backward` (packed (T, H, D) tensors, int32 cu_seqlens,
+    # lse (H, T_q)) and `varlen_ok(q, v)`; the rest run one call per piece. Either way the parts are
+    # merged by LSE, so a query row may be reached by several pieces (a document over two key chunks).
+    varlen_forward = varlen_backward = None
+
+    def varlen_ok(self, q: Tensor, v: Tensor) -> bool:
+        return self.varlen_forward is not None
+
+    def forward_pieces(self, q: Tensor, k: Tensor, v: Tensor, pieces, scale: float) -> tuple[Tensor, Tensor]:
+        """-> out (B, Q, H, D_v), lse (B, H, Q), both float32 (float64 for float64 inputs), over the pieces'
+        rectangles only; a row no piece reaches is (0, -inf)."""
+        B, Q, H = q.shape[:3]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = q.new_zeros((B * Q, H, v.shape[-1]), dtype=acc)
+        lse = q.new_full((B * Q, H), float("-inf"), dtype=acc)
+        if self.varlen_ok(q, v):
+            for wave in piece_waves(pieces):
+                q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = pack_pieces(wave, Q, k.shape[1], q.device)
+                part_out, part_lse = self.varlen_forward(q.flatten(0, 1)[q_idx], k.flatten(0, 1)[k_idx],
+                                                         v.flatten(0, 1)[k_idx], cu_q, cu_k, max_q, max_k, causal, scale)
+                merge_rows_(out, lse, q_idx, part_out, part_lse.t())
+        else:
+            for p in pieces:
+                part_out, part_lse = self.forward(q[p.row:p.row + 1, p.q], k[p.row:p.row + 1, p.k],
+                                                  v[p.row:p.row + 1, p.k], p.causal, scale)
+                rows = torch.arange(p.q.start, p.q.stop, device=q.device) + p.row * Q
+                merge_rows_(out, lse, rows, part_out[0], part_lse[0].t())
+        return out.view(B, Q, H, -1), lse.view(B, Q, H).permute(0, 2, 1).contiguous()
+
+    def backward_pieces(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pieces,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of forward_pieces given the merged (out, lse) -> (dq, dk, dv) float32 (float64 for float64
+        inputs), shapes of q, k, v."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+        if self.varlen_ok(q, v):
+            B, Q, H = q.shape[:3]
+            lse_rows = lse.permute(0, 2, 1).reshape(B * Q, H)
+            for wave in piece_waves(pieces):
+                q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = pack_pieces(wave, Q, k.shape[1], q.device)
+                rows = [t.flatten(0, 1)[q_idx] for t in (dout, q, out)]
+                cols = [t.flatten(0, 1)[k_idx] for t in (k, v)]
+                dq_p, dk_p, dv_p = self.varlen_backward(rows[0], rows[1], *cols, rows[2], lse_rows[q_idx].t().contiguous(),
+                                                        cu_q, cu_k, max_q, max_k, causal, scale)
+                dq.view(-1, *q.shape[2:]).index_add_(0, q_idx, dq_p.to(acc))
+                dk.view(-1, *k.shape[2:]).index_add_(0, k_idx, dk_p.to(acc))
+                dv.view(-1, *v.shape[2:]).index_add_(0, k_idx, dv_p.to(acc))
+            return dq, dk, dv
+        for p in pieces:
+            at_q, at_k = (slice(p.row, p.row + 1), p.q), (slice(p.row, p.row + 1), p.k)
+            dq_p, dk_p, dv_p = self.backward(dout[at_q], q[at_q], k[at_k], v[at_k], out[at_q],
+                                             lse[p.row:p.row + 1, :, p.q].contiguous(), p.causal, scale)
+            dq[at_q] += dq_p.to(acc)
+            dk[at_k] += dk_p.to(acc)
+            dv[at_k] += dv_p.to(acc)
+        return dq, dk, dv
+
+
+def piece_waves(pieces) -> list[list]:
+    """Pieces grouped for varlen calls: one causal flag per group and no query row twice in one (the
+    rows two pieces share, a document seen over two key chunks, always start at the same row)."""
+    waves: dict[tuple, list] = {}
+    seen: dict[tuple, int] = {}
+    for p in pieces:
+        key = (p.row, p.q.start, p.causal)
+        n = seen[key] = seen.get(key, -1) + 1
+        waves.setdefault((p.causal, n), []).append(p)
+    return list(waves.values())
+
+
+def pack_pieces(pieces, Q: int, K: int, device) -> tuple:
+    """Flat row indices into (B*Q) queries and (B*K) keys, int32 cu_seqlens, max lengths and the causal
+    flag of one wave of pieces: what a varlen kernel takes."""
+    q_idx = torch.cat([torch.arange(p.q.start, p.q.stop) + p.row * Q for p in pieces])
+    k_idx = torch.cat([torch.arange(p.k.start, p.k.stop) + p.row * K for p in pieces])
+    n_q = [p.q.stop - p.q.start for p in pieces]
+    n_k = [p.k.stop - p.k.start for p in pieces]
+    cu_q = torch.tensor([0] + n_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + n_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return (q_idx.to(device), k_idx.to(device), cu_q.to(device), cu_k.to(device), max(n_q), max(n_k),
+            pieces[0].causal)
+
+
+def merge_rows_(out_TH: Tensor, lse_TH: Tensor, rows: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """Online softmax in fp32 over flat rows: fold part (n, H, D_v), part_lse (n, H) into out (T, H, D_v),
+    lse (T, H) at the distinct row indices `rows` (n,). Rows neither side reached stay (0, -inf)."""
+    part_out, part_lse = part_out.to(out_TH.dtype), part_lse.to(lse_TH.dtype)
+    acc_lse = lse_TH[rows]
+    new_lse = torch.logaddexp(acc_lse, part_lse)
+    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # exp(-inf - -inf) would be nan
+    merged = out_TH[rows] * torch.exp(acc_lse - base).unsqueeze(-1) + part_out * torch.exp(part_lse - base).unsqueeze(-1)
+    out_TH[rows] = merged
+    lse_TH[rows] = new_lse
+
 
 # --------------------------------------------------------------------------- reference
 

@@ -9,6 +9,7 @@ import functools
 import re
 
 import torch
+from torch import Tensor
 
 from moe_lc.ops.device import gpu_capability
 from moe_lc.ops.attention_backends import (CUDA_FLASH_DTYPES, CUDA_FLASH_MAX_HEAD_DIM, REFERENCE, AttentionBackend,
@@ -86,6 +87,33 @@ class FlashAttnBackend(AttentionBackend):
             **self._window_kwargs())
         return unpad_grads(dq, dk, dv, q, v)
 
+    # Packed documents: `_flash_attn_varlen_forward/backward` (same flash_attn_interface.py, same versions:
+    # the dense calls' arguments plus cu_seqlens_q/k (int32, B+1) and max_seqlen_q/k; q (T_q, H, D),
+    # k, v (T_k, J, D); softmax_lse (H, T_q)). causal is bottom-right aligned per sequence, which is
+    # top-left for the square causal pieces we give it.
+
+    def varlen_ok(self, q: Tensor, v: Tensor) -> bool:
+        return q.is_cuda and fallback_reason(q, v, CUDA_FLASH_DTYPES) is None
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        head_dim = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        q_, k_, v_ = (unit_last_stride(pad_head_dim(x, head_dim)) for x in (q, k, v))
+        outputs = self._fa._flash_attn_varlen_forward(
+            q_, k_, v_, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
+            alibi_slopes=None, return_softmax=False, **self._window_kwargs())
+        out_padded, lse_HT = (outputs[0], outputs[1]) if self._new_api else (outputs[4], outputs[5])
+        return unpad_out(out_padded, v.shape[-1]), lse_HT
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        head_dim = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        q_, k_, v_, dout_, out_ = (unit_last_stride(pad_head_dim(x, head_dim)) for x in (q, k, v, dout, out))
+        dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+        self._fa._flash_attn_varlen_backward(
+            dout_, q_, k_, v_, out_, lse.float().contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None, **self._window_kwargs())
+        return unpad_grads(dq, dk, dv, q, v)
+
 
 # --------------------------------------------------------------------------- flash-attn-4 (CuTe DSL)
 
@@ -159,4 +187,27 @@ class FlashAttn4Backend(AttentionBackend):
         v_, out_, dout_ = (pad_head_dim(x, d_v) for x in (v, out, dout))
         dq, dk, dv = self._fa._flash_attn_bwd(q_, k_, v_, out_, dout_, lse.float().contiguous(),
                                               softmax_scale=scale, causal=causal)[:3]
+        return trim_head_dim(dq, q.shape[-1]), trim_head_dim(dk, q.shape[-1]), trim_head_dim(dv, v.shape[-1])
+
+    # Packed documents: the same entry points with cu_seqlens_q/k (int32) and max_seqlen_q/k; q (T_q, H, D),
+    # k, v (T_k, J, D); lse (H, T_q) (interface.py, `lse_shape` for varlen without qv).
+
+    def varlen_ok(self, q: Tensor, v: Tensor) -> bool:
+        return self._reason(q, v) is None
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        d_qk, d_v = round_up(q.shape[-1], 8), round_up(v.shape[-1], 8)
+        q_, k_ = (pad_head_dim(x, d_qk) for x in (q, k))
+        out, lse_HT = self._fa._flash_attn_fwd(q_, k_, pad_head_dim(v, d_v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                               max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale,
+                                               causal=causal, return_lse=True)[:2]
+        return unpad_out(out, v.shape[-1]), lse_HT
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        d_qk, d_v = round_up(q.shape[-1], 8), round_up(v.shape[-1], 8)
+        q_, k_ = (pad_head_dim(x, d_qk) for x in (q, k))
+        v_, out_, dout_ = (pad_head_dim(x, d_v) for x in (v, out, dout))
+        dq, dk, dv = self._fa._flash_attn_bwd(q_, k_, v_, out_, dout_, lse.float().contiguous(), softmax_scale=scale,
+                                              causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max_q, max_seqlen_k=max_k)[:3]
         return trim_head_dim(dq, q.shape[-1]), trim_head_dim(dk, q.shape[-1]), trim_head_dim(dv, v.shape[-1])

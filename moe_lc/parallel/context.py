@@ -34,7 +34,7 @@ c_kv and shared RoPE key, up-projected on arrival (latent_ring.py), then |K|+|V|
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -193,11 +193,13 @@ class _InFlight:
 
 
 def _merge_(out_BSHD: Tensor, lse_BHS: Tensor, part_out: Tensor, part_lse: Tensor, rows: slice) -> None:
-    """Online softmax in fp32: fold a partial (out, lse) over some keys into the accumulators."""
+    """Online softmax in fp32: fold a partial (out, lse) over some keys into the accumulators. Rows that
+    neither has reached (lse -inf on both sides: packed documents) stay (0, -inf)."""
     acc_out, acc_lse = out_BSHD[:, rows], lse_BHS[:, :, rows]
     new_lse = torch.logaddexp(acc_lse, part_lse)
-    old_w = torch.exp(acc_lse - new_lse).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    new_w = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # exp(-inf - -inf) would be nan
+    old_w = torch.exp(acc_lse - base).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    new_w = torch.exp(part_lse - base).transpose(1, 2).unsqueeze(-1)
     acc_out.mul_(old_w).add_(part_out.float() * new_w)
     acc_lse.copy_(new_lse)
 
@@ -216,11 +218,56 @@ class KVBlocks:
         return (dk, dv), ()
 
 
+@dataclass(frozen=True)
+class StepCall:
+    """What one ring step computes: local query `rows` against the visiting block's key columns `cols`,
+    either as one call (`causal` mask or none) or, for packed documents, as `pieces` (their key
+    columns relative to `cols`)."""
+
+    rows: slice
+    cols: slice
+    causal: bool = False
+    pieces: tuple | None = None
+
+    def forward(self, backend: AttentionBackend, q, k_b, v_b, scale):
+        if self.pieces is None:
+            return backend.forward(q[:, self.rows], k_b, v_b, self.causal, scale)
+        return backend.forward_pieces(q, k_b, v_b, self.pieces, scale)
+
+    def backward(self, backend: AttentionBackend, dout, q, k_b, v_b, out, lse, scale):
+        if self.pieces is None:
+            r = self.rows
+            return backend.backward(dout[:, r], q[:, r], k_b, v_b, out[:, r], lse[:, :, r].contiguous(), self.causal, scale)
+        return backend.backward_pieces(dout, q, k_b, v_b, out, lse, self.pieces, scale)
+
+
+def step_calls(rank: int, cp: int, chunk: int, layout: str = "zigzag", docs=None) -> list[StepCall | None]:
+    """Per ring step, what `rank` computes (None: nothing, the block only passes through). Without
+    documents: the rectangle `ring_schedule` plans. With `docs` (moe_lc/ops/documents.py): the pieces
+    where this rank's chunks and the visiting ones share a document; a step with none is skipped."""
+    if docs is None:
+        return [None if b is None else StepCall(b.q_slice(chunk), b.kv_slice(chunk), b.causal)
+                for b in ring_schedule(rank, cp, layout)]
+
+    def ranges(r):
+        return tuple((c * chunk, (c + 1) * chunk) for c in chunk_ids(r, cp, layout))
+
+    calls = []
+    for pieces in docs.plan_call(ranges(rank), [ranges((rank - s) % cp) for s in range(cp)]):
+        if not pieces:
+            calls.append(None)
+            continue
+        lo, hi = min(p.k.start for p in pieces), max(p.k.stop for p in pieces)
+        shifted = tuple(replace(p, k=slice(p.k.start - lo, p.k.stop - lo)) for p in pieces)
+        calls.append(StepCall(slice(None), slice(lo, hi), pieces=shifted))
+    return calls
+
+
 class RingAttentionFunction(torch.autograd.Function):
     """(q (B,S,H,D_qk), *blocks, *weights) -> out (B,S,H,D_v) in q.dtype, lse (B,H,S) fp32, causal over
-    the full sequence; q, the blocks, out and lse zig-zag sharded over cp. `codec` says what the blocks
-    are: K/V themselves (`KVBlocks`), or MLA's latents up-projected with `weights` on arrival
-    (moe_lc/parallel/latent_ring.py).
+    the full sequence (and inside each packed document with `docs`); q, the blocks, out and lse zig-zag
+    sharded over cp. `codec` says what the blocks are: K/V themselves (`KVBlocks`), or MLA's latents
+    up-projected with `weights` on arrival (moe_lc/parallel/latent_ring.py).
 
     Forward: cp steps; at each, post the shift of the current blocks, compute the planned part with
     backend.forward and merge it, then wait for the next blocks. Backward: the same ring for the
@@ -229,24 +276,22 @@ class RingAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, scale: float, ring, backend: AttentionBackend, layout: str, codec, *tensors):
-        schedule = ring_schedule(ring.rank, ring.size, layout)
-        chunk = q.shape[1] // 2
+    def forward(ctx, q, scale: float, ring, backend: AttentionBackend, layout: str, codec, docs, *tensors):
+        schedule = step_calls(ring.rank, ring.size, q.shape[1] // 2, layout, docs)
         own = [t.contiguous() for t in tensors[:codec.n_blocks]]
         weights = tensors[codec.n_blocks:]
         out = lse = None
         blocks = own
-        for step, block in enumerate(schedule):
+        for step, call in enumerate(schedule):
             last = step == ring.size - 1
             in_flight = None if last else ring.shift(blocks)
-            if block is not None:
-                rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
-                k_b, v_b = codec.expand(blocks, weights, cols)
+            if call is not None:
+                k_b, v_b = codec.expand(blocks, weights, call.cols)
                 if out is None:
                     out = q.new_zeros((*q.shape[:3], v_b.shape[-1]), dtype=torch.float32)
                     lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
-                part_out, part_lse = backend.forward(q[:, rows], k_b, v_b, block.causal, scale)
-                _merge_(out, lse, part_out, part_lse, rows)
+                part_out, part_lse = call.forward(backend, q, k_b, v_b, scale)
+                _merge_(out, lse, part_out, part_lse, call.rows)
             if not last:
                 blocks = in_flight.wait()
         out = out.to(q.dtype)
@@ -261,54 +306,53 @@ class RingAttentionFunction(torch.autograd.Function):
         q, out, lse, *rest = ctx.saved_tensors
         codec, n = ctx.codec, ctx.codec.n_blocks
         own, weights = rest[:n], rest[n:]
-        ring, backend, scale, chunk = ctx.ring, ctx.backend, ctx.scale, q.shape[1] // 2
+        ring, backend, scale = ctx.ring, ctx.backend, ctx.scale
         dq = torch.zeros_like(q, dtype=torch.float32)
         dweights = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
         blocks, acc_in_flight = own, None
-        for step, block in enumerate(ctx.schedule):
+        for step, call in enumerate(ctx.schedule):
             last = step == ring.size - 1
             blocks_in_flight = None if last else ring.shift(blocks)
             if step == 0:  # this rank's own blocks: their accumulators start here
                 acc = [torch.zeros_like(t, dtype=torch.float32) for t in own]
-            if block is not None:
-                rows, cols = block.q_slice(chunk), block.kv_slice(chunk)
-                k_b, v_b = codec.expand(blocks, weights, cols)
-                dq_b, dk_b, dv_b = backend.backward(dout[:, rows], q[:, rows], k_b, v_b, out[:, rows],
-                                                    lse[:, :, rows].contiguous(), block.causal, scale)
-                dq[:, rows] += dq_b.float()
-                d_blocks, d_weights = codec.grads(dk_b, dv_b, blocks, weights, cols)
+            if call is not None:
+                k_b, v_b = codec.expand(blocks, weights, call.cols)
+                dq_b, dk_b, dv_b = call.backward(backend, dout, q, k_b, v_b, out, lse, scale)
+                dq[:, call.rows] += dq_b.float()
+                d_blocks, d_weights = codec.grads(dk_b, dv_b, blocks, weights, call.cols)
                 for dw_acc, dw in zip(dweights, d_weights):
                     dw_acc += dw.float()
             if step > 0:  # the accumulators of the blocks we hold arrive from the previous rank
                 acc = acc_in_flight.wait()
-            if block is not None:
+            if call is not None:
                 for a, d in zip(acc, d_blocks):
-                    a[:, cols] += d.float()
+                    a[:, call.cols] += d.float()
             if not last:
                 blocks = blocks_in_flight.wait()
             acc_in_flight = ring.shift(acc)  # one step behind its block; the last hop returns it home
         acc = acc_in_flight.wait()
-        return (dq.to(q.dtype), None, None, None, None, None, *(a.to(t.dtype) for a, t in zip(acc, own)),
+        return (dq.to(q.dtype), None, None, None, None, None, None, *(a.to(t.dtype) for a, t in zip(acc, own)),
                 *(d.to(w.dtype) for d, w in zip(dweights, weights)))
 
 
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group | None = None,
                             backend: AttentionBackend | str = "auto", layout: str = "zigzag",
-                            ring=None) -> tuple[Tensor, Tensor]:
+                            ring=None, docs=None) -> tuple[Tensor, Tensor]:
     """Causal attention over the full sequence from zig-zag shards (layouts: see RingAttentionFunction).
-    Pass `group` (the cp group) or a `ring` (P2PRing / LoopbackRing). lse carries no gradient."""
+    Pass `group` (the cp group) or a `ring` (P2PRing / LoopbackRing). lse carries no gradient. docs: the
+    micro-batch's packed documents (moe_lc/ops/documents.py) to attend inside each, or None."""
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} must be even (two chunks per cp rank)")
     if isinstance(backend, str):
         backend = get_backend(backend, q.device)
     ring = ring if ring is not None else P2PRing(group)
-    return RingAttentionFunction.apply(q, float(scale), ring, backend, layout, KVBlocks(), k, v)
+    return RingAttentionFunction.apply(q, float(scale), ring, backend, layout, KVBlocks(), docs, k, v)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,
-                   backend: AttentionBackend | str = "auto") -> Tensor:
+                   backend: AttentionBackend | str = "auto", docs=None) -> Tensor:
     """Zig-zag ring attention output (B, S, H, D_v); see ring_attention_with_lse."""
-    return ring_attention_with_lse(q, k, v, scale, group, backend)[0]
+    return ring_attention_with_lse(q, k, v, scale, group, backend, docs=docs)[0]
 
 
 class RingAttention(nn.Module):
@@ -320,10 +364,10 @@ class RingAttention(nn.Module):
         self.group, self.backend_name = group, backend
         self._backend = None
 
-    def forward(self, q, k, v, scale: float) -> Tensor:
+    def forward(self, q, k, v, scale: float, docs=None) -> Tensor:
         if self._backend is None:
             self._backend = get_backend(self.backend_name, q.device)
-        return ring_attention(q, k, v, scale, self.group, self._backend)
+        return ring_attention(q, k, v, scale, self.group, self._backend, docs)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp={self.group.size}"

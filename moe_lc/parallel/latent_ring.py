@@ -83,12 +83,12 @@ class LatentRingAttention(nn.Module):
         self.group, self.backend_name = group, backend
         self._backend = None
 
-    def forward(self, q: Tensor, c: Tensor, k_r: Tensor, scale: float, mla: MLAttention) -> Tensor:
+    def forward(self, q: Tensor, c: Tensor, k_r: Tensor, scale: float, mla: MLAttention, docs=None) -> Tensor:
         if self._backend is None:
             self._backend = get_backend(self.backend_name, q.device)
         codec = LatentBlocks(mla.wkv_b.gemms, mla.n_heads, mla.nope_dim, mla.v_dim)
         return RingAttentionFunction.apply(q, float(scale), P2PRing(self.group), self._backend, "zigzag", codec,
-                                           c, k_r, mla.wkv_b.weight)[0]
+                                           docs, c, k_r, mla.wkv_b.weight)[0]
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp={self.group.size}, latent"
@@ -101,24 +101,24 @@ def _queries_and_latents(mla: MLAttention, q_src, c_kv, k_r, cos, sin):
     return mla.rope_q(mla.up_project_q(q_src), cos, sin), mla.kv_norm(c_kv), k_r
 
 
-def _ring(q, c, k_r, mla: MLAttention):
-    return mla.core(q, c, k_r, mla.softmax_scale, mla)
+def _ring(q, c, k_r, mla: MLAttention, docs=None):
+    return mla.core(q, c, k_r, mla.softmax_scale, mla, docs)
 
 
-def latent_attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> Tensor:
+def latent_attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> Tensor:
     """The MLA `attend` seam under context parallelism: the queries' up-projection and RoPE here, the
     keys' and values' inside the ring, per visiting block -> (B, S, H, Dv). The `replay` seam wraps
     the ring (selective "attention": the ring runs again in backward, as GQA's does)."""
     q, c, k_r = _queries_and_latents(mla, q_src, c_kv, k_r, cos, sin)
-    return mla.replay(_ring, q, c, k_r, mla)
+    return mla.replay(_ring, q, c, k_r, mla, docs)
 
 
-def latent_attend_mla_up(mla: MLAttention, q_src, c_kv, k_r, cos, sin) -> Tensor:
+def latent_attend_mla_up(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> Tensor:
     """`latent_attend` under selective "mla_up": the query up-projection, the latent norm and RoPE are
     recomputed in backward from the latents (c_q or q, c_kv, k_r), which alone stay; the ring's own
     saved q, c and k_r are rebuilt from them when its backward needs them."""
     if not torch.is_grad_enabled():
-        return latent_attend(mla, q_src, c_kv, k_r, cos, sin)
+        return latent_attend(mla, q_src, c_kv, k_r, cos, sin, docs)
     prepare = partial(_queries_and_latents, mla, cos=cos, sin=sin)
     q, c, kr = checkpoint(prepare, q_src, c_kv, k_r, use_reentrant=False)
-    return recompute_from((q_src, c_kv, k_r), (q, c, kr), prepare, _ring, mla)
+    return recompute_from((q_src, c_kv, k_r), (q, c, kr), prepare, _ring, mla, docs)

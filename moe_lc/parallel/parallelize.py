@@ -21,6 +21,7 @@ from moe_lc.config import PrecisionConfig, RecomputeConfig
 from moe_lc.model.init import init_buffers, init_rules, normal_rows
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.norm import RMSNorm
+from moe_lc.ops.documents import Documents
 from moe_lc.parallel import comm
 from moe_lc.parallel.layer_plan import resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
@@ -106,26 +107,33 @@ def _local_normal(full_shape, shards, dims: ParallelDims, seed: int, name: str) 
 
 
 def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims,
-                  mtp_depth: int = 0) -> dict:
+                  mtp_depth: int = 0, documents=None, document_mask: bool = False,
+                  document_positions: bool = False) -> dict:
     """Model inputs for this rank from a micro-batch of full sequences.
 
-    tokens: (B, S+1) int64 (inputs + shifted labels), loss_mask: (B, S) or None. Returns
-    {"inputs" (B, S_local), "labels" (B, S_local), "loss_mask", "positions" (S_local,), "mtp"}: the
-    whole sequence on one device, this rank's zig-zag chunks under context parallelism. "mtp" holds
-    the multi-token-prediction targets (built before sharding) or None.
+    tokens: (B, S+1) int64 (inputs + shifted labels), loss_mask: (B, S) or None, documents: the
+    loader's per-row document lengths over the S inputs (collate's "documents"; None: one document
+    per row). Returns {"inputs" (B, S_local), "labels" (B, S_local), "loss_mask", "positions"
+    (S_local,) or (B, S_local) with document_positions (each document counts from 0), "mtp", "docs"}:
+    the whole sequence on one device, this rank's zig-zag chunks under context parallelism. "mtp"
+    holds the multi-token-prediction targets (built before sharding) or None; "docs" the `Documents`
+    attention stays inside with document_mask (over the full sequence: the ring plans from it), or None.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(inputs.shape[1], device=tokens.device)
+    B, S = inputs.shape
+    docs = Documents.from_batch(documents, B, S) if document_mask or document_positions else None
+    positions = docs.positions().to(tokens.device) if document_positions else torch.arange(S, device=tokens.device)
     mtp = mtp_targets(tokens, loss_mask, mtp_depth) if mtp_depth else None
     if dims.cp > 1:
         from moe_lc.parallel.context import zigzag_shard
 
         inputs, labels, positions = (zigzag_shard(t, dims["cp"], dim=d)
-                                     for t, d in ((inputs, 1), (labels, 1), (positions, 0)))
+                                     for t, d in ((inputs, 1), (labels, 1), (positions, positions.dim() - 1)))
         loss_mask = zigzag_shard(loss_mask, dims["cp"], dim=1) if loss_mask is not None else None
         if mtp is not None:
             mtp = {k: zigzag_shard(v, dims["cp"], dim=2) for k, v in mtp.items()}
-    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions, "mtp": mtp}
+    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions, "mtp": mtp,
+            "docs": docs if document_mask else None}
 
 
 def zero_param_groups(result: Parallelized, dims: ParallelDims):
