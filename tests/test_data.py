@@ -15,6 +15,7 @@ import torch
 
 from moe_lc.data import loader, synthetic
 from moe_lc.data.corpus import is_val_file, list_text_files, split_files, stdlib_root, stdlib_token_stream
+from moe_lc.data.documents import starts_from_eos
 from moe_lc.data.loader import Mixture, StepLoader, SyntheticTasks, TokenWindows, build_dataset, collate
 from moe_lc.data.synthetic import TASKS, Sample, make_task
 from moe_lc.data.token_file import TokenFileWriter, check_vocab, open_token_file, write_token_file
@@ -139,7 +140,7 @@ def test_stdlib_stream_real_and_cached(tmp_path):
     val_files = split_files(list_text_files(stdlib_root()), "val", 0.02)
     assert int((val == BYTE.eos_id).sum()) == sum(1 for f in val_files if (stdlib_root() / f).stat().st_size)
     cached_build = stdlib_token_stream("val", BYTE, cache_dir=tmp_path, cache_min_seconds=0.0)
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".bin", ".json"]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".bin", ".json", ".npy"]  # tokens, sidecar, docs
     assert "-byte-val-vf0.02" in next(tmp_path.glob("*.json")).name
     from_cache = stdlib_token_stream("val", BYTE, cache_dir=tmp_path)
     assert isinstance(from_cache, np.memmap)
@@ -491,8 +492,9 @@ def test_prepare_data_cli(tmp_path):
     texts["extra.txt"] = extra.read_text()
     decoded = {}
     for split in ("train", "val"):
-        tokens, meta = open_token_file(tmp_path / "out" / f"c.{split}")
+        tokens, meta, starts = open_token_file(tmp_path / "out" / f"c.{split}", documents=True)
         assert meta["tokenizer"] == "byte" and tokens[-1] == BYTE.eos_id
+        assert np.array_equal(starts, starts_from_eos(tokens, BYTE.eos_id))  # the index: one start per file
         docs = np.split(np.asarray(tokens), np.flatnonzero(np.asarray(tokens) == BYTE.eos_id) + 1)[:-1]
         decoded[split] = [BYTE.decode(d) for d in docs]
     assert sorted(decoded["train"] + decoded["val"]) == sorted(texts.values())

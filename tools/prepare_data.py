@@ -4,10 +4,11 @@
                                  [--val-fraction 0.02] [--glob '*.txt']
 
 INPUT is a file or a directory (searched recursively for --glob, skipping __pycache__ and
-site-packages). Writes PREFIX.train.{bin,json} and PREFIX.val.{bin,json}. Files are split by a stable
-hash of their path relative to the INPUT directory (a file given directly: its name), the same rule as
-the built-in stdlib corpus, so re-running on a grown corpus keeps every old file in its split. Each
-document is followed by EOS. Output appears atomically when a split is complete; missing parent
+site-packages). Writes PREFIX.train.{bin,json,docs.npy} and PREFIX.val.{bin,json,docs.npy} (docs.npy:
+where each document starts, see moe_lc/data/token_file.py). Files are split by a stable hash of their
+path relative to the INPUT directory (a file given directly: its name), the same rule as the built-in
+stdlib corpus, so re-running on a grown corpus keeps every old file in its split. A file is a
+document: its tokens followed by EOS. Output appears atomically when a split is complete; missing parent
 folders of PREFIX are made.
 
 Only text is tokenized: a file whose first 8 KiB hold a NUL byte or are not UTF-8 is binary. A
@@ -107,8 +108,7 @@ def write_split(name: str, files: list[Path], prefix: str, tokenizer, source: st
             n_bytes += sum(p.stat().st_size for p in batch)
             for text, ids in zip(texts, tokenizer.encode_batch(texts)):
                 if text:
-                    writer.append(ids)
-                    writer.append(eos)
+                    writer.append_document(ids, eos)
             now = time.perf_counter() - start
             if now - last_print >= PROGRESS_EVERY_S or first + len(batch) == len(files):
                 last_print = now

@@ -2,6 +2,7 @@
 step loader. Global sample i is a pure function of (seed, i); see loader.py."""
 
 from moe_lc.data.corpus import stdlib_token_stream
+from moe_lc.data.documents import starts_from_eos, window_documents
 from moe_lc.data.loader import (
     DATA_SOURCES,
     Mixture,
@@ -33,6 +34,8 @@ __all__ = [
     "load_tokenizer",
     "make_task",
     "open_token_file",
+    "starts_from_eos",
     "stdlib_token_stream",
+    "window_documents",
     "write_token_file",
 ]

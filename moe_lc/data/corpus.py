@@ -11,6 +11,8 @@ Conventions:
   `hash`), so a file is wholly in one split, and adding or removing other files never moves it.
 - A stream is each document's tokens followed by EOS: `doc0 EOS doc1 EOS ...`. Putting EOS after
   every document (not only between) lets streams be built, and concatenated, one file at a time.
+  One file is one document; the stream's document starts (documents.py) come with it on request and
+  are kept in the cache's index.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from moe_lc.data.token_file import open_token_file, token_dtype, write_token_file
+from moe_lc.data.token_file import open_token_file, read_token_meta, token_dtype, write_token_file
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +97,20 @@ def iter_documents(root: Path, rel_paths: Iterable[str], max_bytes: int | None =
             yield text
 
 
-def tokenize_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -> np.ndarray:
-    """Documents -> one (n_tokens,) uint16/uint32 stream, each document followed by EOS."""
+def tokenize_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Documents -> (one (n_tokens,) uint16/uint32 stream, each document followed by EOS; its (n_docs,)
+    int64 document starts)."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     pieces: list[np.ndarray] = []
+    lengths: list[int] = []
     batch: list[str] = []
 
     def flush() -> None:
         for ids in tokenizer.encode_batch(batch):
             pieces.append(ids.astype(dtype))  # narrow per document: int64 copies of 30 MB would be 240 MB
             pieces.append(eos)
+            lengths.append(len(ids) + 1)
         batch.clear()
 
     for text in texts:
@@ -113,7 +118,8 @@ def tokenize_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -
         if len(batch) == batch_size:
             flush()
     flush()
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) if lengths else np.zeros(0)
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)), starts.astype(np.int64)
 
 
 def stdlib_root() -> Path:
@@ -141,13 +147,16 @@ def stdlib_token_stream(
     root: str | Path | None = None,
     cache_dir: str | Path | None = None,
     cache_min_seconds: float = DEFAULT_CACHE_MIN_SECONDS,
-) -> np.ndarray:
-    """Token stream (n_tokens,) of the standard library's *.py files in `split`.
+    documents: bool = False,
+):
+    """Token stream (n_tokens,) of the standard library's *.py files in `split`; with `documents=True`
+    the pair (stream, (n_files,) int64 document starts): one document per non-empty file.
 
     dtype is uint16 when the vocabulary fits, else uint32. `max_bytes` caps the source text read (for
     quick tests; such partial streams are never cached). A full build that takes longer than
-    `cache_min_seconds` is saved as a token file under `cache_dir` (default: `default_cache_dir()`),
-    keyed by Python version, tokenizer name, split and val_fraction, and memory-mapped on later calls.
+    `cache_min_seconds` is saved as a token file with its document index under `cache_dir` (default:
+    `default_cache_dir()`), keyed by Python version, tokenizer name, split and val_fraction, and
+    memory-mapped on later calls; a cache written before the index existed is rebuilt.
     `root` overrides the stdlib location (tests).
     """
     check_split(split, val_fraction)
@@ -159,12 +168,14 @@ def stdlib_token_stream(
         )
         if Path(str(cache_prefix) + ".json").is_file():
             try:  # a damaged cache is rebuilt (and overwritten), not fatal
-                tokens, meta = open_token_file(cache_prefix)
+                if "n_documents" not in read_token_meta(cache_prefix):
+                    raise ValueError("it has no document index (an older cache)")
+                tokens, meta, starts = open_token_file(cache_prefix, documents=True)
             except (OSError, ValueError) as exc:
-                log.warning("rebuilding unreadable stdlib cache %s: %s", cache_prefix, exc)
+                log.warning("rebuilding stdlib cache %s: %s", cache_prefix, exc)
             else:
                 if meta["tokenizer"] == tokenizer.name:
-                    return tokens
+                    return (tokens, starts) if documents else tokens
                 log.warning("ignoring stdlib cache %s built with tokenizer %s", cache_prefix, meta["tokenizer"])
 
     start = time.perf_counter()
@@ -179,13 +190,12 @@ def stdlib_token_stream(
         raise ValueError(
             f"stdlib split {split!r} is empty: {len(rel_paths)} files under {root}, val_fraction={val_fraction}"
         )
-    tokens = tokenize_documents(iter_documents(root, chosen, max_bytes), tokenizer)
+    tokens, starts = tokenize_documents(iter_documents(root, chosen, max_bytes), tokenizer)
     seconds = time.perf_counter() - start
     log.info("stdlib %s: %d files, %d tokens in %.2f s", split, len(chosen), len(tokens), seconds)
 
     if cache_prefix is not None and seconds > cache_min_seconds:
-        write_token_file(
-            cache_prefix, tokens, tokenizer.name, tokenizer.vocab_size, f"stdlib:{root}:{split}:vf{val_fraction:g}"
-        )
+        write_token_file(cache_prefix, tokens, tokenizer.name, tokenizer.vocab_size,
+                         f"stdlib:{root}:{split}:vf{val_fraction:g}", doc_starts=starts)
         log.info("cached stdlib %s tokens at %s", split, cache_prefix)
-    return tokens
+    return (tokens, starts) if documents else tokens

@@ -5,9 +5,12 @@ before, a loader's whole state is one integer, `samples_consumed`: resuming is e
 resume on a different data-parallel size (or global batch) and continue at the same global sample.
 
 Every dataset's `__getitem__(i)` returns
-    {"tokens": LongTensor (S+1,), "loss_mask": FloatTensor (S,) or None}
+    {"tokens": LongTensor (S+1,), "loss_mask": FloatTensor (S,) or None, "documents": LongTensor (n,) or None}
 where tokens[:-1] are the inputs, tokens[1:] the labels, and loss_mask[t] weights the loss of predicting
-tokens[t+1] (None = all ones). Datasets are endless: i may be any non-negative integer.
+tokens[t+1] (None = all ones). "documents" are the lengths of the documents over the S input positions,
+in order, summing to exactly S: input position t belongs to the document that holds tokens[t], the first
+length may be the tail of a document the window cut and the last the head of one (None = the whole
+sample is one document). Datasets are endless: i may be any non-negative integer.
 
 Random streams are separated by a tag in the numpy SeedSequence key, so that a dataset inside a
 Mixture never reuses the numbers the Mixture used to pick it.
@@ -22,8 +25,9 @@ import numpy as np
 import torch
 
 from moe_lc.data.corpus import stdlib_token_stream
+from moe_lc.data.documents import check_starts, window_documents
 from moe_lc.data.synthetic import TASKS, make_task
-from moe_lc.data.token_file import check_vocab, open_token_file
+from moe_lc.data.token_file import check_vocab, open_token_file, read_token_meta
 
 _SYNTHETIC_STREAM = 0x73796E74  # "synt"
 _MIXTURE_STREAM = 0x6D697874  # "mixt"
@@ -42,14 +46,18 @@ class TokenWindows:
     Window w is tokens[w*S : w*S + S + 1] (S = seq_len; consecutive windows share one boundary token so
     that every token is a label exactly once). Sample i is window perm_e[i % n_windows] with epoch
     e = i // n_windows and perm_e = default_rng([seed, e]).permutation(n_windows).
+
+    doc_starts: the stream's (n_docs,) int64 document starts (documents.py); each sample's "documents"
+    come from them by binary search. None: no boundaries known, "documents" is None.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, doc_starts: np.ndarray | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         if len(tokens) < seq_len + 1:
             raise ValueError(f"data too short: {len(tokens)} tokens for seq_len {seq_len} (needs {seq_len + 1})")
         self.tokens = tokens
+        self.doc_starts = None if doc_starts is None else check_starts(doc_starts, len(tokens), "TokenWindows")
         self.seq_len = seq_len
         self.seed = seed
         self.n_windows = (len(tokens) - 1) // seq_len
@@ -70,7 +78,10 @@ class TokenWindows:
     def __getitem__(self, i: int) -> dict:
         start = self.window_index(i) * self.seq_len
         window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
-        return {"tokens": torch.from_numpy(window), "loss_mask": None}
+        documents = None
+        if self.doc_starts is not None:
+            documents = torch.from_numpy(window_documents(self.doc_starts, start, self.seq_len))
+        return {"tokens": torch.from_numpy(window), "loss_mask": None, "documents": documents}
 
 
 class SyntheticTasks:
@@ -79,6 +90,7 @@ class SyntheticTasks:
     Sample i: rng = default_rng([seed, tag, split, i]); kind = kinds[rng.integers(len(kinds))]; then
     make_task(kind, rng, S + 1, tokenizer, **task_params.get(kind, {})). The loss mask is 0 where the label
     is padding or follows only padding; with answer_only_loss=True it is 1 only on the answer tokens.
+    A sample is one document ("documents": None), its padding included.
     """
 
     def __init__(
@@ -124,7 +136,8 @@ class SyntheticTasks:
             keep = (label_pos >= n_pad + sample.answer_start) & (label_pos < n_pad + sample.answer_end)
         else:
             keep = label_pos > n_pad  # the first real token has only padding before it: no loss either
-        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(keep.astype(np.float32))}
+        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(keep.astype(np.float32)),
+                "documents": None}
 
 
 class Mixture:
@@ -132,7 +145,8 @@ class Mixture:
 
     The chosen source is asked for *its* sample i (the global index), which keeps every source a pure
     function of i. Consequence: with a TokenWindows source of weight w, each of its epochs (n_windows
-    global samples) shows a random fraction ~w of its windows, none twice.
+    global samples) shows a random fraction ~w of its windows, none twice. A sample's "documents" are
+    its source's.
     """
 
     def __init__(self, sources: Sequence, weights: Sequence[float], seed: int):
@@ -161,13 +175,20 @@ class Mixture:
 
 def collate(samples: Sequence[dict]) -> dict:
     """Stack samples: tokens (B, S+1) int64; loss_mask (B, S) float32, or None if no sample has one
-    (a sample without a mask, in a batch where others have one, gets ones)."""
+    (a sample without a mask, in a batch where others have one, gets ones); documents None if no
+    sample has boundaries, else a list of B int64 tensors of document lengths, each summing to S (a
+    sample without them is one document: tensor([S]))."""
     tokens = torch.stack([s["tokens"] for s in samples])
+    seq_len = tokens.shape[1] - 1
+    documents = None
+    if any(s.get("documents") is not None for s in samples):
+        whole = torch.tensor([seq_len], dtype=torch.int64)
+        documents = [whole if s.get("documents") is None else s["documents"] for s in samples]
     if all(s["loss_mask"] is None for s in samples):
-        return {"tokens": tokens, "loss_mask": None}
-    ones = torch.ones(tokens.shape[1] - 1, dtype=torch.float32)
+        return {"tokens": tokens, "loss_mask": None, "documents": documents}
+    ones = torch.ones(seq_len, dtype=torch.float32)
     masks = [ones if s["loss_mask"] is None else s["loss_mask"] for s in samples]
-    return {"tokens": tokens, "loss_mask": torch.stack(masks)}
+    return {"tokens": tokens, "loss_mask": torch.stack(masks), "documents": documents}
 
 
 class StepLoader:
@@ -204,8 +225,9 @@ class StepLoader:
         return [list(range(start, start + self.micro_batch)) for start in starts]
 
     def next_step(self) -> list[dict]:
-        """This rank's micro-batches for one optimizer step:
-        [{"tokens": (mb, S+1) int64, "loss_mask": (mb, S) float32 or None}, ...]."""
+        """This rank's micro-batches for one optimizer step, each as `collate` returns it:
+        [{"tokens": (mb, S+1) int64, "loss_mask": (mb, S) float32 or None,
+          "documents": None or mb int64 tensors of document lengths summing to S}, ...]."""
         batches = [collate([self.dataset[i] for i in indices]) for indices in self.step_indices()]
         self.samples_consumed += self.global_batch
         return batches
@@ -265,26 +287,29 @@ def build_dataset(
     if base == "synthetic":
         return synthetic()
     if base == "stdlib":
-        windows = TokenWindows(stdlib_token_stream(split, tokenizer, val_fraction), seq_len, seed)
+        tokens, starts = stdlib_token_stream(split, tokenizer, val_fraction, documents=True)
     else:
-        windows = TokenWindows(_open_split_tokens(path, split, tokenizer), seq_len, seed)
+        tokens, starts = _open_split_tokens(path, split, tokenizer)
+    windows = TokenWindows(tokens, seq_len, seed, doc_starts=starts)
     if not extra:
         return windows
     return Mixture([windows, synthetic()], [1.0 - synthetic_weight, synthetic_weight], seed)
 
 
-def _open_split_tokens(path: str | Path | None, split: str, tokenizer) -> np.ndarray:
-    """Open `{path}.{split}` and check it was tokenized by `tokenizer`."""
+def _open_split_tokens(path: str | Path | None, split: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, document starts) of `{path}.{split}`, checked to be tokenized by `tokenizer`; a file
+    without a document index has its documents found at its EOS tokens."""
     if path is None:
         raise ValueError("data source 'tokens' needs a path prefix (the --out of tools/prepare_data.py)")
-    tokens, meta = open_token_file(f"{path}.{split}")
+    meta = read_token_meta(f"{path}.{split}")
     if meta["tokenizer"] != tokenizer.name:
         raise ValueError(
             f"token file {path}.{split} was built with tokenizer {meta['tokenizer']!r}, "
             f"but this run uses {tokenizer.name!r}"
         )
     check_vocab(meta, tokenizer.vocab_size)
-    return tokens
+    tokens, _, starts = open_token_file(f"{path}.{split}", documents=True, eos_id=tokenizer.eos_id)
+    return tokens, starts
 
 
 def dataset_from_config(data_cfg, *, split: str, seq_len: int, seed: int, tokenizer):

@@ -1,23 +1,33 @@
-"""Token files: a raw binary array of token ids `NAME.bin` plus a JSON sidecar `NAME.json`.
+"""Token files: a raw binary array of token ids `NAME.bin`, a JSON sidecar `NAME.json`, and the
+document index `NAME.docs.npy`.
 
 The .bin holds little-endian uint16 (vocab <= 65536) or uint32 ids, nothing else, so it can be
 memory-mapped and sliced without a parser. The sidecar says how to read it and where it came from:
 
     {"dtype": "uint16", "n_tokens": 123, "tokenizer": "byte", "vocab_size": 259,
-     "max_token_id": 257, "source": "...", "format_version": 1}
+     "max_token_id": 257, "source": "...", "format_version": 1, "n_documents": 4}
 
-Writes are atomic: data goes to temporary files that are renamed into place, the .bin first and the
-.json last, so a sidecar only ever describes a complete .bin (a crashed or concurrent writer never
-leaves a file that opens but is short).
+`NAME.docs.npy` is (n_documents,) int64: where each document starts in the .bin (documents.py says
+what a valid one is). A writer records one start per `append_document`; the sidecar has
+"n_documents" exactly when the index was written. Files without it (older builds, or streams written
+with plain `append`) still open: `open_token_file(..., documents=True, eos_id=...)` then recovers the
+starts from the EOS that ends every document.
+
+Writes are atomic: data goes to temporary files that are renamed into place, the .bin first, then the
+index, the .json last, so a sidecar only ever describes a complete .bin and index (a crashed or
+concurrent writer never leaves a file that opens but is short).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from array import array
 from pathlib import Path
 
 import numpy as np
+
+from moe_lc.data.documents import check_starts, starts_from_eos
 
 FORMAT_VERSION = 1
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -34,11 +44,18 @@ def _paths(path_prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".json")
 
 
-class TokenFileWriter:
-    """Streams token arrays into `PREFIX.bin` and writes `PREFIX.json` on close.
+def documents_path(path_prefix: str | Path) -> Path:
+    """`NAME.docs.npy`: the document index of token file NAME."""
+    return Path(str(path_prefix) + ".docs.npy")
 
-    Use as a context manager; if the block raises, nothing is left behind (and an existing token file with
-    the same prefix is untouched).
+
+class TokenFileWriter:
+    """Streams token arrays into `PREFIX.bin` and writes `PREFIX.json` (and `PREFIX.docs.npy` when
+    documents were recorded) on close.
+
+    `append_document(ids, [eos])` starts a document where the stream stands and appends its pieces;
+    `append` continues the current one. Use as a context manager; if the block raises, nothing is left
+    behind (and an existing token file with the same prefix is untouched).
     """
 
     def __init__(self, path_prefix: str | Path, *, tokenizer_name: str, vocab_size: int, source: str):
@@ -51,10 +68,29 @@ class TokenFileWriter:
         self.n_tokens = 0
         self.max_token_id = -1
         self.meta: dict | None = None  # the sidecar, once closed
+        self.docs_path = documents_path(path_prefix)
+        self._starts = array("q")  # 8 bytes a document: millions of them stay small
         suffix = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
         self._json_tmp = self.json_path.with_name(self.json_path.name + suffix)
+        self._docs_tmp = self.docs_path.with_name(self.docs_path.name + suffix)
         self._file = open(self._bin_tmp, "wb")
+
+    @property
+    def n_documents(self) -> int:
+        return len(self._starts)
+
+    def append_document(self, *pieces: np.ndarray) -> None:
+        """Record a document start at the current end of the stream, then append `pieces` (a document is
+        its tokens plus its EOS: `append_document(ids, [eos_id])`). An empty document records nothing.
+        Tokens appended with `append` before the first document form a document of their own."""
+        if sum(np.size(p) for p in pieces) == 0:
+            return
+        if not self._starts and self.n_tokens:
+            self._starts.append(0)
+        self._starts.append(self.n_tokens)
+        for piece in pieces:
+            self.append(piece)
 
     def append(self, tokens: np.ndarray) -> None:
         """Append a 1-D array of ids; every id must lie in [0, vocab_size)."""
@@ -74,7 +110,7 @@ class TokenFileWriter:
         self.n_tokens += int(tokens.size)
 
     def close(self) -> dict:
-        """Finish the .bin, publish both files atomically, return the sidecar dict."""
+        """Finish the .bin, publish the files atomically, return the sidecar dict."""
         self._file.close()
         meta = {
             "dtype": self.dtype.name,
@@ -85,8 +121,16 @@ class TokenFileWriter:
             "source": self.source,
             "format_version": FORMAT_VERSION,
         }
+        if self._starts:
+            meta["n_documents"] = len(self._starts)
+            with open(self._docs_tmp, "wb") as fh:
+                np.save(fh, np.frombuffer(self._starts, dtype=np.int64))
         self._json_tmp.write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(self._bin_tmp, self.bin_path)
+        if self._starts:
+            os.replace(self._docs_tmp, self.docs_path)
+        else:  # an index left by an earlier build of this prefix describes other tokens
+            self.docs_path.unlink(missing_ok=True)
         os.replace(self._json_tmp, self.json_path)
         self.meta = meta
         return meta
@@ -94,7 +138,7 @@ class TokenFileWriter:
     def abort(self) -> None:
         """Drop the partial output."""
         self._file.close()
-        for tmp in (self._bin_tmp, self._json_tmp):
+        for tmp in (self._bin_tmp, self._json_tmp, self._docs_tmp):
             tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenFileWriter":
@@ -108,13 +152,22 @@ class TokenFileWriter:
 
 
 def write_token_file(
-    path_prefix: str | Path, tokens: np.ndarray, tokenizer_name: str, vocab_size: int, source: str
+    path_prefix: str | Path, tokens: np.ndarray, tokenizer_name: str, vocab_size: int, source: str,
+    doc_starts: np.ndarray | None = None,
 ) -> dict:
-    """Write (n,) ids to `PREFIX.bin` + `PREFIX.json`; returns the sidecar dict."""
+    """Write (n,) ids to `PREFIX.bin` + `PREFIX.json`, and `doc_starts` ((n_docs,) int64, see
+    documents.py) to `PREFIX.docs.npy` when given; returns the sidecar dict."""
+    tokens = np.asarray(tokens)
+    if doc_starts is not None:
+        doc_starts = check_starts(doc_starts, len(tokens), f"write_token_file {path_prefix}")
     with TokenFileWriter(
         path_prefix, tokenizer_name=tokenizer_name, vocab_size=vocab_size, source=source
     ) as writer:
-        writer.append(tokens)
+        if doc_starts is None:
+            writer.append(tokens)
+        else:
+            for document in np.split(tokens, doc_starts[1:]):
+                writer.append_document(document)
     return writer.meta
 
 
@@ -139,12 +192,43 @@ def read_token_meta(path_prefix: str | Path) -> dict:
     return meta
 
 
-def open_token_file(path_prefix: str | Path) -> tuple[np.ndarray, dict]:
-    """Memory-map `PREFIX.bin` read-only; returns ((n_tokens,) uint16/uint32 array, sidecar dict).
+def open_token_file(path_prefix: str | Path, *, documents: bool = False, eos_id: int | None = None):
+    """Memory-map `PREFIX.bin` read-only; returns ((n_tokens,) uint16/uint32 array, sidecar dict), and
+    with `documents=True` a third item: the (n_docs,) int64 document starts (documents.py), read from
+    `PREFIX.docs.npy` when the file has an index, else found at the EOS `eos_id` ends each document with
+    (required then: the file does not say which id that is).
 
-    Raises FileNotFoundError when either file is missing and ValueError when the .bin size disagrees
-    with the sidecar (a truncated copy, or a .bin from another build).
+    Raises FileNotFoundError when a file is missing and ValueError when the .bin size disagrees with
+    the sidecar (a truncated copy, or a .bin from another build), or the index with either.
     """
+    tokens, meta = _open_tokens(path_prefix)
+    if not documents:
+        return tokens, meta
+    if "n_documents" not in meta:
+        if eos_id is None:
+            raise ValueError(f"token file {path_prefix} has no document index ({documents_path(path_prefix).name}): "
+                             "pass the tokenizer's eos_id to find its documents at the EOS ending each")
+        return tokens, meta, starts_from_eos(tokens, eos_id)
+    return tokens, meta, _open_starts(path_prefix, meta)
+
+
+def _open_starts(path_prefix: str | Path, meta: dict) -> np.ndarray:
+    """The checked document index of a token file whose sidecar lists one."""
+    path = documents_path(path_prefix)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file document index missing: {path} (its sidecar lists "
+                                f"{meta['n_documents']} documents)")
+    try:
+        starts = np.load(path, mmap_mode="r")
+    except ValueError as exc:  # a damaged .npy header
+        raise ValueError(f"token file document index {path} is unreadable: {exc}") from None
+    if len(starts) != int(meta["n_documents"]):
+        raise ValueError(f"token file document index {path} is truncated or corrupt: {len(starts)} starts, "
+                         f"sidecar says {meta['n_documents']} documents")
+    return check_starts(starts, int(meta["n_tokens"]), str(path))
+
+
+def _open_tokens(path_prefix: str | Path) -> tuple[np.ndarray, dict]:
     bin_path, json_path = _paths(path_prefix)
     meta = read_token_meta(path_prefix)
     if not bin_path.is_file():
