@@ -25,7 +25,7 @@ from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
-from moe_lc.model.counting import param_counts, train_flops_per_token
+from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.parallel import comm
@@ -36,7 +36,8 @@ from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroAdamW
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.step_timeline import traced_step
-from moe_lc.train_step import StepResult, balance_routers, forward_backward, mtp_losses, step_token_count
+from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, forward_backward, mtp_losses,
+                               step_token_count)
 
 
 class Interrupted(Exception):
@@ -145,6 +146,7 @@ class Trainer:
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
         metrics.update(balance_routers(self.model, self.dims, stats.aux_losses))
+        metrics.update(document_attention_metrics(batches, self.dims, self.device))
         return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -240,7 +242,9 @@ class Trainer:
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / elapsed,
                        "step_time": elapsed, "skipped_steps": self.nonfinite_skipped}
             if self.peak:
-                metrics["mfu"] = self.flops_per_token * tokens_per_step / elapsed / (self.peak * self.dims.world)
+                flops = (self.flops_per_token * tokens_per_step if "attn/doc_work" not in step.metrics else
+                         train_flops_with_documents(cfg.model, t.seq_len, tokens_per_step, step.metrics["attn/doc_work"]))
+                metrics["mfu"] = flops / elapsed / (self.peak * self.dims.world)
             metrics.update(step.metrics)
             comm_bytes = self.dims.counter.as_dict()
             metrics.update(comm_bytes)

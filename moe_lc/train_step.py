@@ -56,6 +56,28 @@ def mtp_losses(mtp_loss_sums: torch.Tensor | None, depth: int, weight: float, di
 
 
 @torch.no_grad()
+def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: torch.device) -> dict:
+    """Attention work under packed documents (batches' "docs"; {} when attention is not masked):
+    attn/doc_work, the score elements one attention layer computed this step over the whole batch;
+    attn/doc_work_fraction, that over the causal mask's without documents; attn/cp_imbalance, the
+    busiest cp rank's work over the mean (the worst data-parallel replica's): what zig-zag's balance
+    becomes when documents decide which blocks are computed."""
+    docs = [b["docs"] for b in batches if b.get("docs") is not None]
+    if not docs:
+        return {}
+    mine = torch.tensor([float(sum(d.call_work for d in docs))], dtype=torch.float64, device=device)
+    per_cp = torch.zeros(dims.cp, dtype=torch.float64, device=device)
+    comm.all_gather(per_cp, mine, dims["cp"])
+    causal = sum(d.batch * d.seq_len * (d.seq_len + 1) / 2 for d in docs)
+    both = torch.stack([per_cp.sum(), torch.tensor(causal, dtype=torch.float64, device=device)])
+    comm.all_reduce(both, dims["dp"])
+    imbalance = (per_cp.max() / per_cp.mean().clamp_min(1.0)).reshape(1)
+    comm.all_reduce(imbalance, dims["dp"], op=torch.distributed.ReduceOp.MAX)
+    work, causal = both.tolist()
+    return {"attn/doc_work": work, "attn/doc_work_fraction": work / causal, "attn/cp_imbalance": imbalance.item()}
+
+
+@torch.no_grad()
 def balance_routers(model, dims: ParallelDims, aux_losses: dict) -> dict:
     """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
     return the MoE metrics: one all-reduce, which under expert parallelism also carries the dispatchers'

@@ -27,6 +27,20 @@ def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
     return cfg.n_heads * (seq_len / 2) * 2 * (cfg.qk_head_dim + cfg.value_head_dim)
 
 
+def attention_score_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per attention score element (one query x one key, all heads): QK^T and PV."""
+    return cfg.n_heads * 2 * (cfg.qk_head_dim + cfg.value_head_dim)
+
+
+def train_flops_with_documents(cfg: ModelConfig, seq_len: int, tokens: float, score_elements: float) -> float:
+    """Model FLOPs of a step whose attention stays inside packed documents: `train_flops_per_token`'s
+    causal attention term replaced by the score elements the step really computed per layer (summed over
+    every rank; `Documents.call_work`)."""
+    causal = tokens * attention_core_flops(cfg, seq_len)
+    return train_flops_per_token(cfg, seq_len) * tokens + 3 * cfg.n_layers * (
+        attention_score_flops(cfg) * score_elements - causal)
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by part, plus `total` and `activated`: per token, routed experts count K/E of
     theirs and the embedding table nothing (a lookup reads one row); this is DeepSeek's convention,
