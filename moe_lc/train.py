@@ -130,7 +130,8 @@ class Trainer:
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
             batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, m.mtp.depth,
-                                         mb.get("documents"), d.document_mask, d.document_positions))
+                                         mb.get("documents"), d.document_mask, d.document_positions,
+                                         self.cfg.parallel.cp_layout))
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")

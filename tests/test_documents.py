@@ -102,6 +102,19 @@ def test_a_step_with_no_shared_document_is_skipped():
         assert all(p.causal for p in steps[0])
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balanced_chunks_pair_heaviest_with_lightest(cp):
+    """One document: the pairing is zig-zag's. Packed documents: the busiest rank never works more than
+    under zig-zag, and here strictly less."""
+    assert set(Documents([[S]], S).balanced_chunks(cp)) == {tuple(sorted(chunk_ids(r, cp))) for r in range(cp)}
+    docs = Documents([[30, 2, 16]], S)
+    work = docs.chunk_work(2 * cp)
+    zigzag = max(work[list(chunk_ids(r, cp))].sum() for r in range(cp))
+    balanced = max(work[list(pair)].sum() for pair in docs.balanced_chunks(cp))
+    assert balanced < zigzag
+    assert sorted(c for pair in docs.balanced_chunks(cp) for c in pair) == list(range(2 * cp))
+
+
 def test_documents_refuse_lengths_that_do_not_tile_the_sequence():
     with pytest.raises(ValueError, match=r"row 1: document lengths \[40, 4\] must be positive and sum to .* 48"):
         Documents([[48], [40, 4]], S)
@@ -261,3 +274,31 @@ def test_ring_attention_over_documents_equals_the_masked_truth(ring_runs, cp, la
 def test_piece_work_counts_the_causal_triangle_once():
     p = Piece(0, slice(0, 3), slice(0, 3), True)
     assert p.work == 6 and Piece(1, slice(2, 4), slice(0, 5), False).work == 10
+
+
+def test_balance_tool_counts_what_the_ring_plans(tmp_path):
+    """tools/document_balance's closed form (per row: position in document + 1) is the ring's own plan,
+    for zig-zag and the balanced layout, and the tool runs end to end on a token file."""
+    import json
+
+    import numpy as np
+
+    from tests.test_documents_training import write_packed_corpus
+    from tools.document_balance import check_against_plan, main, rank_work
+
+    for lengths in LAYOUTS.values():
+        for row in lengths:
+            for cp in (2, 4):
+                check_against_plan(np.array(row), cp)
+                docs = Documents([row], S)
+                work = docs.chunk_work(2 * cp)
+                want = sorted(work[list(p)].sum() for p in docs.balanced_chunks(cp))
+                assert sorted(rank_work(np.array(row), cp, "balanced").tolist()) == want
+    write_packed_corpus(tmp_path / "docs", n_docs=200)
+    assert main(["--tokens", str(tmp_path / "docs"), "--seq-lens", "64", "--cp", "2", "4", "--samples", "16",
+                 "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "balance.json").read_text())["results"][0]
+    assert result["seq_len"] == 64 and set(result["cp"]) == {"2", "4"}
+    for v in result["cp"].values():
+        assert 1.0 <= v["balanced"]["mean"] <= v["zigzag"]["mean"]
+    assert (tmp_path / "out" / "balance.png").stat().st_size > 0

@@ -1,6 +1,6 @@
 """Training on packed documents (`data.document_mask`, `data.document_positions`) is layout-independent:
-cp2, cp4, cp2 x tp2, pp2 DualPipe x cp2 and MLA's latent ring on cp2 equal one process (fp32, the
-harness tolerance, 5 steps).
+cp2, cp4, cp2 x tp2, pp2 DualPipe x cp2, MLA's latent ring on cp2 and cp4 with the balanced chunk
+placement equal one process (fp32, the harness tolerance, 5 steps).
 
 The data is a token file written here whose document lengths mix what packing meets: documents of
 1-5 tokens (shorter than a chunk: 8 tokens at cp 4), documents that start mid-chunk and span several
@@ -62,6 +62,7 @@ LAYOUTS = {
     "cp2_tp2": (["parallel.cp=2", "parallel.tp=2"], 4),
     "pp2_dualpipe_cp2": (["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"], 4),
     "mla_latent_ring_cp2": (MLA + ["parallel.cp=2"], 2),
+    "cp4_balanced": (["parallel.cp=4", "parallel.cp_layout=balanced"], 4),
 }
 
 
@@ -80,3 +81,10 @@ def test_the_mask_changes_training(corpus):
     masked = reference(RECIPE, TRAIN + corpus)
     plain = reference(RECIPE, [o for o in TRAIN if not o.startswith("data.document")] + corpus)
     assert max(abs(a - b) for a, b in zip(masked.losses, plain.losses)) > 1e-3
+
+
+def test_balanced_layout_needs_the_document_mask():
+    from moe_lc.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="cp_layout = 'balanced' .* needs data.document_mask = true"):
+        load_config(RECIPE, ["parallel.cp=2", "parallel.cp_layout=balanced"], world_size=2)

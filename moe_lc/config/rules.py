@@ -191,6 +191,9 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if data.has_loss_mask and t.seq_len < 64:
         e.append(f"train.seq_len={t.seq_len} must be >= 64 for synthetic long-context tasks")
+    if cfg.parallel.cp_layout == "balanced" and not data.document_mask:
+        e.append("parallel.cp_layout = 'balanced' pairs chunks by their attention work inside packed documents: "
+                 "it needs data.document_mask = true (zig-zag is already balanced without it)")
     return e
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_lc.config.choices import (
-    AdamMoments, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, Logger, LrSchedule, MlaRing,
+    AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, Logger, LrSchedule, MlaRing,
     PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
@@ -42,6 +42,8 @@ class ParallelConfig:
     microbatches: int = f(0, "micro-batches per step per pipeline; 0 = global_batch / (micro_batch * dp)")
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
     mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
+    cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
+                                      "(data.document_mask: per micro-batch, heaviest chunk paired with lightest)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
     timeout_s: float = f(600.0, "collective timeout in seconds")
     overlap: bool = f(True, "issue all-to-alls and pipeline transfers early and wait where their result is used "

@@ -68,6 +68,7 @@ class Documents:
             self.bounds.append(np.concatenate([[0], np.cumsum(row)]))
         self._pieces: dict[tuple[Ranges, Ranges], tuple[Piece, ...]] = {}
         self.call_work = 0  # score elements one attention call computes on this rank (`plan_call`)
+        self.chunks: tuple[tuple[int, int], ...] | None = None  # each cp rank's chunks when not zig-zag
 
     @classmethod
     def from_batch(cls, lengths: Sequence[Tensor | Sequence[int]] | None, batch: int, seq_len: int) -> "Documents":
@@ -90,6 +91,17 @@ class Documents:
             starts = np.repeat(bounds[:-1], np.diff(bounds))
             out[b] = np.arange(self.seq_len) - starts
         return torch.from_numpy(out)
+
+    def chunk_work(self, n_chunks: int) -> np.ndarray:
+        """(n_chunks,) attention work of each of the sequence's equal chunks, summed over the rows: a query
+        row's work is its position inside its document + 1 (the keys it sees)."""
+        return (self.positions() + 1).view(self.batch, n_chunks, -1).sum((0, 2)).numpy()
+
+    def balanced_chunks(self, cp: int) -> tuple[tuple[int, int], ...]:
+        """Each cp rank's two of the 2cp chunks, heaviest paired with lightest by `chunk_work` (the pairing
+        that minimizes the busiest rank's work; for one document it is zig-zag's), in position order."""
+        order = np.argsort(self.chunk_work(2 * cp), kind="stable")
+        return tuple(tuple(sorted((int(order[i]), int(order[2 * cp - 1 - i])))) for i in range(cp))
 
     def pieces(self, q_ranges: Ranges, k_ranges: Ranges) -> tuple[Piece, ...]:
         """The pieces that cover exactly what queries at `q_ranges` see of keys at `k_ranges` (each a

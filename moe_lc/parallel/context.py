@@ -120,16 +120,24 @@ def attention_work(cp: int, layout: str = "zigzag") -> list[float]:
 # --------------------------------------------------------------------------- sharding
 
 
-def zigzag_shard(t: Tensor, group: Group, dim: int) -> Tensor:
-    """Full sequence along `dim` (length 2*cp*C, replicated) -> this rank's chunks (r, 2cp-1-r)
-    concatenated (length 2*C, sharded over the cp axis). A view-based copy; differentiable."""
+def rank_chunks(rank: int, cp: int, layout: str = "zigzag", docs=None) -> tuple[int, int]:
+    """The chunks cp rank `rank` holds: the micro-batch's own placement when its packed documents have
+    one (parallel.cp_layout = "balanced", `Documents.balanced_chunks`), else `chunk_ids`."""
+    if docs is not None and docs.chunks is not None:
+        return docs.chunks[rank]
+    return chunk_ids(rank, cp, layout)
+
+
+def zigzag_shard(t: Tensor, group: Group, dim: int, chunks: tuple[int, int] | None = None) -> Tensor:
+    """Full sequence along `dim` (length 2*cp*C, replicated) -> this rank's chunks (r, 2cp-1-r), or
+    `chunks`, concatenated (length 2*C, sharded over the cp axis). A view-based copy; differentiable."""
     if group.size == 1:
         return t
     n_chunks = 2 * group.size
     if t.shape[dim] % n_chunks:
         raise ValueError(f"sequence length {t.shape[dim]} (dim {dim}) must be divisible by 2*cp={n_chunks}")
-    chunks = t.chunk(n_chunks, dim=dim)
-    return torch.cat([chunks[i] for i in chunk_ids(group.rank, group.size)], dim=dim)
+    pieces = t.chunk(n_chunks, dim=dim)
+    return torch.cat([pieces[i] for i in chunks or chunk_ids(group.rank, group.size)], dim=dim)
 
 
 @torch.no_grad()
@@ -250,7 +258,7 @@ def step_calls(rank: int, cp: int, chunk: int, layout: str = "zigzag", docs=None
                 for b in ring_schedule(rank, cp, layout)]
 
     def ranges(r):
-        return tuple((c * chunk, (c + 1) * chunk) for c in chunk_ids(r, cp, layout))
+        return tuple((c * chunk, (c + 1) * chunk) for c in rank_chunks(r, cp, layout, docs))
 
     calls = []
     for pieces in docs.plan_call(ranges(rank), [ranges((rank - s) % cp) for s in range(cp)]):

@@ -108,7 +108,7 @@ def _local_normal(full_shape, shards, dims: ParallelDims, seed: int, name: str) 
 
 def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: ParallelDims,
                   mtp_depth: int = 0, documents=None, document_mask: bool = False,
-                  document_positions: bool = False) -> dict:
+                  document_positions: bool = False, cp_layout: str = "zigzag") -> dict:
     """Model inputs for this rank from a micro-batch of full sequences.
 
     tokens: (B, S+1) int64 (inputs + shifted labels), loss_mask: (B, S) or None, documents: the
@@ -118,6 +118,8 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     the whole sequence on one device, this rank's zig-zag chunks under context parallelism. "mtp"
     holds the multi-token-prediction targets (built before sharding) or None; "docs" the `Documents`
     attention stays inside with document_mask (over the full sequence: the ring plans from it), or None.
+    cp_layout "balanced" (with document_mask): this micro-batch's chunks are placed on cp ranks by
+    `Documents.balanced_chunks`, recorded in "docs" for the ring.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
@@ -127,11 +129,15 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     if dims.cp > 1:
         from moe_lc.parallel.context import zigzag_shard
 
-        inputs, labels, positions = (zigzag_shard(t, dims["cp"], dim=d)
+        group, mine = dims["cp"], None
+        if cp_layout == "balanced" and document_mask:
+            docs.chunks = docs.balanced_chunks(dims.cp)
+            mine = docs.chunks[group.rank]
+        inputs, labels, positions = (zigzag_shard(t, group, d, mine)
                                      for t, d in ((inputs, 1), (labels, 1), (positions, positions.dim() - 1)))
-        loss_mask = zigzag_shard(loss_mask, dims["cp"], dim=1) if loss_mask is not None else None
+        loss_mask = zigzag_shard(loss_mask, group, 1, mine) if loss_mask is not None else None
         if mtp is not None:
-            mtp = {k: zigzag_shard(v, dims["cp"], dim=2) for k, v in mtp.items()}
+            mtp = {k: zigzag_shard(v, group, 2, mine) for k, v in mtp.items()}
     return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "positions": positions, "mtp": mtp,
             "docs": docs if document_mask else None}
 
