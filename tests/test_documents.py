@@ -302,3 +302,24 @@ def test_balance_tool_counts_what_the_ring_plans(tmp_path):
     for v in result["cp"].values():
         assert 1.0 <= v["balanced"]["mean"] <= v["zigzag"]["mean"]
     assert (tmp_path / "out" / "balance.png").stat().st_size > 0
+
+
+def test_step_metrics_count_the_work_of_the_masked_attention():
+    """attn/doc_work is one layer's score elements over the batch; the fraction is against the causal mask."""
+    from moe_lc.parallel.comm import Group
+    from moe_lc.parallel.parallelize import prepare_batch
+    from moe_lc.train_step import document_attention_metrics
+
+    dims = ParallelDims(1, 1, 1, 1, 1, 1, 1, 0, groups={"cp": Group("cp", [0], 0), "dp": Group("dp", [0], 0)})
+    cfg = load_config(RECIPES / "debug_cpu.toml").model
+    model = build_model(cfg)
+    lengths = [torch.tensor([5, 20, 39]), torch.tensor([64])]
+    batch = prepare_batch(torch.randint(0, 256, (2, 65)), None, dims, documents=lengths, document_mask=True)
+    with torch.no_grad():
+        model(batch["inputs"], positions=batch["positions"], docs=batch["docs"])
+    metrics = document_attention_metrics([batch, dict(batch, docs=None)], dims, torch.device("cpu"))
+    want = sum(n * (n + 1) // 2 for n in (5, 20, 39, 64))
+    assert metrics["attn/doc_work"] == want
+    assert metrics["attn/doc_work_fraction"] == pytest.approx(want / (2 * 64 * 65 / 2))
+    assert metrics["attn/cp_imbalance"] == 1.0
+    assert document_attention_metrics([dict(batch, docs=None)], dims, torch.device("cpu")) == {}

@@ -86,6 +86,55 @@ def test_cuda_attention_matches_fp64_reference(backend_name, case):
         assert got.grad.shape == got.shape and rel_err(got.grad, ref.grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("backend_name", CUDA_BACKENDS)
+@pytest.mark.parametrize("d_qk, d_v", [(128, 128), (192, 128)], ids=["gqa_d128", "mla_192_128"])
+def test_cuda_packed_documents_match_fp64_masked_reference(backend_name, d_qk, d_v):
+    """Attention over packed documents (moe_lc/ops/documents.py) on one device and on a cp-4 ring step
+    whose query chunk meets two key chunks of one document (two varlen waves merged by LSE); the flash
+    backends must take their varlen kernels (one call per wave), torch one call per piece."""
+    from moe_lc.ops.documents import Documents
+
+    backend = cuda_backend(backend_name)
+    S, lengths = 1024, [[100, 3, 400, 77, 444], [1024]]
+    docs = Documents(lengths, S)
+    g = torch.Generator().manual_seed(d_qk)
+    q, k, v, dout = (torch.randn(*shape, generator=g).bfloat16() for shape in
+                     ((2, S, 8, d_qk), (2, S, 2, d_qk), (2, S, 2, d_v), (2, S, 8, d_v)))
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths])
+    mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    scale = 0.7 * d_qk ** -0.5
+    calls = []
+    if backend.varlen_forward is not None:
+        inner = backend.varlen_forward
+        backend = type(backend)()  # a fresh instance whose varlen_forward is counted
+        backend.varlen_forward = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+    C = S // 8  # cp 4: rank 0 holds chunks 0 and 7; rank 1's chunks 1 and 6 visit it
+    cases = {"one_device": (torch.arange(S), torch.arange(S), ((0, S),), ((0, S),)),
+             "ring_step": (torch.cat([torch.arange(0, C), torch.arange(7 * C, S)]),
+                           torch.cat([torch.arange(C, 2 * C), torch.arange(6 * C, 7 * C)]),
+                           ((0, C), (7 * C, S)), ((C, 2 * C), (6 * C, 7 * C)))}
+    for name, (rows, cols, q_ranges, k_ranges) in cases.items():
+        pieces = docs.pieces(q_ranges, k_ranges)
+        leaves = [q[:, rows].cuda().requires_grad_(), k[:, cols].cuda().requires_grad_(), v[:, cols].cuda().requires_grad_()]
+        out, lse = attention_with_lse(*leaves, scale=scale, backend=backend, pieces=pieces)
+        out.backward(dout[:, rows].cuda())
+        ref = [x.detach().double().requires_grad_() for x in (q[:, rows], k[:, cols], v[:, cols])]
+        scores = torch.einsum("bqhd,bkhd->bhqk", ref[0], ref[1].repeat_interleave(4, 2)) * scale
+        scores = scores.masked_fill(~mask[:, rows][:, :, cols][:, None], float("-inf"))
+        ref_lse = scores.logsumexp(-1)
+        seen = ref_lse > float("-inf")  # rows that see no key here: (0, -inf), as every partial does
+        ref_out = torch.einsum("bhqk,bkhd->bqhd", (scores - ref_lse[..., None].where(seen[..., None], 0)).exp(),
+                               ref[2].repeat_interleave(4, 2))
+        ref_out.backward(dout[:, rows].double())
+        assert rel_err(out, ref_out) < 1e-2, name
+        assert torch.equal(lse.cpu() > float("-inf"), seen), name
+        assert (lse.double().cpu()[seen] - ref_lse[seen]).abs().max().item() < 2e-3, name
+        for got, want, t in zip(leaves, ref, "qkv"):
+            assert rel_err(got.grad, want.grad) < 2e-2, (name, t)
+    if backend.varlen_forward is not None:
+        assert len(calls) == 1 + 2  # one wave on one device; the ring step: causal-free, two waves
+
+
 def test_auto_takes_the_first_usable_cuda_backend():
     from moe_lc.ops.attention import AUTO_ORDER
 
