@@ -226,7 +226,7 @@ class Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0, or 2 with one `error: ` line when an argument or an input record is wrong."""
+    """Exit status 0; 2 with one `error: ` line when an argument or an input record is wrong; 130 on Ctrl-C."""
     args = parse_args(argv)
     try:
         tokenizer, files, skipped, settings = prepare(args)
@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted: the shards published so far are kept; run the same command to continue",
+              file=sys.stderr)
+        return 130
     progress.close()
     print_summary(manifests, args, total, time.perf_counter() - start, status == "resume")
     return 0
