@@ -1,8 +1,9 @@
 """Perplexity vs context length (sliding window) and loss by token position, on held-out text.
 
 Held-out text: the validation split of the run's corpus: the stdlib 'val' files (split by file, so
-never trained on) for data.source = "stdlib" or "synthetic", the `{path}.val` token file for
-data.source = "tokens". The first `max_tokens` tokens are used (a fixed, seeded-free prefix).
+never trained on) for data.source = "stdlib" or "synthetic", the `{path}` token files' val split
+(one file or prepare_data's shards) for data.source = "tokens", and for a `[[data.sources]]` mixture
+its first source's. The first `max_tokens` tokens are used (a fixed, seeded-free prefix).
 
 Sliding window (context length L, stride s <= L): windows [b, b + L) for b = 0, s, 2s, ...; the
 first window scores all its L - 1 predictions, every later one only its last s (those with at
@@ -19,16 +20,17 @@ import numpy as np
 import torch
 
 from .model_io import forward_logits
-from moe_lc.data import open_token_file, stdlib_token_stream
+from moe_lc.data import stdlib_token_stream
+from moe_lc.data.token_corpus import open_token_corpus
 
 
 def heldout_tokens(data_cfg, tokenizer, max_tokens: int) -> np.ndarray:
     """The first max_tokens tokens of the validation split (see the module docstring)."""
-    if data_cfg.source == "tokens":
-        tokens, meta = open_token_file(f"{data_cfg.path}.val")
-        if meta["tokenizer"] != tokenizer.name:
-            raise ValueError(f"{data_cfg.path}.val was built with tokenizer {meta['tokenizer']!r}, "
-                             f"the model uses {tokenizer.name!r}")
+    source, path = data_cfg.source, data_cfg.path
+    if data_cfg.sources:
+        source, path = data_cfg.sources[0].source, data_cfg.sources[0].path
+    if source == "tokens":
+        tokens = open_token_corpus(path, "val", tokenizer).stream()[0]  # names a tokenizer mismatch
     else:
         tokens = stdlib_token_stream("val", tokenizer, data_cfg.val_fraction)
     if len(tokens) < 2:

@@ -5,6 +5,8 @@ Kinds (each fires once, on the given rank or on every rank, after optimizer step
     kill_in_save  SIGKILL while the checkpoint of that step is written (data and DCP metadata on
                   disk, commit marker and rename not yet done)
     nan_loss      the loss of that step becomes NaN before backward (non-finite guard)
+    prepare_kill  tools/prepare_data.py is SIGKILLed right after publishing its `step`-th shard of a
+                  split (the other split's open shard left half-written), to test resuming
 Under torchrun restarts a fault fires only in the first attempt (TORCHELASTIC_RESTART_COUNT = 0),
 so the restarted job runs clean. Nothing happens unless the variable is set.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 
-KINDS = ("exit", "kill_in_save", "nan_loss")
+KINDS = ("exit", "kill_in_save", "nan_loss", "prepare_kill")
 
 
 def _faults() -> list[tuple[str, int, int | None]]:
@@ -45,4 +47,10 @@ def maybe_exit(step: int, rank: int) -> None:
 def maybe_kill_in_save(step: int, rank: int) -> None:
     if armed("kill_in_save", step, rank):
         print(f"[fault injection] rank {rank} killed while saving step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_kill_after_shard(shards_written: int) -> None:
+    if armed("prepare_kill", shards_written, 0):
+        print(f"[fault injection] prepare_data killed after shard {shards_written}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

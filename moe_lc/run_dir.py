@@ -22,8 +22,9 @@ ROOT = the checkpoint root:
     resume = false, OUT unused               start a new run
     resume = false, OUT used (metrics.jsonl, run.json, or checkpoints under OUT)
                                              refuse; train.overwrite = true clears metrics.jsonl, tb/,
-                                             wandb/, config.toml, run.json and the step directories of
-                                             the checkpoint roots inside OUT, then starts a new run
+                                             wandb/, config.toml, data_mixture.json, run.json and the step
+                                             directories of the checkpoint roots inside OUT, then starts a
+                                             new run
     ROOT outside OUT holds committed checkpoints and resume = false
                                              refuse, even with overwrite: nothing outside OUT is deleted
     resume = true, ROOT has a checkpoint     resume it, unless its run id differs from run.json's, the
@@ -54,7 +55,7 @@ from moe_lc.config import Config, ConfigError
 
 RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"
-RUN_FILES = (METRICS, "tb", "wandb", "config.toml", RUN_FILE)  # what `train.overwrite` clears in OUT
+RUN_FILES = (METRICS, "tb", "wandb", "config.toml", "data_mixture.json", RUN_FILE)  # what `train.overwrite` clears in OUT
 
 
 @dataclass(frozen=True)

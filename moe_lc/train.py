@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
 from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
+from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
@@ -124,6 +126,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t, m, d = self.cfg.train, self.cfg.model, self.cfg.data
+        first_sample = self.loader.samples_consumed
         micro = self.loader.next_step()
         n_tokens = step_token_count(micro, t.global_batch * t.seq_len, self.dims, self.device)
         batches = []
@@ -148,6 +151,8 @@ class Trainer:
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
         metrics.update(balance_routers(self.model, self.dims, stats.aux_losses))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
+        if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices
+            metrics.update(drawn_tokens(self.loader.dataset, first_sample, t.global_batch, t.seq_len))
         return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -222,7 +227,17 @@ class Trainer:
         if self.is_logger:
             (out / "config.toml").write_text(to_toml(cfg))
             self._banner(resumed)
+            self._mixture_report(out, logger)
         return logger
+
+    def _mixture_report(self, out: Path, logger: MetricsLogger) -> None:
+        """A mixture's draw per source over this run's remaining samples: printed, and kept in
+        <output_dir>/data_mixture.json."""
+        t, first = self.cfg.train, self.loader.samples_consumed
+        report = mixture_report(self.loader.dataset, first, t.steps * t.global_batch - first, t.seq_len)
+        if report is not None and report["samples"]:
+            logger.event(format_report(report))
+            (out / "data_mixture.json").write_text(json.dumps(report, indent=1) + "\n")
 
     def _loop(self, logger: MetricsLogger, result: TrainResult) -> None:
         cfg, t = self.cfg, self.cfg.train

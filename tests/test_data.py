@@ -18,6 +18,7 @@ from moe_lc.data.corpus import is_val_file, list_text_files, split_files, stdlib
 from moe_lc.data.documents import starts_from_eos
 from moe_lc.data.loader import Mixture, StepLoader, SyntheticTasks, TokenWindows, build_dataset, collate
 from moe_lc.data.synthetic import TASKS, Sample, make_task
+from moe_lc.data.token_corpus import split_token_files
 from moe_lc.data.token_file import TokenFileWriter, check_vocab, open_token_file, write_token_file
 from moe_lc.data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -487,12 +488,13 @@ def test_prepare_data_cli(tmp_path):
            "--out", str(tmp_path / "out" / "c"), "--val-fraction", "0.25", "--glob", "*.txt"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"\[train\] files \d+/\d+ .* MB .* tokens", result.stdout) and "summary:" in result.stdout
+    assert re.search(r"tokenize \(\d+ workers\): 100%.* docs 42 ", result.stderr) and "summary:" in result.stdout
 
     texts["extra.txt"] = extra.read_text()
     decoded = {}
     for split in ("train", "val"):
-        tokens, meta, starts = open_token_file(tmp_path / "out" / f"c.{split}", documents=True)
+        (shard,) = split_token_files(tmp_path / "out" / "c", split)  # one shard each: far below --shard-tokens
+        tokens, meta, starts = open_token_file(shard, documents=True)
         assert meta["tokenizer"] == "byte" and tokens[-1] == BYTE.eos_id
         assert np.array_equal(starts, starts_from_eos(tokens, BYTE.eos_id))  # the index: one start per file
         docs = np.split(np.asarray(tokens), np.flatnonzero(np.asarray(tokens) == BYTE.eos_id) + 1)[:-1]

@@ -231,8 +231,8 @@ def test_prepare_data_refuses_a_binary_input_and_skips_binaries_in_directories(t
     prefix = tmp_path / "new" / "dir" / "c"  # missing parents are made
     assert prepare_data.main([str(corpus), "--out", str(prefix), "--val-fraction", "0"]) == 0
     printed = capsys.readouterr().out
-    assert "1 files -> train 1, val 0" in printed and "skipped 2 files that are not UTF-8 text" in printed
-    meta = json.loads((tmp_path / "new" / "dir" / "c.train.json").read_text())
+    assert "1 files (1 text)" in printed and "skipped 2 files that are not UTF-8 text" in printed
+    meta = json.loads((tmp_path / "new" / "dir" / "c.train.shards.json").read_text())
     assert meta["n_tokens"] == len("hello world\n" * 20) + 1  # a.txt and its EOS only
 
 
@@ -243,8 +243,8 @@ def test_prepare_data_output_paths(tmp_path, capsys):
     one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "f" / "c")]),
               f"--out {tmp_path / 'f' / 'c'}: {tmp_path / 'f'} is a file, not a directory")
     one_error(capsys, prepare_data.main([str(corpus), "--out", "/proc/no_such_dir/c"]), "cannot create directory")
-    (tmp_path / "c.val.bin").mkdir()
-    one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "c")]), "c.val.bin is a directory")
+    (tmp_path / "c.val.shards.json").mkdir()
+    one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "c")]), "c.val.shards.json is a directory")
     one_error(capsys, prepare_data.main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]), "input not found")
     one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "nope"]),
               "--tokenizer: unknown tokenizer 'nope'")

@@ -1,22 +1,31 @@
-"""Tokenize text files into train/val token files for `[data] source = "tokens"`.
+"""Tokenize a corpus into train/val token shards for `[data] source = "tokens"` or `[[data.sources]]`.
 
     python tools/prepare_data.py INPUT... --out PREFIX [--tokenizer byte|path/tokenizer.json|model dir]
-                                 [--val-fraction 0.02] [--glob '*.txt']
+        [--val-fraction 0.02] [--glob '*.txt'] [--text-field text] [--meta-fields a,b] [--split-by FIELD]
+        [--workers N] [--shard-tokens N] [--overwrite]
 
 INPUT is a file or a directory (searched recursively for --glob, skipping __pycache__ and
-site-packages). Writes PREFIX.train.{bin,json,docs.npy} and PREFIX.val.{bin,json,docs.npy} (docs.npy:
-where each document starts, see moe_lc/data/token_file.py). Files are split by a stable hash of their
-path relative to the INPUT directory (a file given directly: its name), the same rule as the built-in
-stdlib corpus, so re-running on a grown corpus keeps every old file in its split. A file is a
-document: its tokens followed by EOS. Output appears atomically when a split is complete; missing parent
-folders of PREFIX are made.
+site-packages). Text files are one document each; JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) and
+Parquet (.parquet) hold one document per record, its text in --text-field, and --meta-fields values
+kept per document (a repository or book id for `concat_by`; text files offer "path" and "dir"). Gzip
+needs nothing, zstd and Parquet the `[data]` extra (pip install -e '.[data]').
 
-Only text is tokenized: a file whose first 8 KiB hold a NUL byte or are not UTF-8 is binary. A
-binary file named directly is refused (exit status 2, one line naming it); binary files found in a
-directory (a stray .so or image matching --glob) are skipped and counted in the first line printed,
-since a directory is a corpus whose odd member should not cost the rest. Mistakes in the arguments
-(a missing input, an unwritable or directory PREFIX, an unknown tokenizer) are one `error: ` line with
-exit status 2, found before anything is tokenized.
+Writes PREFIX.train.NNNNN.{bin,json,docs.npy} and PREFIX.val.NNNNN... shards of about --shard-tokens
+tokens (ending where a document ends; docs.npy: where each document starts; meta.jsonl with
+--meta-fields), and PREFIX.train.shards.json / PREFIX.val.shards.json, the lists a run reads, once a
+split is complete (moe_lc/data/shards.py). A document is its tokens followed by EOS. Documents are split
+by a stable hash of their key: a text file's path relative to its INPUT directory (the built-in stdlib
+corpus's rule, so a grown corpus keeps every old file in its split), a record's `file:record`, or the
+value of --split-by.
+
+--workers N processes tokenize (default: every core); the shards are the same bytes for any N. An
+interrupted run (Ctrl-C, a kill, a full disk) continues where it stopped when run again with the same
+arguments: complete shards are kept, a half-written one is never visible to a run and is redone. Other
+settings over the same PREFIX are refused unless --overwrite (which removes the earlier output first).
+Mistakes in the arguments (a missing input, a text file that is not UTF-8 named directly, an unwritable
+or directory PREFIX, an unknown tokenizer, a missing package or Parquet column) are one `error: ` line
+with exit status 2, before anything is tokenized; text files in directories that are not text are
+skipped and counted.
 """
 
 from __future__ import annotations
@@ -28,166 +37,242 @@ if __name__ == "__main__" and not __package__:  # `python tools/prepare_data.py`
     sys.exit(0)
 
 import argparse
-import codecs
+import json
+import os
 import sys
 import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-
-from moe_lc.data.corpus import is_val_file, list_text_files, read_text
-from moe_lc.data.token_file import TokenFileWriter, token_dtype
+from moe_lc.data.corpus import is_val_file
+from moe_lc.data.ingest import check_parquet_columns, collect_inputs, encode_records, init_worker, iter_records
+from moe_lc.data.shards import SplitShards, outputs_of, state_path, write_json_atomic
+from moe_lc.data.token_corpus import manifest_path
+from moe_lc.data.token_file import token_dtype
 from moe_lc.data.tokenizer import load_tokenizer
-
 from moe_lc.out_path import OutPathError, out_file
 
-ENCODE_BATCH_FILES = 64  # files per encode_batch call (HF tokenizers encode a batch in parallel)
-PROGRESS_EVERY_S = 1.0
-SNIFF_BYTES = 8192  # how much of a file decides whether it is text
-
-
-def binary_reason(path: Path) -> str | None:
-    """Why `path` is not text (unreadable, or a NUL byte or bytes that are not UTF-8 in its first
-    SNIFF_BYTES), else None."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(SNIFF_BYTES)
-    except OSError as exc:
-        return f"cannot be read: {exc.strerror}"
-    where = f"in its first {SNIFF_BYTES // 1024} KiB"
-    nul = head.find(b"\0")
-    if nul >= 0:
-        return f"is not UTF-8 text: a NUL byte at offset {nul} {where}"
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
-    except UnicodeDecodeError as exc:
-        return f"is not UTF-8 text: byte 0x{head[exc.start]:02x} at offset {exc.start} {where}"
-    return None
-
-
-def collect_files(inputs: list[str], pattern: str) -> tuple[list[tuple[Path, str]], list[Path]]:
-    """((path, split key) for every text file, files skipped in directories). The key is the path
-    relative to its INPUT dir. ValueError for a missing input or a file given directly that is not text."""
-    found, skipped = [], []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            for rel in list_text_files(path, pattern):
-                if binary_reason(path / rel):
-                    skipped.append(path / rel)
-                else:
-                    found.append((path / rel, rel))
-        elif path.is_file():
-            reason = binary_reason(path)
-            if reason:
-                raise ValueError(f"input {item} {reason}")
-            found.append((path, path.name))
-        else:
-            raise ValueError(f"input not found: {item}")
-    return found, skipped
-
-
-def output_files(prefix: str) -> list[Path]:
-    """The four output files of PREFIX, checked and their folder made (OutPathError: one line)."""
-    if prefix.endswith(("/", "\\")) or Path(prefix).is_dir():
-        raise OutPathError(f"--out {prefix}: names a directory; PREFIX is a file prefix such as "
-                           f"{Path(prefix) / 'corpus'} (writes {Path(prefix) / 'corpus'}.train.bin, ...)")
-    return [out_file("--out", f"{prefix}.{split}.{ext}", prefix)
-            for split in ("train", "val") for ext in ("bin", "json")]
-
-
-def write_split(name: str, files: list[Path], prefix: str, tokenizer, source: str) -> dict:
-    """Tokenize `files` into `{prefix}.{name}`, printing progress; returns counts."""
-    eos = [tokenizer.eos_id]
-    n_bytes, start, last_print = 0, time.perf_counter(), 0.0
-    with TokenFileWriter(
-        f"{prefix}.{name}", tokenizer_name=tokenizer.name, vocab_size=tokenizer.vocab_size, source=source
-    ) as writer:
-        for first in range(0, len(files), ENCODE_BATCH_FILES):
-            batch = files[first : first + ENCODE_BATCH_FILES]
-            texts = [read_text(p) for p in batch]
-            n_bytes += sum(p.stat().st_size for p in batch)
-            for text, ids in zip(texts, tokenizer.encode_batch(texts)):
-                if text:
-                    writer.append_document(ids, eos)
-            now = time.perf_counter() - start
-            if now - last_print >= PROGRESS_EVERY_S or first + len(batch) == len(files):
-                last_print = now
-                print(
-                    f"[{name}] files {first + len(batch)}/{len(files)}  {n_bytes / 1e6:.1f} MB  "
-                    f"{writer.n_tokens / 1e6:.2f}M tokens  {now:.1f}s",
-                    flush=True,
-                )
-    return {"files": len(files), "bytes": n_bytes, "tokens": writer.n_tokens, "seconds": time.perf_counter() - start}
+SPLITS = ("train", "val")
+TASK_DOCS = 256  # documents per worker task
+TASK_BYTES = 4 << 20  # ... or this much text, whichever comes first: enough work to outweigh the pickling
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or directories")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text, JSON Lines or Parquet files, or directories")
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.train.* and PREFIX.val.*")
     parser.add_argument("--tokenizer", default="byte", help="'byte', a HuggingFace tokenizer.json, or a model directory holding one")
-    parser.add_argument("--val-fraction", type=float, default=0.02, help="fraction of files held out (by hash)")
+    parser.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out (by hash of their key)")
     parser.add_argument("--glob", default="*.txt", help="file name pattern inside directories (default *.txt)")
+    parser.add_argument("--text-field", default="text", help="JSON Lines field / Parquet column holding the text")
+    parser.add_argument("--meta-fields", default="", help="comma-separated fields kept per document (text files: path, dir)")
+    parser.add_argument("--split-by", default="", metavar="FIELD", help="split by this metadata field's value (default: per document)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: every core)")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard, about (default 2^27)")
+    parser.add_argument("--overwrite", action="store_true", help="remove an earlier prepare into PREFIX first")
     return parser.parse_args(argv)
 
 
-def prepare(args) -> tuple[object, list[tuple[Path, str]], list[Path]]:
-    """(tokenizer, files, skipped binary files) once every argument checks out; ValueError otherwise."""
+def kept_fields(args) -> tuple[str, ...]:
+    """The metadata fields the shards keep (--meta-fields)."""
+    return tuple(f.strip() for f in args.meta_fields.split(",") if f.strip())
+
+
+def meta_fields_of(args) -> tuple[str, ...]:
+    """The fields the workers read: the kept ones and the --split-by field."""
+    fields = kept_fields(args)
+    return fields + ((args.split_by,) if args.split_by and args.split_by not in fields else ())
+
+
+def prepare(args):
+    """(tokenizer, input files, skipped binaries, settings) once every argument checks out; ValueError
+    (OutPathError too) otherwise. Makes PREFIX's missing folders last."""
     if not 0.0 <= args.val_fraction < 1.0:
         raise ValueError(f"--val-fraction={args.val_fraction} must be in [0, 1)")
-    files, skipped = collect_files(args.inputs, args.glob)
+    if args.workers < 1 or args.shard_tokens < 1:
+        raise ValueError(f"--workers={args.workers} and --shard-tokens={args.shard_tokens} must be >= 1")
+    files, skipped = collect_inputs(args.inputs, args.glob)
     if not files:
         binary = f" ({len(skipped)} files skipped: not UTF-8 text)" if skipped else ""
-        raise ValueError(f"no text files matching {args.glob!r} under {' '.join(args.inputs)}{binary}")
+        raise ValueError(f"no input files matching {args.glob!r} under {' '.join(args.inputs)}{binary}")
+    for f in files:
+        if f.format == "parquet":
+            check_parquet_columns(f, args.text_field)
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise ValueError(f"--tokenizer: {exc}") from None
-    output_files(args.out)  # last: it makes PREFIX's missing folders
-    return tokenizer, files, skipped
+    if args.out.endswith(("/", "\\")) or Path(args.out).is_dir():
+        raise OutPathError(f"--out {args.out}: names a directory; PREFIX is a file prefix such as "
+                           f"{Path(args.out) / 'corpus'} (writes {Path(args.out) / 'corpus'}.train.00000.bin, ...)")
+    for path in [state_path(args.out)] + [manifest_path(args.out, s) for s in SPLITS]:
+        out_file("--out", path, args.out)
+    settings = {"inputs": [[str(f.path.resolve()), f.key, f.size] for f in files], "tokenizer": tokenizer.name,
+                "glob": args.glob, "text_field": args.text_field, "meta_fields": list(meta_fields_of(args)),
+                "split_by": args.split_by, "val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
+    return tokenizer, files, skipped, settings
+
+
+def check_earlier_run(args, settings: dict) -> str:
+    """'fresh', 'resume' or 'complete' for PREFIX; ValueError when it holds another prepare."""
+    if args.overwrite:
+        for path in outputs_of(args.out, SPLITS):
+            path.unlink()
+        return "fresh"
+    state = state_path(args.out)
+    if not state.is_file():
+        return "fresh"
+    earlier = json.loads(state.read_text())
+    if earlier != settings:
+        changed = [k for k in settings if earlier.get(k) != settings[k]]
+        raise ValueError(f"--out {args.out}: holds a prepare with other settings ({', '.join(changed)} differ); "
+                         "run it with the same arguments to resume it, or pass --overwrite to start over")
+    return "complete" if all(manifest_path(args.out, s).is_file() for s in SPLITS) else "resume"
+
+
+def ordered_map(tasks, workers: int, initargs: tuple):
+    """(key, encode_records(payload)) for (key, payload) in `tasks`, in order: in this process for one
+    worker, else with at most 2 x workers + 2 tasks in flight (bounded memory, however large the corpus)."""
+    if workers == 1:
+        init_worker(*initargs)
+        for key, payload in tasks:
+            yield key, encode_records(payload)
+        return
+    with ProcessPoolExecutor(workers, initializer=init_worker, initargs=initargs) as pool:
+        pending = deque()
+        for key, payload in tasks:
+            pending.append((key, pool.submit(encode_records, payload)))
+            if len(pending) >= 2 * workers + 2:
+                done_key, future = pending.popleft()
+                yield done_key, future.result()
+        while pending:
+            done_key, future = pending.popleft()
+            yield done_key, future.result()
+
+
+def make_tasks(files, splits: dict, meta_fields, text_field: str):
+    """Batches of the documents some split still wants, as ((positions, split keys, bytes read), payload)."""
+    wanted = [s.last_position for s in splits.values()]
+    start = (0, -1) if any(p is None for p in wanted) else min(tuple(p) for p in wanted)
+    keys, positions, payload, size = [], [], [], 0
+    for number, f in enumerate(files):
+        if number < start[0]:
+            continue
+        first = start[1] + 1 if number == start[0] else 0
+        bytes_read = 0
+        for record, raw, metadata, bytes_read in iter_records(f, meta_fields, text_field, first):
+            positions.append((number, record))
+            keys.append(f.key if f.format == "text" else f"{f.key}:{record}")
+            payload.append((raw, metadata, f"{f.path}:{record + 1}" if f.format == "jsonl" else f"{f.path} row {record}"))
+            size += len(raw)
+            if len(payload) >= TASK_DOCS or size >= TASK_BYTES:
+                yield (positions, keys, (number, bytes_read)), payload
+                keys, positions, payload, size = [], [], [], 0
+        if payload:
+            yield (positions, keys, (number, bytes_read)), payload
+            keys, positions, payload, size = [], [], [], 0
+        yield ([], [], (number, f.size)), []  # the file is done: progress counts all of it
+
+
+def run(args, tokenizer, files, progress) -> dict:
+    """Tokenize every document some split still wants into its shards; returns the two manifests."""
+    fields = meta_fields_of(args)
+    source = f"prepare_data: {' '.join(args.inputs)} glob={args.glob} val_fraction={args.val_fraction:g}"
+    splits = {s: SplitShards(args.out, s, tokenizer, args.shard_tokens, kept_fields(args), source) for s in SPLITS}
+    file_start = [0]
+    for f in files:
+        file_start.append(file_start[-1] + f.size)
+    try:
+        results = ordered_map(make_tasks(files, splits, fields, args.text_field), args.workers,
+                              (args.tokenizer, args.text_field, fields))
+        for (positions, keys, (number, bytes_read)), encoded in results:
+            if encoded and isinstance(encoded[0], str):
+                raise ValueError(encoded[0])  # a record the worker could not read, with its file and line
+            for position, key, (ids, metadata) in zip(positions, keys, encoded):
+                if args.split_by and metadata.get(args.split_by) is not None:
+                    key = str(metadata[args.split_by])
+                splits["val" if is_val_file(key, args.val_fraction) else "train"].add(ids, metadata, position)
+            progress(file_start[number] + bytes_read, splits)
+        return {name: s.finish() for name, s in splits.items()}
+    finally:
+        for s in splits.values():
+            s.abort()
+
+
+class Progress:
+    """A tqdm bar over the input bytes (compressed, as on disk) with documents and tokens/s; ETA by bytes."""
+
+    def __init__(self, total_bytes: int, workers: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenize ({workers} workers)",
+                        mininterval=1.0, file=sys.stderr)
+        self.start, self.done, self.tokens0 = time.perf_counter(), 0, None
+
+    def __call__(self, done_bytes: int, splits: dict) -> None:
+        tokens = sum(s.n_tokens for s in splits.values())
+        if self.tokens0 is None:  # shards kept from an interrupted run do not count as this run's speed
+            self.tokens0 = sum(sum(m["n_tokens"] for m in s.done[: s.resumed_shards]) for s in splits.values())
+        if done_bytes > self.done:
+            self.bar.update(done_bytes - self.done)
+            self.done = done_bytes
+        rate = (tokens - self.tokens0) / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"docs {sum(s.n_documents for s in splits.values()):,}  {rate / 1e6:.2f}M tok/s",
+                                 refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0, or 2 with one `error: ` line when an argument is wrong (no token file is written then)."""
+    """Exit status 0; 2 with one `error: ` line when an argument or an input record is wrong; 130 on Ctrl-C."""
     args = parse_args(argv)
     try:
-        tokenizer, files, skipped = prepare(args)
+        tokenizer, files, skipped, settings = prepare(args)
+        status = check_earlier_run(args, settings)
     except ValueError as exc:  # OutPathError too
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    splits = {"train": [], "val": []}
-    for path, key in files:
-        splits["val" if is_val_file(key, args.val_fraction) else "train"].append(path)
+    formats = ", ".join(f"{sum(f.format == k for f in files)} {k}" for k in ("text", "jsonl", "parquet")
+                        if any(f.format == k for f in files))
     shown = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-    print(
-        f"{len(files)} files -> train {len(splits['train'])}, val {len(splits['val'])}; "
-        f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, {token_dtype(tokenizer.vocab_size).name})"
-        + (f"; skipped {len(skipped)} files that are not UTF-8 text ({shown})" if skipped else ""),
-        flush=True,
-    )
-    stats = {}
-    for name, split_files in splits.items():
-        source = f"prepare_data {name}: {' '.join(args.inputs)} glob={args.glob} val_fraction={args.val_fraction:g}"
-        stats[name] = write_split(name, split_files, args.out, tokenizer, source)
-    print_summary(stats, args, len(files), len(skipped))
+    print(f"{len(files)} files ({formats}), {sum(f.size for f in files) / 1e6:.1f} MB; tokenizer {tokenizer.name} "
+          f"(vocab {tokenizer.vocab_size}, {token_dtype(tokenizer.vocab_size).name}); {args.workers} workers"
+          + (f"; skipped {len(skipped)} files that are not UTF-8 text ({shown})" if skipped else ""), flush=True)
+    if status == "complete":
+        print(f"{args.out}: already complete (its shards.json lists every shard); nothing to do")
+        return 0
+    write_json_atomic(state_path(args.out), settings)
+    start, total = time.perf_counter(), sum(f.size for f in files)
+    progress = Progress(total, args.workers)
+    try:
+        manifests = run(args, tokenizer, files, progress)
+    except ValueError as exc:
+        progress.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted: the shards published so far are kept; run the same command to continue",
+              file=sys.stderr)
+        return 130
+    progress.close()
+    print_summary(manifests, args, total, time.perf_counter() - start, status == "resume")
     return 0
 
 
-def print_summary(stats: dict, args, n_files: int, n_skipped: int) -> None:
-    print("summary:")
-    for name, s in stats.items():
-        bytes_per_token = s["bytes"] / s["tokens"] if s["tokens"] else float("nan")
-        print(
-            f"  {name:5s} {s['files']:6d} files  {s['bytes'] / 1e6:8.2f} MB  {s['tokens']:12,d} tokens  "
-            f"{bytes_per_token:.2f} bytes/token  {s['seconds']:.1f}s  -> {args.out}.{name}.bin"
-        )
-    if n_skipped:
-        print(f"  skipped {n_skipped} files that are not UTF-8 text (binary or unreadable)")
-    if stats["val"]["tokens"] == 0:
-        print(
-            f"warning: the val split is empty ({n_files} files, val-fraction {args.val_fraction:g}); "
-            "splitting is by file, so give more files or a larger --val-fraction",
-            file=sys.stderr,
-        )
+def print_summary(manifests: dict, args, total_bytes: int, seconds: float, resumed: bool) -> None:
+    print("summary:" + (" (resumed: shards kept from the interrupted run count too)" if resumed else ""))
+    tokens = sum(m["n_tokens"] for m in manifests.values())
+    for name, m in manifests.items():
+        print(f"  {name:5s} {len(m['shards']):4d} shards  {m['n_documents']:9,d} documents  {m['n_tokens']:14,d} tokens"
+              f"  -> {manifest_path(args.out, name)}")
+    print(f"  {total_bytes / 1e6:.2f} MB in {seconds:.1f}s: {total_bytes / 1e6 / seconds:.2f} MB/s, "
+          f"{tokens / seconds / 1e6:.2f}M tokens/s with {args.workers} workers")
+    if manifests["val"]["n_tokens"] == 0:
+        print(f"warning: the val split is empty (val-fraction {args.val_fraction:g}); splitting is by document "
+              "key, so give more documents or a larger --val-fraction", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ RecomputeItem = Literal["norm", "swiglu", "attention", "mla_up", "router"]
 LrSchedule = Literal["cosine", "wsd", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 DataSource = Literal["stdlib", "tokens", "synthetic"]
+MixtureSource = Literal["tokens", "stdlib"]  # what one [[data.sources]] table reads
 SyntheticTask = Literal["passkey", "multikey_needle", "variable_tracking", "associative_recall"]
 Logger = Literal["tensorboard", "wandb"]
 

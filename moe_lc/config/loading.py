@@ -1,7 +1,8 @@
 """Recipes: TOML files with `extends`, `--set` overrides, typed frozen dataclasses, and printing.
 
-A recipe is a TOML file with one table per section (`sections.py`). `extends = "base.toml"` (relative
-to the file) merges the base first, so ablation variants only state what differs. `--set a.b=c`
+A recipe is a TOML file with one table per section (`sections.py`), and arrays of tables where a
+section lists several alike (`[[data.sources]]`). `extends = "base.toml"` (relative to the file) merges
+the base first, so ablation variants only state what differs (an array of tables is replaced whole). `--set a.b=c`
 overrides any key, nested ones too (`--set model.moe.topk=6`), with type checking. Every problem is
 collected and reported at once, each naming its field, its value and the rule.
 """
@@ -162,6 +163,13 @@ def _build(cls, table: dict, path: str, errors: list[str]):
             else:
                 errors.append(f"[{where}] must be a table, got {type(value).__name__}")
             continue
+        item = get_args(typ)[0] if get_origin(typ) is list else None
+        if dataclasses.is_dataclass(item):  # an array of tables: [[data.sources]]
+            if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+                kwargs[key] = [_build(item, v, f"{where}[{k}]", errors) for k, v in enumerate(value)]
+            else:
+                errors.append(f"{where} must be an array of tables ([[{where}]] ...), got {type(value).__name__}")
+            continue
         if get_origin(typ) is list and isinstance(value, str):  # --set data.synthetic_tasks=passkey,multikey_needle
             value = [v.strip() for v in value.split(",") if v.strip()]
         problem = _check(value, typ)
@@ -265,12 +273,15 @@ def to_toml(cfg: Config, docs: bool = False) -> str:
 
 def _table(obj, path: str, docs: bool, lines: list[str]) -> None:
     hints = get_type_hints(type(obj))
-    lines.append(f"[{path}]")
-    nested = []
+    lines.append(f"[{path}]" if not path.startswith("[") else path)
+    nested, arrays = [], []
     for fl in dataclasses.fields(obj):
         value = getattr(obj, fl.name)
         if dataclasses.is_dataclass(value):
             nested.append((value, f"{path}.{fl.name}"))
+            continue
+        if isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
+            arrays += [(v, f"[[{path}.{fl.name}]]") for v in value]  # after this table's keys, as TOML wants
             continue
         doc = fl.metadata.get("doc", "")
         typ = hints[fl.name]
@@ -280,6 +291,8 @@ def _table(obj, path: str, docs: bool, lines: list[str]) -> None:
         comment = f"  # {doc}" if docs and doc else ""
         lines.append(f"{fl.name} = {_toml_value(value)}{comment}")
     lines.append("")
+    for value, header in arrays:
+        _table(value, header, docs, lines)
     for value, sub in nested:
         _table(value, sub, docs, lines)
 

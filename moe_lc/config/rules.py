@@ -32,6 +32,9 @@ def choice_errors(obj, path: str) -> list[str]:
         if dataclasses.is_dataclass(value):
             e += choice_errors(value, f"{path}.{fl.name}")
             continue
+        if isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):  # [[tables]]
+            e += [msg for k, v in enumerate(value) for msg in choice_errors(v, f"{path}.{fl.name}[{k}]")]
+            continue
         item_type, items = (get_args(typ)[0], value) if get_origin(typ) is list else (typ, [value])
         if get_origin(item_type) is Literal:
             allowed = get_args(item_type)

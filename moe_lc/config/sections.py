@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_lc.config.choices import (
-    AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, Logger, LrSchedule, MlaRing,
-    PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
+    AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, Logger, LrSchedule,
+    MixtureSource, MlaRing, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
 from moe_lc.config.model_sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "MLAConfig", "ModelConfig", "MoEConfig", "MTPConfig",
-           "ParallelConfig", "PrecisionConfig", "RecomputeConfig", "RopeConfig", "TrainConfig"]
+           "ParallelConfig", "PrecisionConfig", "RecomputeConfig", "RopeConfig", "SourceConfig", "TrainConfig"]
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -199,6 +199,52 @@ class CheckpointConfig:
         return e
 
 
+STDLIB_METADATA = ("path", "dir")  # what each stdlib document keeps (moe_lc/data/corpus.py)
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One [[data.sources]] table: a corpus, its share of the samples, and how its documents are chosen
+    and packed (moe_lc/data/document_select.py)."""
+
+    name: str = f("", "name in the metrics and the mixture report; default: the path's last part, or 'stdlib'")
+    source: MixtureSource = f("tokens", "tokens: token files at path; stdlib: this machine's Python sources")
+    path: str = f("", "tokens: a token-file prefix (tools/prepare_data.py --out) or a glob of prefixes")
+    weight: float = f(1.0, "share of the samples (weights are normalized over the sources)")
+    concat_by: str = f("", "join the documents sharing this metadata field's value into one (ProLong's per-"
+                            "repository code; stdlib documents keep 'path' and 'dir', their package)")
+    min_doc_tokens: int = f(0, "keep documents (after joining) of at least this many tokens; 0 = all")
+    max_doc_tokens: int = f(0, "keep documents of at most this many tokens; 0 = no bound")
+    upsample_min_tokens: int = f(0, "documents of at least this many tokens are repeated upsample_factor times")
+    upsample_factor: int = f(1, "copies of each long document per pass over the source (1 = none)")
+
+    @property
+    def label(self) -> str:
+        """The name metrics use: `name`, else the path's last part, else 'stdlib'."""
+        return self.name or ("stdlib" if self.source == "stdlib" else self.path.rstrip("/").rpartition("/")[2])
+
+    def errors(self, where: str) -> list[str]:
+        e = []
+        if self.source == "tokens" and not self.path:
+            e.append(f"{where}.path is empty: a tokens source needs a token-file prefix or glob")
+        if self.source == "stdlib" and self.path:
+            e.append(f"{where}.path={self.path!r} is set, but a stdlib source reads this machine's Python "
+                     "sources (remove path, or set source = 'tokens')")
+        if self.source == "stdlib" and self.concat_by and self.concat_by not in STDLIB_METADATA:
+            e.append(f"{where}.concat_by={self.concat_by!r}: stdlib documents keep only {', '.join(STDLIB_METADATA)}")
+        if not self.weight > 0:
+            e.append(f"{where}.weight={self.weight} must be > 0 (leave the table out to draw nothing from it)")
+        for name in ("min_doc_tokens", "max_doc_tokens", "upsample_min_tokens"):
+            non_negative(e, f"{where}.{name}", getattr(self, name))
+        if self.max_doc_tokens and self.max_doc_tokens < self.min_doc_tokens:
+            e.append(f"{where}.max_doc_tokens={self.max_doc_tokens} is below min_doc_tokens={self.min_doc_tokens}")
+        positive(e, f"{where}.upsample_factor", self.upsample_factor)
+        if self.upsample_factor > 1 and self.upsample_min_tokens == 0:
+            e.append(f"{where}.upsample_factor={self.upsample_factor} repeats every document (upsample_min_tokens "
+                     "= 0), which changes nothing: set upsample_min_tokens to the length that counts as long")
+        return e
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """[data]: training data: real text, token files, synthetic long-context tasks, or a mixture."""
@@ -212,6 +258,9 @@ class DataConfig:
     val_fraction: float = f(0.02, "fraction of stdlib files held out for validation")
     document_mask: bool = f(False, "attention stays inside each packed document (exact under CP; no padding)")
     document_positions: bool = f(False, "RoPE positions restart at 0 at each packed document")
+    sources: list[SourceConfig] = f([], "a mixture: one [[data.sources]] table per corpus (name, source, path, "
+                                        "weight, concat_by, min_doc_tokens, max_doc_tokens, upsample_min_tokens, "
+                                        "upsample_factor); replaces source/path; synthetic_weight mixes on top")
 
     @property
     def has_loss_mask(self) -> bool:
@@ -229,6 +278,18 @@ class DataConfig:
             e.append(f"data.needle_keys={self.needle_keys} must be >= 1")
         if not 0 < self.val_fraction < 1:
             e.append(f"data.val_fraction={self.val_fraction} must lie in (0, 1)")
+        if self.sources and (self.source != "stdlib" or self.path):
+            e.append(f"data.sources lists the corpora: data.source={self.source!r} and data.path={self.path!r} "
+                     "describe a single one (leave them out with [[data.sources]])")
+        labels: dict[str, int] = {}
+        for k, src in enumerate(self.sources):
+            e += src.errors(f"data.sources[{k}]")
+            if src.label in labels:
+                e.append(f"data.sources[{labels[src.label]}] and data.sources[{k}] are both named {src.label!r}: "
+                         "give each a distinct name")
+            labels.setdefault(src.label, k)
+        if self.sources and self.synthetic_weight > 0 and "synthetic" in labels:
+            e.append("a data.sources entry is named 'synthetic', the name of the synthetic tasks' share: rename it")
         return e
 
 

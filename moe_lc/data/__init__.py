@@ -11,8 +11,8 @@ from moe_lc.data.loader import (
     TokenWindows,
     build_dataset,
     collate,
-    dataset_from_config,
 )
+from moe_lc.data.mixture_sources import dataset_from_config
 from moe_lc.data.synthetic import TASKS, Sample, make_task
 from moe_lc.data.token_file import check_vocab, open_token_file, write_token_file
 from moe_lc.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

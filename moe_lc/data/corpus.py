@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from moe_lc.data.token_corpus import TokenCorpus
 from moe_lc.data.token_file import open_token_file, read_token_meta, token_dtype, write_token_file
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def stdlib_token_stream(
     """
     check_split(split, val_fraction)
     root = Path(root) if root is not None else stdlib_root()
-    cache_prefix = None
+    cache_prefix, stale = None, False
     if max_bytes is None and root == stdlib_root():
         cache_prefix = _stdlib_cache_prefix(
             Path(cache_dir) if cache_dir is not None else default_cache_dir(), tokenizer.name, split, val_fraction
@@ -173,6 +174,7 @@ def stdlib_token_stream(
                 tokens, meta, starts = open_token_file(cache_prefix, documents=True)
             except (OSError, ValueError) as exc:
                 log.warning("rebuilding stdlib cache %s: %s", cache_prefix, exc)
+                stale = True  # replaced below however fast the build is, so the warning comes once
             else:
                 if meta["tokenizer"] == tokenizer.name:
                     return (tokens, starts) if documents else tokens
@@ -194,8 +196,20 @@ def stdlib_token_stream(
     seconds = time.perf_counter() - start
     log.info("stdlib %s: %d files, %d tokens in %.2f s", split, len(chosen), len(tokens), seconds)
 
-    if cache_prefix is not None and seconds > cache_min_seconds:
+    if cache_prefix is not None and (seconds > cache_min_seconds or stale):
         write_token_file(cache_prefix, tokens, tokenizer.name, tokenizer.vocab_size,
                          f"stdlib:{root}:{split}:vf{val_fraction:g}", doc_starts=starts)
         log.info("cached stdlib %s tokens at %s", split, cache_prefix)
     return (tokens, starts) if documents else tokens
+
+
+def stdlib_corpus(split: str, tokenizer, val_fraction: float = 0.02) -> TokenCorpus:
+    """The stdlib stream of `split` as a TokenCorpus whose documents (one per non-empty file) keep
+    metadata "path" (relative, '/'-separated) and "dir" (its folder: the package, '' at the top)."""
+    tokens, starts = stdlib_token_stream(split, tokenizer, val_fraction, documents=True)
+    root = stdlib_root()
+    paths = [p for p in split_files(list_text_files(root, "*.py"), split, val_fraction) if (root / p).stat().st_size]
+    if len(paths) != len(starts):
+        raise ValueError(f"stdlib {split}: {len(paths)} non-empty files but {len(starts)} documents in its token "
+                         f"stream (a stale cache? remove {default_cache_dir()})")
+    return TokenCorpus([tokens], [starts], known_metadata={"path": paths, "dir": [p.rpartition("/")[0] for p in paths]})

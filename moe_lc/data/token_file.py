@@ -13,6 +13,10 @@ what a valid one is). A writer records one start per `append_document`; the side
 with plain `append`) still open: `open_token_file(..., documents=True, eos_id=...)` then recovers the
 starts from the EOS that ends every document.
 
+A writer given `metadata_fields` also keeps `NAME.meta.jsonl`: one JSON object per document, in order,
+with those fields (a repository or book id to concatenate by); the sidecar lists them as
+"metadata_fields". `read_document_metadata` reads them back, one list per field.
+
 Writes are atomic: data goes to temporary files that are renamed into place, the .bin first, then the
 index, the .json last, so a sidecar only ever describes a complete .bin and index (a crashed or
 concurrent writer never leaves a file that opens but is short).
@@ -49,6 +53,33 @@ def documents_path(path_prefix: str | Path) -> Path:
     return Path(str(path_prefix) + ".docs.npy")
 
 
+def metadata_path(path_prefix: str | Path) -> Path:
+    """`NAME.meta.jsonl`: the per-document metadata of token file NAME."""
+    return Path(str(path_prefix) + ".meta.jsonl")
+
+
+def read_document_metadata(path_prefix: str | Path, fields: list[str]) -> dict[str, list]:
+    """{field: its value for each document, in order} for `fields` of a token file's metadata;
+    ValueError naming the file when it lacks a field or its line count disagrees with the sidecar."""
+    meta = read_token_meta(path_prefix)
+    kept = meta.get("metadata_fields", [])
+    missing = [f for f in fields if f not in kept]
+    if missing:
+        raise ValueError(f"token file {path_prefix} keeps no document metadata {missing} (it keeps "
+                         f"{kept or 'none'}: give them to tools/prepare_data.py --meta-fields)")
+    values: dict[str, list] = {f: [] for f in fields}
+    with open(metadata_path(path_prefix), encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            for f in fields:
+                values[f].append(record.get(f))
+    n = len(values[fields[0]]) if fields else int(meta.get("n_documents", 0))
+    if n != int(meta.get("n_documents", 0)):
+        raise ValueError(f"token file metadata {metadata_path(path_prefix)} has {n} documents, "
+                         f"its sidecar says {meta.get('n_documents', 0)}")
+    return values
+
+
 class TokenFileWriter:
     """Streams token arrays into `PREFIX.bin` and writes `PREFIX.json` (and `PREFIX.docs.npy` when
     documents were recorded) on close.
@@ -58,7 +89,8 @@ class TokenFileWriter:
     behind (and an existing token file with the same prefix is untouched).
     """
 
-    def __init__(self, path_prefix: str | Path, *, tokenizer_name: str, vocab_size: int, source: str):
+    def __init__(self, path_prefix: str | Path, *, tokenizer_name: str, vocab_size: int, source: str,
+                 metadata_fields: tuple[str, ...] = ()):
         self.bin_path, self.json_path = _paths(path_prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = token_dtype(vocab_size)
@@ -68,29 +100,40 @@ class TokenFileWriter:
         self.n_tokens = 0
         self.max_token_id = -1
         self.meta: dict | None = None  # the sidecar, once closed
+        self.extra: dict = {}  # more sidecar keys, written on close (prepare_data's resume position)
+        self.metadata_fields = tuple(metadata_fields)
+        self.metadata_path = metadata_path(path_prefix)
         self.docs_path = documents_path(path_prefix)
         self._starts = array("q")  # 8 bytes a document: millions of them stay small
         suffix = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
         self._json_tmp = self.json_path.with_name(self.json_path.name + suffix)
         self._docs_tmp = self.docs_path.with_name(self.docs_path.name + suffix)
+        self._metadata_tmp = self.metadata_path.with_name(self.metadata_path.name + suffix)
+        self._metadata_file = open(self._metadata_tmp, "w", encoding="utf-8") if self.metadata_fields else None
         self._file = open(self._bin_tmp, "wb")
 
     @property
     def n_documents(self) -> int:
         return len(self._starts)
 
-    def append_document(self, *pieces: np.ndarray) -> None:
+    def append_document(self, *pieces: np.ndarray, metadata: dict | None = None) -> None:
         """Record a document start at the current end of the stream, then append `pieces` (a document is
         its tokens plus its EOS: `append_document(ids, [eos_id])`). An empty document records nothing.
-        Tokens appended with `append` before the first document form a document of their own."""
+        Tokens appended with `append` before the first document form a document of their own.
+        `metadata`: the document's values of `metadata_fields` (a missing one is null)."""
         if sum(np.size(p) for p in pieces) == 0:
             return
         if not self._starts and self.n_tokens:
+            if self._metadata_file:
+                raise ValueError("a writer with metadata_fields takes every document through append_document")
             self._starts.append(0)
         self._starts.append(self.n_tokens)
         for piece in pieces:
             self.append(piece)
+        if self._metadata_file:
+            values = {name: (metadata or {}).get(name) for name in self.metadata_fields}
+            self._metadata_file.write(json.dumps(values, ensure_ascii=False) + "\n")
 
     def append(self, tokens: np.ndarray) -> None:
         """Append a 1-D array of ids; every id must lie in [0, vocab_size)."""
@@ -112,6 +155,8 @@ class TokenFileWriter:
     def close(self) -> dict:
         """Finish the .bin, publish the files atomically, return the sidecar dict."""
         self._file.close()
+        if self._metadata_file:
+            self._metadata_file.close()
         meta = {
             "dtype": self.dtype.name,
             "n_tokens": self.n_tokens,
@@ -121,6 +166,9 @@ class TokenFileWriter:
             "source": self.source,
             "format_version": FORMAT_VERSION,
         }
+        if self.metadata_fields:
+            meta["metadata_fields"] = list(self.metadata_fields)
+        meta.update(self.extra)
         if self._starts:
             meta["n_documents"] = len(self._starts)
             with open(self._docs_tmp, "wb") as fh:
@@ -131,6 +179,10 @@ class TokenFileWriter:
             os.replace(self._docs_tmp, self.docs_path)
         else:  # an index left by an earlier build of this prefix describes other tokens
             self.docs_path.unlink(missing_ok=True)
+        if self.metadata_fields:
+            os.replace(self._metadata_tmp, self.metadata_path)
+        else:
+            self.metadata_path.unlink(missing_ok=True)
         os.replace(self._json_tmp, self.json_path)
         self.meta = meta
         return meta
@@ -138,7 +190,9 @@ class TokenFileWriter:
     def abort(self) -> None:
         """Drop the partial output."""
         self._file.close()
-        for tmp in (self._bin_tmp, self._json_tmp, self._docs_tmp):
+        if self._metadata_file:
+            self._metadata_file.close()
+        for tmp in (self._bin_tmp, self._json_tmp, self._docs_tmp, self._metadata_tmp):
             tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenFileWriter":
