@@ -11,7 +11,8 @@ the model's tokenizer).
 A haystack is its token ids and the token indices where sentences start. Text is split into sentences
 after ".", "!" or "?" followed by whitespace, and each sentence is encoded on its own (with its trailing
 space), so a needle inserted at a sentence start never changes how the text around it is tokenized. A
-token file's sentences start after any token whose text ends a sentence (".", "!", "?", a newline).
+token file's sentences start at the first non-blank token after one whose text ends a sentence (".",
+"!", "?", a newline).
 `window(n, rng)` is n tokens from a seeded random sentence start, wrapping around to the beginning when
 the text is shorter than the window (RULER repeats its essays likewise).
 """
@@ -120,10 +121,14 @@ def _token_file(prefix: Path, tokenizer) -> Haystack:
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         raise ValueError(f"haystack {prefix}: no tokens")
-    ids = np.unique(tokens)
-    ends = {int(i) for i in ids if tokenizer.decode([int(i)]).rstrip(" ").endswith((".", "!", "?", "\n"))}
-    after = np.flatnonzero(np.isin(tokens[:-1], list(ends) or [-1])) + 1
-    return Haystack(f"token file {prefix}", tokens, np.unique(np.concatenate([[0], after])).astype(np.int64))
+    texts = {int(i): tokenizer.decode([int(i)]) for i in np.unique(tokens)}
+    ends = np.array([texts[int(t)].rstrip(" ").endswith((".", "!", "?", "\n")) for t in tokens[:-1]], dtype=bool)
+    # a sentence starts at the first token after an end that is not whitespace (the space after ". ")
+    words = np.flatnonzero([bool(texts[int(t)].strip()) for t in tokens])
+    after = np.flatnonzero(ends) + 1
+    at = np.searchsorted(words, after)
+    starts = words[at[at < len(words)]]
+    return Haystack(f"token file {prefix}", tokens, np.unique(np.concatenate([[0], starts])).astype(np.int64))
 
 
 _CACHE: dict[tuple[str, str], Haystack] = {}

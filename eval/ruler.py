@@ -94,7 +94,8 @@ def _needle_lines(rng, tokenizer, type_k: str, type_v: str, avoid: set[str]):
             for ids in tokenizer.encode_batch(texts):
                 lines.append(np.asarray(ids, dtype=np.int64))
                 total += len(ids)
-        make.n_lines = len(lines)
+        ends = np.cumsum([len(line) for line in lines])
+        make.n_lines = int(np.sum(ends > total - n))  # the lines (the first possibly cropped) in the tail
         return lines_tail(lines, n)
     return make
 
