@@ -23,10 +23,13 @@ projection into its parts (two lines each for GQA and MLA, as in their `forward`
 
 Prefill runs each block's attention through the module's own core seam, so under context parallelism
 the prompt goes through the zig-zag ring exactly as in training (GQA's `core`, MLA's `attend`: the
-latent ring). The per-rank zig-zag shards of K/V (or of the latents) are gathered once after the
-prompt (`zigzag_unshard`: one all-gather per cached tensor and layer), the padding that made the
-prompt divisible by 2 cp is cut off, and from then on every rank decodes identically on the full
-cache, with no further communication. That keeps the per-token work replicated (cp ranks do the same
+latent ring). How the prompt is laid out comes from outside, as the model never imports parallel code:
+a model wrapper with `shard(tokens) -> (local tokens, their positions)` and `gather(t, S)` (eval's
+`ContextParallelLM`: zig-zag shards, `zigzag_unshard`) is used as the layout; a plain model is one
+`WholeSequence`. The per-rank zig-zag shards of K/V (or of the latents) are gathered once after the
+prompt (one all-gather per cached tensor and layer), the padding that made the prompt divisible by
+2 cp is cut off, and from then on every rank decodes identically on the full cache, with no further
+communication. That keeps the per-token work replicated (cp ranks do the same
 decode) and the cache unsharded (each rank holds the whole prompt's cache); decoding is memory-bound
 and short next to a 128K prompt, so the prompt is what the ring is for.
 """
@@ -74,11 +77,24 @@ class KVCache:
         self.length = length
 
 
-def unwrap(model) -> tuple[torch.nn.Module, object | None]:
-    """(the Transformer, its ParallelDims or None) of a model `eval.model_io.load_model` returned:
-    a `ContextParallelLM` carries both."""
-    dims = getattr(model, "dims", None)
-    return (model.model, dims) if dims is not None and hasattr(model, "model") else (model, None)
+class WholeSequence:
+    """The layout of a prompt on one process: every token here, positions 0 .. S-1."""
+
+    parts = 1
+
+    def shard(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens_BS, torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+
+    def gather(self, t_BS: torch.Tensor, length: int) -> torch.Tensor:
+        return t_BS
+
+
+def unwrap(model) -> tuple[torch.nn.Module, object]:
+    """(the Transformer, the prompt's layout) of a model `eval.model_io.load_model` returned: a wrapper
+    with `shard` / `gather` (ContextParallelLM) is its own layout around `.model`."""
+    if hasattr(model, "shard") and hasattr(model, "gather") and hasattr(model, "model"):
+        return model.model, model
+    return model, WholeSequence()
 
 
 def new_cache(model, batch: int, capacity: int) -> KVCache:
@@ -200,37 +216,23 @@ def prefill(model, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Run the prompt, fill `cache` with its S tokens (from position 0); -> fp32 logits of its last
     position (B, V). Under CP (a `ContextParallelLM`) the prompt runs through the ring and the cache is
     gathered (module docstring)."""
-    model, dims = unwrap(model)
+    model, layout = unwrap(model)
     device = next(model.parameters()).device
-    tokens_BS = tokens_BS.to(device)
-    B, S = tokens_BS.shape
+    S = tokens_BS.shape[1]
     if S > cache.capacity:
         raise ValueError(f"a prompt of {S} tokens does not fit a cache of {cache.capacity}")
-    group = dims["cp"] if dims is not None and dims.cp > 1 else None
-    positions = torch.arange(S, device=device)
-    if group is not None:
-        from moe_lc.parallel.context import zigzag_shard
-
-        padded = -(-S // (2 * group.size)) * 2 * group.size
-        tokens_BS = zigzag_shard(torch.nn.functional.pad(tokens_BS, (0, padded - S)), group, dim=1)
-        positions = zigzag_shard(torch.arange(padded, device=device), group, dim=0)
+    local_BS, positions = layout.shard(tokens_BS.to(device))
     cos, sin = model.rope(positions)
-    h = model.embed(tokens_BS)
+    h = model.embed(local_BS)
     kept = {}
     for name, block in model.layers.items():
         out, kept[name] = _attend_prefill(block.attn, block.attn_norm(h), cos, sin)
         h = h + out
         h = h + block.ffn(block.ffn_norm(h))
-    if group is not None:
-        from moe_lc.parallel.context import zigzag_unshard
-
-        kept = {name: {k: zigzag_unshard(t.contiguous(), group, dim=1)[:, :S] for k, t in held.items()}
-                for name, held in kept.items()}
-        h = zigzag_unshard(h.contiguous(), group, dim=1)[:, :S]
-        cache.gathered_from_cp = group.size
     for name, held in kept.items():
-        cache.layers[name].write(0, **held)
-    cache.length = S
+        cache.layers[name].write(0, **{k: layout.gather(t, S) for k, t in held.items()})
+    h = layout.gather(h, S)
+    cache.length, cache.gathered_from_cp = S, layout.parts
     return _logits(model, h[:, -1:])[:, 0]
 
 
