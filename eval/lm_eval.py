@@ -13,7 +13,9 @@ discovers plugins. Needs the `[eval]` extra (pip install -e '.[eval]': lm-eval p
 model_args: path (run directory, checkpoint root, step directory or from-hf directory, as `python -m
 eval`), recipe (default: the run's config.toml), set (recipe overrides, `;`-separated: set=a.b=1;c.d=2),
 max_length (tokens the model sees: default the recipe's train.seq_len), max_gen_toks (default 256),
-device (auto | cpu | cuda), threads. The tokenizer is the recipe's data.tokenizer.
+device (auto | cpu | cuda), threads. The model reads and writes text with the recipe's data.tokenizer;
+`tokenizer=` is accepted and left to the tasks that read it from model_args (lm_eval's `ruler` tasks size
+their prompts with a Hugging Face tokenizer of that name: a converted model's tokenizer/ directory).
 
 The three request types, as lm_eval's docstrings define them:
   loglikelihood(context, continuation)  sum of log p(continuation | context) and whether greedy decoding
@@ -49,11 +51,11 @@ class MoeLcLM(LM):
 
     def __init__(self, path: str, recipe: str | None = None, set: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, device: str | None = "auto", threads: int = 0, batch_size=1,
-                 max_batch_size=None, **unused):
+                 max_batch_size=None, tokenizer: str | None = None, **unused):
         super().__init__()
         if unused:
             raise ValueError(f"moe_lc model_args: unknown {', '.join(sorted(unused))}; known: path, recipe, set, "
-                             "max_length, max_gen_toks, device, threads")
+                             "max_length, max_gen_toks, device, threads, tokenizer")
         if threads:
             torch.set_num_threads(int(threads))
         step_dir, config_path = resolve_checkpoint(str(path))

@@ -268,21 +268,22 @@ def summary_figure(summary: dict, path: Path, title: str) -> Path:
             values[i, j] = np.nan if cell is None else cell
     if avg:
         values[-1] = [avg[str(x)]["score"] if str(x) in avg else np.nan for x in lengths]
-    fig, ax = plt.subplots(figsize=(1.0 * len(lengths) + 3.2, 0.34 * len(labels) + 1.6))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.0 * len(lengths) + 3.2), 0.34 * len(labels) + 1.8))
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#dddddd")
     ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0, vmax=100, aspect="auto")
     for i in range(len(labels)):
         for j in range(len(lengths)):
             v = values[i, j]
+            dark = not math.isnan(v) and (v < 20 or v > 85)  # the scale's ends: white text reads there
             ax.text(j, i, "-" if math.isnan(v) else f"{v:.1f}", ha="center", va="center", fontsize=8,
-                    fontweight="bold" if avg and i == len(labels) - 1 else "normal")
+                    color="white" if dark else "black", fontweight="bold" if avg and i == len(labels) - 1 else "normal")
     if avg:
         ax.axhline(len(labels) - 1.5, color="black", linewidth=1)
     ax.set_xticks(range(len(lengths)), [length_label(x) for x in lengths])
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlabel("context length (tokens)")
-    ax.set_title(title + "\n(RULER tasks: string match of the greedy generation, %; older tasks: "
-                 "teacher-forced exact match, %)", fontsize=8)
+    ax.set_title(title + "\nRULER tasks: string match of the greedy generation (%)\nolder tasks: teacher-forced "
+                 "exact match (%); grey: too short for the task, or skipped", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
