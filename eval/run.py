@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                     help=f"comma list of {', '.join(ALL_TASKS)}; ruler = RULER's 13 tasks")
     ap.add_argument("--lengths", default="128,256,512", help="context lengths in tokens")
-    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (0 = start of the context)")
+    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (0 = start of the context) of passkey and multikey_needle (RULER's tasks "
+                         "draw RULER's depths)")
     ap.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",

@@ -267,6 +267,8 @@ def greedy_from(model, first_logits_BV: torch.Tensor, cache: KVCache, max_new_to
     """Greedy continuation of the cached prompt whose last logits are `first_logits_BV` -> (B, t) token ids,
     t <= max_new_tokens: stops early once every row has produced a stop id (rows that stopped first keep
     going; callers cut each row at its first stop id)."""
+    if max_new_tokens < 1:
+        return first_logits_BV.new_zeros(first_logits_BV.shape[0], 0, dtype=torch.long)
     out = [first_logits_BV.argmax(-1)]
     while len(out) < max_new_tokens and not _stopped(torch.stack(out, 1), stop_ids).all():
         out.append(extend(model, out[-1][:, None], cache)[:, -1].argmax(-1))
