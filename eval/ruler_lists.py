@@ -64,7 +64,8 @@ def common_words(rng: np.random.Generator, length: int, tokenizer, freq_cw: int 
             [f"{i + 1}. {w}" + (" " if i + 1 < len(listed) else "") for i, w in enumerate(listed)])]
 
     def context(n):
-        k = most_that_fit(lambda m: sum(len(e) for e in entries(m)), n, 0, max(1, n))
+        # each listed word costs at least a token for its number and one for itself
+        k = most_that_fit(lambda m: sum(len(e) for e in entries(m)), n, 0, max(1, n // (2 * repeats[1])))
         context.num_words = num_cw + k
         return np.concatenate(entries(k))
 

@@ -101,11 +101,24 @@ def qa(rng: np.random.Generator, length: int, tokenizer, data: QAData | None = N
         raise TooShort(f"no {dataset} questions: pass {flag} FILE.jsonl (see eval/ruler_qa.py)")
     question = data.questions[int(rng.integers(len(data.questions)))]
     gold, more = question["gold"], list(question["more"])
-    others = [i for i in range(len(data.docs)) if i not in set(gold) | set(more)]
+    near = set(gold) | set(more)
+    others = [i for i in range(len(data.docs)) if i not in near]
     pool = [more[i] for i in rng.permutation(len(more))] + [others[i] for i in rng.permutation(len(others))]
     order_seed = int(rng.integers(2**62))
     head, tail = (QA_TEMPLATE + QA_ANSWER_PREFIX).split("{context}")
     tail = tail.format(query=question["query"])
+
+    def _most_documents(n):
+        """An upper bound on how many distractors fit n tokens (each document costs at least its text),
+        so the search never encodes thousands of documents it cannot use."""
+        if not pool:
+            return 0
+        lengths = [len(t) for t in tokenizer.encode_batch([data.docs[d] for d in pool[:4096]])]
+        total, m = sum(len(t) for t in tokenizer.encode_batch([data.docs[g] for g in gold])), 0
+        while total <= n:
+            total += max(1, lengths[m % len(lengths)])
+            m += 1
+        return m
 
     def documents(m):
         """Gold + the first m distractors (the pool repeats when the file has too few), shuffled."""
@@ -116,8 +129,7 @@ def qa(rng: np.random.Generator, length: int, tokenizer, data: QAData | None = N
         return [np.asarray(t, dtype=np.int64) for t in tokenizer.encode_batch(texts)], chosen
 
     def context(n):
-        high = n if pool else 0
-        m = most_that_fit(lambda k: sum(len(t) for t in documents(k)[0]), n, 0, high)
+        m = most_that_fit(lambda k: sum(len(t) for t in documents(k)[0]), n, 0, _most_documents(n))
         pieces, chosen = documents(m)
         context.docs = len(chosen)
         context.gold_at = [chosen.index(g) for g in gold]

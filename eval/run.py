@@ -133,8 +133,8 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
     progress(f"eval {step_dir} (step {checkpoint_step(step_dir)}) -> {out}: {len(inputs.tasks)} task(s) x "
              f"{len(inputs.lengths)} length(s) = {cells} cells"
              + (f" | context parallel over {dims.cp} ranks" if dims is not None else ""))
-    haystack = (load_haystack(args.haystack, tokenizer) if any(t in NEEDS_HAYSTACK for t in inputs.tasks)
-                else None)
+    essay = [t for t in inputs.tasks if t in NEEDS_HAYSTACK or inputs.params.get(t, {}).get("type_haystack") == "essay"]
+    haystack = load_haystack(args.haystack, tokenizer) if essay else None
     model = load_model(step_dir, cfg, device, dims=dims)
     start, cell = time.perf_counter(), CellProgress(cells, progress)
     results = {"checkpoint": str(step_dir), "step": checkpoint_step(step_dir),

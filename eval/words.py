@@ -96,10 +96,11 @@ def distinct_words(rng: np.random.Generator, n: int) -> list[str]:
     real = english_words()
     if n <= len(real):
         return [real[i] for i in rng.choice(len(real), size=n, replace=False)]
-    extra = [w for w in pseudo_words(rng, n) if w not in set(real)][:n - len(real)]
-    words = list(real) + extra
+    taken = set(real)
+    words = list(real) + [w for w in pseudo_words(rng, n) if w not in taken][:n - len(real)]
     while len(words) < n:  # a pseudo-word that happened to be a real one: draw more
-        words += [w for w in pseudo_words(rng, n - len(words)) if w not in set(words)]
+        taken = set(words)
+        words += [w for w in pseudo_words(rng, n - len(words)) if w not in taken]
     return [words[i] for i in rng.permutation(n)]
 
 
