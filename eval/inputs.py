@@ -19,8 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from . import tasks
+from .haystack import haystack_error
+from .ruler import RULER_TASKS
+from .ruler_qa import load_qa
 
-ALL_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
+ALL_TASKS = (*tasks.RETRIEVAL_TASKS, *RULER_TASKS, "perplexity")
+# a name that stands for several tasks (RULER's table: all 13)
+TASK_GROUPS = {"ruler": tuple(RULER_TASKS)}
 
 
 class UsageError(ValueError):
@@ -39,6 +44,7 @@ class Inputs:
     lengths: list[int]
     depths: list[float]
     params: dict[str, dict]  # task -> {param: value}, from --task-param
+    qa: dict  # "squad" / "hotpotqa" -> QAData, from --squad / --hotpotqa
 
 
 def _items(flag: str, text: str, cast, what: str) -> tuple[list, str | None]:
@@ -56,10 +62,12 @@ def _items(flag: str, text: str, cast, what: str) -> tuple[list, str | None]:
 
 
 def _list_errors(args) -> tuple[Inputs, list[str]]:
-    chosen, e_tasks = _items("--tasks", args.tasks, str, "task names")
-    unknown = [t for t in chosen if t not in ALL_TASKS]
+    named, e_tasks = _items("--tasks", args.tasks, str, "task names")
+    unknown = [t for t in named if t not in ALL_TASKS and t not in TASK_GROUPS]
     if not e_tasks and unknown:
-        e_tasks = f"--tasks {args.tasks!r}: unknown task {unknown[0]!r}; choose from {', '.join(ALL_TASKS)}"
+        e_tasks = (f"--tasks {args.tasks!r}: unknown task {unknown[0]!r}; choose from {', '.join(ALL_TASKS)}, "
+                   f"or {', '.join(f'{g} (= {len(ts)} tasks)' for g, ts in TASK_GROUPS.items())}")
+    chosen = list(dict.fromkeys(t for name in named for t in TASK_GROUPS.get(name, (name,))))
     lengths, e_lengths = _items("--lengths", args.lengths, int, "an integer number of tokens")
     short = [x for x in lengths if x < 2]
     if not e_lengths and short:
@@ -70,13 +78,14 @@ def _list_errors(args) -> tuple[Inputs, list[str]]:
         e_depths = f"--depths {args.depths!r}: {outside[0]:g} is outside [0, 1] (0 = start of the context, 1 = end)"
     params, e_params = task_params(args.task_param)
     errors = [e for e in (e_tasks, e_lengths, e_depths) if e] + e_params
-    return Inputs(chosen, lengths, depths, params), errors
+    return Inputs(chosen, lengths, depths, params, {}), errors
 
 
 # flag -> (attribute, least value, why)
 _AT_LEAST = {"--samples": ("samples", 1, "samples per cell"), "--batch-size": ("batch_size", 1, "samples per forward"),
              "--ppl-tokens": ("ppl_tokens", 2, "held-out tokens"), "--stride": ("stride", 1, "tokens per window step"),
-             "--threads": ("threads", 0, "0 = torch's default"), "--seed": ("seed", 0, "numpy seeds are non-negative")}
+             "--threads": ("threads", 0, "0 = torch's default"), "--seed": ("seed", 0, "numpy seeds are non-negative"),
+             "--gen-tokens": ("gen_tokens", 0, "0 = RULER's budget per task")}
 
 
 def _number_errors(args) -> list[str]:
@@ -122,9 +131,9 @@ def task_params(items: list[str]) -> tuple[dict[str, dict], list[str]]:
         kind, dot, name = key.partition(".")
         if not sep or not dot or not name or not text:
             errors.append(f"--task-param {item!r}: expected TASK.NAME=VALUE, e.g. multikey_needle.n_keys=2")
-        elif kind not in tasks.RETRIEVAL_TASKS:
+        elif kind not in tasks.RETRIEVAL_TASKS and kind not in RULER_TASKS:
             errors.append(f"--task-param {item!r}: unknown task {kind!r}; tasks with parameters: "
-                          + ", ".join(k for k in tasks.RETRIEVAL_TASKS if tasks.param_names(k)))
+                          + ", ".join(k for k in (*tasks.RETRIEVAL_TASKS, *RULER_TASKS) if tasks.param_names(k)))
         elif name not in tasks.param_names(kind):
             names = tasks.param_names(kind)
             why = f"{kind} has no parameter {name!r}; its parameters: {', '.join(names)}" if names else \
@@ -139,10 +148,32 @@ def task_params(items: list[str]) -> tuple[dict[str, dict], list[str]]:
     return out, errors
 
 
+def _qa_files(args) -> tuple[dict, list[str]]:
+    """--squad / --hotpotqa read now (a bad line is a mistake to report before the model loads)."""
+    data, errors = {}, []
+    for flag, dataset in (("--squad", "squad"), ("--hotpotqa", "hotpotqa")):
+        path = getattr(args, dataset, None)
+        if path is None:
+            continue
+        try:
+            data[dataset] = load_qa(path, dataset)
+        except OSError as exc:
+            errors.append(f"{flag} {path}: {exc.strerror or exc}")
+        except ValueError as exc:
+            errors.append(f"{flag}: {exc}")
+    return data, errors
+
+
 def check_inputs(args) -> Inputs:
     """The checked lists of `args` (parse_args' namespace); UsageError with every mistake, one line each."""
     inputs, errors = _list_errors(args)
     errors += _number_errors(args)
+    problem = haystack_error(getattr(args, "haystack", None))
+    if problem:
+        errors.append(problem)
+    qa, qa_errors = _qa_files(args)
+    errors += qa_errors
+    inputs.qa.update(qa)
     device = device_error(args.device)
     if device:
         errors.append(device)

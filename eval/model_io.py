@@ -72,15 +72,30 @@ class ContextParallelLM(nn.Module):
         super().__init__()
         self.model, self.dims = model, dims
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        from moe_lc.parallel.context import zigzag_shard, zigzag_unshard
+    @property
+    def parts(self) -> int:
+        return self.dims["cp"].size
+
+    def shard(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full tokens (B, S) -> this rank's zig-zag chunks and their positions, S padded at the end to a
+        multiple of 2 cp (causal attention and per-token routing keep the padding out of real positions)."""
+        from moe_lc.parallel.context import zigzag_shard
 
         group, S = self.dims["cp"], tokens_BS.shape[1]
         padded = -(-S // (2 * group.size)) * 2 * group.size
         tokens_BS = torch.nn.functional.pad(tokens_BS, (0, padded - S))
         positions = torch.arange(padded, device=tokens_BS.device)
-        logits = self.model(zigzag_shard(tokens_BS, group, dim=1), positions=zigzag_shard(positions, group, dim=0))
-        return zigzag_unshard(logits.float().contiguous(), group, dim=1)[:, :S]
+        return zigzag_shard(tokens_BS, group, dim=1), zigzag_shard(positions, group, dim=0)
+
+    def gather(self, t_BS: torch.Tensor, length: int) -> torch.Tensor:
+        """Every rank's (B, S_local, ...) shard -> the full (B, length, ...) on every rank (padding cut)."""
+        from moe_lc.parallel.context import zigzag_unshard
+
+        return zigzag_unshard(t_BS.contiguous(), self.dims["cp"], dim=1)[:, :length]
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        local, positions = self.shard(tokens_BS)
+        return self.gather(self.model(local, positions=positions).float(), tokens_BS.shape[1])
 
 
 def check_fit(step_dir: Path, cfg: Config) -> None:

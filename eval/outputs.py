@@ -20,7 +20,7 @@ from moe_lc.out_path import unwritable
 from .tasks import DEPTH_TASKS
 
 RESULTS = "results.json"
-FIGURES = ("accuracy_by_length.png", "perplexity.png", *(f"{kind}_heatmap.png" for kind in DEPTH_TASKS))
+FIGURES = ("accuracy_by_length.png", "perplexity.png", "summary.png", *(f"{kind}_heatmap.png" for kind in DEPTH_TASKS))
 
 
 def earlier_outputs(out: Path) -> list[Path]:

@@ -251,3 +251,40 @@ def extension_figure(curves: dict[str, dict], path: Path, trained_lengths: list[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def summary_figure(summary: dict, path: Path, title: str) -> Path:
+    """The eval's summary table drawn: rows tasks (then RULER's average), columns lengths, each cell its
+    percentage on a red-yellow-green scale; lengths a task could not fill are grey with "-"."""
+    plt = _plt()
+    rows = list(summary["rows"])
+    lengths = summary["lengths"]
+    avg = summary.get("ruler_average", {})
+    labels = rows + (["RULER average"] if avg else [])
+    values = np.full((len(labels), len(lengths)), np.nan)
+    for i, name in enumerate(rows):
+        for j, x in enumerate(lengths):
+            cell = summary["rows"][name][str(x)]
+            values[i, j] = np.nan if cell is None else cell
+    if avg:
+        values[-1] = [avg[str(x)]["score"] if str(x) in avg else np.nan for x in lengths]
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.0 * len(lengths) + 3.2), 0.34 * len(labels) + 1.8))
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#dddddd")
+    ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0, vmax=100, aspect="auto")
+    for i in range(len(labels)):
+        for j in range(len(lengths)):
+            v = values[i, j]
+            dark = not math.isnan(v) and (v < 20 or v > 85)  # the scale's ends: white text reads there
+            ax.text(j, i, "-" if math.isnan(v) else f"{v:.1f}", ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black", fontweight="bold" if avg and i == len(labels) - 1 else "normal")
+    if avg:
+        ax.axhline(len(labels) - 1.5, color="black", linewidth=1)
+    ax.set_xticks(range(len(lengths)), [length_label(x) for x in lengths])
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_title(title + "\nRULER tasks: string match of the greedy generation (%)\nolder tasks: teacher-forced "
+                 "exact match (%); grey: too short for the task, or skipped", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,16 +1,20 @@
 """Long-context eval of a checkpoint: retrieval tasks by length (and depth), perplexity by length.
 
     python -m eval RUN_DIR_or_CHECKPOINT [--recipe RECIPE] [--set KEY=VALUE ...]
-        [--tasks passkey,multikey_needle,variable_tracking,perplexity] [--lengths 128,256,512]
-        [--depths 0,0.25,0.5,0.75,1] [--samples N] [--seed S] [--task-param TASK.NAME=VALUE ...]
-        [--ppl-tokens N] [--stride N] [--batch-size N] [--threads N] [--device auto|cpu|cuda]
-        [--out DIR] [--overwrite]
+        [--tasks passkey,multikey_needle,variable_tracking,perplexity | ruler | niah_single_1,...]
+        [--lengths 128,256,512] [--depths 0,0.25,0.5,0.75,1] [--samples N] [--seed S]
+        [--task-param TASK.NAME=VALUE ...] [--haystack TEXT_FILE_or_TOKEN_FILE] [--squad JSONL]
+        [--hotpotqa JSONL] [--gen-tokens N] [--ppl-tokens N] [--stride N] [--batch-size N] [--threads N]
+        [--device auto|cpu|cuda] [--out DIR] [--overwrite]
     torchrun --nproc-per-node N -m eval ...      # context parallel: zig-zag ring attention over N ranks
 
-Writes DIR/results.json (every number, the chance levels, the checkpoint and settings),
-DIR/<task>_heatmap.png (exact match over needle depth x length, passkey and multikey_needle),
-DIR/accuracy_by_length.png and DIR/perplexity.png. --samples is per (length, depth) cell for needle
-tasks and per length for variable tracking. Default DIR: <run dir>/eval/step_XXXXXXXX.
+Writes DIR/results.json (every number, the chance levels, the checkpoint, haystack and settings, and
+the summary table), DIR/summary.png (that table), DIR/<task>_heatmap.png (exact match over needle depth x
+length, passkey and multikey_needle), DIR/accuracy_by_length.png and DIR/perplexity.png. --samples is
+per (length, depth) cell for needle tasks and per length for the others. Default DIR: <run
+dir>/eval/step_XXXXXXXX. RULER's tasks (eval/ruler.py; `ruler` = all 13) are scored by string match
+over a greedy generation with a KV cache (eval/ruler_run.py, moe_lc/model/decode.py); under torchrun the
+prompt runs through the ring and every rank decodes on the gathered cache.
 
 A DIR that holds an earlier eval's outputs is refused (nothing is loaded); --overwrite replaces them,
 removing the earlier results.json and figures once the new numbers exist (eval/outputs.py). Every
@@ -28,8 +32,11 @@ from pathlib import Path
 
 import torch
 
-from . import perplexity, plots, tasks
+from . import perplexity, plots, ruler_run, tasks
+from .haystack import load_haystack
 from .inputs import ALL_TASKS, Inputs, UsageError, check_inputs
+from .ruler import NEEDS_HAYSTACK, RULER_TASKS
+from .summary import markdown, summary_table
 from .model_io import check_fit, checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
 from .outputs import clear_earlier, earlier_outputs, open_output, write_results
 from moe_lc.checkpoint import CheckpointError
@@ -37,6 +44,9 @@ from moe_lc.config import ConfigError
 from moe_lc.data import load_tokenizer
 from moe_lc.parallel.mesh import exit_process
 from moe_lc.preflight import resolve_device
+
+DEFAULT_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes are one `error:` line (UsageError), like every other mistake here,
@@ -51,13 +61,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("checkpoint", help="run directory, checkpoint root, one step_XXXXXXXX directory, or a from-hf directory")
     ap.add_argument("--recipe", help="recipe the model was trained with (default: the run's config.toml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
-    ap.add_argument("--tasks", default=",".join(ALL_TASKS), help=f"comma list of {', '.join(ALL_TASKS)}")
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                    help=f"comma list of {', '.join(ALL_TASKS)}; ruler = RULER's 13 tasks")
     ap.add_argument("--lengths", default="128,256,512", help="context lengths in tokens")
-    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (0 = start of the context)")
+    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (0 = start of the context) of passkey and multikey_needle (RULER's tasks "
+                         "draw RULER's depths)")
     ap.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
                     help="task parameter, e.g. multikey_needle.n_keys=2")
+    ap.add_argument("--haystack", help="text file or token-file prefix for the real-text haystack "
+                                       "(default: the standard library's docstrings, eval/haystack.py)")
+    ap.add_argument("--squad", help="SQuAD questions as JSON lines, for qa_1 (eval/ruler_qa.py); without it "
+                                    "qa_1 is skipped")
+    ap.add_argument("--hotpotqa", help="HotpotQA questions as JSON lines, for qa_2; without it qa_2 is skipped")
+    ap.add_argument("--gen-tokens", type=int, default=0,
+                    help="cap on the tokens generated per RULER sample (0 = RULER's budget: niah 128, vt 30, "
+                         "cwe 120, fwe 50, qa 32)")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for perplexity")
     ap.add_argument("--stride", type=int, default=256, help="sliding-window stride (capped at length/2)")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -113,6 +133,8 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
     progress(f"eval {step_dir} (step {checkpoint_step(step_dir)}) -> {out}: {len(inputs.tasks)} task(s) x "
              f"{len(inputs.lengths)} length(s) = {cells} cells"
              + (f" | context parallel over {dims.cp} ranks" if dims is not None else ""))
+    essay = [t for t in inputs.tasks if t in NEEDS_HAYSTACK or inputs.params.get(t, {}).get("type_haystack") == "essay"]
+    haystack = load_haystack(args.haystack, tokenizer) if essay else None
     model = load_model(step_dir, cfg, device, dims=dims)
     start, cell = time.perf_counter(), CellProgress(cells, progress)
     results = {"checkpoint": str(step_dir), "step": checkpoint_step(step_dir),
@@ -122,8 +144,15 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
                "scoring": "teacher-forced: mean log-prob of the answer tokens; exact = greedy argmax "
                           "reproduces every answer token; token_acc = fraction of answer tokens reproduced",
                "tasks": {}, "files": []}
+    if any(t in RULER_TASKS for t in inputs.tasks):
+        results["scoring_ruler"] = ("RULER tasks: string match (RULER's string_match_all, qa: string_match_part; "
+                                    "0-1) of the greedy generation with a KV cache; teacher-forced exact match "
+                                    "beside it where the answer is one fixed text (eval/ruler_run.py)")
+        results["haystack"] = haystack.describe() if haystack is not None else None
+        results["qa_data"] = {name: data.path for name, data in inputs.qa.items()}
     for kind in inputs.tasks:
-        results["tasks"][kind] = _score(kind, model, inputs, args, cfg, tokenizer, cell)
+        results["tasks"][kind] = _score(kind, model, inputs, args, cfg, tokenizer, cell, haystack)
+    results["summary"] = summary_table(results["tasks"], inputs.lengths)
     results["elapsed_s"] = time.perf_counter() - start
     results["context_parallel"] = dims.cp if dims is not None else 1
     if dims is None or dims.rank == 0:
@@ -131,8 +160,12 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
     return results
 
 
-def _score(kind: str, model, inputs: Inputs, args: argparse.Namespace, cfg, tokenizer, cell: CellProgress) -> dict:
+def _score(kind: str, model, inputs: Inputs, args: argparse.Namespace, cfg, tokenizer, cell: CellProgress,
+           haystack=None) -> dict:
     """One task over every length (`cell` is called once per length)."""
+    if kind in RULER_TASKS:
+        return ruler_run.run_ruler(model, kind, inputs.lengths, args.samples, args.seed, tokenizer, haystack, inputs.qa,
+                                   args.batch_size, args.gen_tokens, cell, **inputs.params.get(kind, {}))
     if kind == "perplexity":
         held = perplexity.heldout_tokens(cfg.data, tokenizer, args.ppl_tokens)
         return perplexity.run_perplexity(model, held, inputs.lengths, args.stride, args.batch_size, cell)
@@ -163,6 +196,8 @@ def _write(results: dict, out: Path, overwrite: bool, say_line) -> None:
         out.mkdir(parents=True, exist_ok=True)
     results["files"] = _draw(results, out)
     path = write_results(out, results)
+    if results["summary"]["rows"]:
+        say_line(markdown(results["summary"]))
     say_line(f"wrote {', '.join([str(path), *(Path(f).name for f in results['files'])])}")
 
 
@@ -174,6 +209,8 @@ def _draw(results: dict, out: Path) -> list[str]:
             files.append(plots.depth_length_heatmap(r, out / f"{kind}_heatmap.png", f"{kind}: exact match, {label}"))
     if any(r["by_length"] for r in retrieval.values()):
         files.append(plots.accuracy_by_length(retrieval, out / "accuracy_by_length.png", f"retrieval, {label}"))
+    if results["summary"]["rows"]:
+        files.append(plots.summary_figure(results["summary"], out / "summary.png", label))
     ppl = results["tasks"].get("perplexity")
     if ppl and ppl["by_length"]:
         files.append(plots.perplexity_plot(ppl, out / "perplexity.png", f"held-out perplexity, {label}",

@@ -29,16 +29,25 @@ import torch
 from moe_lc.data import ByteTokenizer
 from moe_lc.data.synthetic import TASKS, make_task
 from .model_io import forward_logits
+from .ruler_sample import TooShort
 
 RETRIEVAL_TASKS = ("passkey", "multikey_needle", "variable_tracking")
 TASK_IDS = {"passkey": 1, "multikey_needle": 2, "variable_tracking": 3, "associative_recall": 4}
 DEPTH_TASKS = ("passkey", "multikey_needle")  # tasks with a needle depth (the heatmap's rows)
-_SET_BY_HARNESS = ("rng", "length", "tokenizer", "depth")
+_SET_BY_HARNESS = ("rng", "length", "tokenizer", "depth", "haystack", "data")
+
+
+def _generator(kind: str):
+    if kind in TASKS:
+        return TASKS[kind]
+    from .ruler import RULER_TASKS
+
+    return RULER_TASKS[kind][1]
 
 
 def param_names(kind: str) -> tuple[str, ...]:
     """The parameters --task-param may set for `kind`: its generator's keywords the harness does not set."""
-    return tuple(p for p in inspect.signature(TASKS[kind]).parameters if p not in _SET_BY_HARNESS)
+    return tuple(p for p in inspect.signature(_generator(kind)).parameters if p not in _SET_BY_HARNESS)
 
 
 def param_error(kind: str, params: dict) -> str | None:
@@ -46,12 +55,26 @@ def param_error(kind: str, params: dict) -> str | None:
     sample: the generator checks its parameters before the length, so "too short" means they passed.
     Why here: run_retrieval records a generator's ValueError as that length being too short, so a bad
     parameter would otherwise skip every length and the eval would end "successfully" with no numbers."""
-    defaults = inspect.signature(TASKS[kind]).parameters
+    defaults = inspect.signature(_generator(kind)).parameters
     for name, value in params.items():
-        if isinstance(defaults[name].default, int) and not isinstance(value, int):
+        default = defaults[name].default
+        if isinstance(default, int) and not isinstance(value, int):
             return f"{name}={value!r} must be an integer"
+        if isinstance(default, float) and not isinstance(value, (int, float)):
+            return f"{name}={value!r} must be a number"
     try:
-        make_task(kind, np.random.default_rng(0), 1, ByteTokenizer(), **params)
+        if kind in TASKS:
+            make_task(kind, np.random.default_rng(0), 1, ByteTokenizer(), **params)
+        else:
+            from .ruler import make_ruler_sample
+            from .haystack import Haystack
+
+            tiny = Haystack("probe", np.arange(8, dtype=np.int64) + 65, np.array([0, 4]))
+            make_ruler_sample(kind, np.random.default_rng(0), 1, ByteTokenizer(), haystack=tiny, **params)
+    except TypeError as exc:  # a parameter this task's family does not take
+        return str(exc)
+    except TooShort:  # the parameters passed; a 1-token sample (or a missing QA file) is no fault of theirs
+        return None
     except ValueError as exc:
         return None if "too short" in str(exc) else str(exc)
     return None

@@ -1,0 +1,296 @@
+"""Incremental decoding: a KV cache for GQA, MLA's latent cache, the prompt's prefill (also under CP),
+and greedy generation, on a built `Transformer` (the eval side: no gradients, no pipeline, no TP/EP).
+
+Legend: B batch, S prompt length, T tokens cached so far, n tokens fed in one call, H query heads, J
+key/value heads (G = H // J queries per kv head), Dh GQA head dim, C kv_lora_rank (MLA's latent), Dn /
+Dr / Dv MLA's nope / rope / value head dims, D model dim, V vocabulary.
+
+What is cached, per layer:
+  GQA  k, v (B, T, J, Dh): the roped keys and the values, as the core saw them.
+  MLA  c (B, T, C): kv_norm(c_kv), the normalized latent; k_r (B, T, Dr): the shared key's RoPE part,
+       roped. C + Dr values per token (DeepSeek-V3: 576) instead of H (Dn + Dr + Dv) (40,960).
+MLA decodes in the "absorbed" form of DeepSeek-V3's own inference code (github.com/deepseek-ai/DeepSeek-V3,
+inference/model.py, attn_impl = "absorb"): with wkv_b = [W_UK; W_UV] per head, q_nope . (W_UK c) =
+(W_UK^T q_nope) . c and sum_t p_t W_UV c_t = W_UV (sum_t p_t c_t), so a step attends over the latents
+directly and never up-projects the cache (one (C x Dn) and one (Dv x C) product per head and new token).
+
+Every piece of the model's math is the module's own: embedding, norms, projections (`wqkv`, `wa`, `wq`,
+`MLAttention.up_project_q`, `rope_q`, `kv_norm`, `wkv_b`'s weight), the rope tables (`model.rope`),
+`out_proj`, the FFN / MoE modules and the head. Only the attention over the cache is written here (a
+masked softmax in fp32: n new queries against T cached keys, which no backend of ops/attention.py
+takes, their causal mask being top-left aligned for S_q == S_k only), and the split of a fused
+projection into its parts (two lines each for GQA and MLA, as in their `forward`).
+
+Prefill runs each block's attention through the module's own core seam, so under context parallelism
+the prompt goes through the zig-zag ring exactly as in training (GQA's `core`, MLA's `attend`: the
+latent ring). How the prompt is laid out comes from outside, as the model never imports parallel code:
+a model wrapper with `shard(tokens) -> (local tokens, their positions)` and `gather(t, S)` (eval's
+`ContextParallelLM`: zig-zag shards, `zigzag_unshard`) is used as the layout; a plain model is one
+`WholeSequence`. The per-rank zig-zag shards of K/V (or of the latents) are gathered once after the
+prompt (one all-gather per cached tensor and layer), the padding that made the prompt divisible by
+2 cp is cut off, and from then on every rank decodes identically on the full cache, with no further
+communication. That keeps the per-token work replicated (cp ranks do the same
+decode) and the cache unsharded (each rank holds the whole prompt's cache); decoding is memory-bound
+and short next to a 128K prompt, so the prompt is what the ring is for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from einops import rearrange
+
+from moe_lc.model.attention import Attention
+from moe_lc.model.mla import MLAttention
+from moe_lc.model.rope import apply_rope
+
+
+@dataclass
+class LayerCache:
+    """One attention layer's cache: preallocated (B, capacity, ...) buffers, the first `length` rows valid.
+    GQA: ("k", "v"); MLA: ("c", "k_r")."""
+
+    buffers: dict[str, torch.Tensor]
+
+    def write(self, start: int, **values: torch.Tensor) -> None:
+        for name, value in values.items():
+            self.buffers[name][:, start:start + value.shape[1]] = value
+
+    def read(self, length: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:, :length] for name, buf in self.buffers.items()}
+
+
+@dataclass
+class KVCache:
+    """Every layer's cache (by block name) and how many tokens it holds. `rewind(n)` forgets all but the
+    first n tokens (teacher-forced scoring of an answer, then generation from the same prompt)."""
+
+    layers: dict[str, LayerCache]
+    capacity: int
+    length: int = 0
+    gathered_from_cp: int = field(default=1)
+
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        self.length = length
+
+
+class WholeSequence:
+    """The layout of a prompt on one process: every token here, positions 0 .. S-1."""
+
+    parts = 1
+
+    def shard(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens_BS, torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+
+    def gather(self, t_BS: torch.Tensor, length: int) -> torch.Tensor:
+        return t_BS
+
+
+def unwrap(model) -> tuple[torch.nn.Module, object]:
+    """(the Transformer, the prompt's layout) of a model `eval.model_io.load_model` returned: a wrapper
+    with `shard` / `gather` (ContextParallelLM) is its own layout around `.model`."""
+    if hasattr(model, "shard") and hasattr(model, "gather") and hasattr(model, "model"):
+        return model.model, model
+    return model, WholeSequence()
+
+
+def new_cache(model, batch: int, capacity: int) -> KVCache:
+    """Empty buffers for `batch` sequences of up to `capacity` tokens, in the model's dtype and device."""
+    model, _ = unwrap(model)
+    p = next(model.parameters())
+    layers = {}
+    for name, block in model.layers.items():
+        attn = block.attn
+        if isinstance(attn, MLAttention):
+            shapes = {"c": (attn.kv_lora_rank,), "k_r": (attn.rope_dim,)}
+        elif isinstance(attn, Attention):
+            shapes = {"k": (attn.n_kv_heads, attn.head_dim), "v": (attn.n_kv_heads, attn.head_dim)}
+        else:
+            raise TypeError(f"no cache layout for attention module {type(attn).__name__}")
+        layers[name] = LayerCache({k: torch.zeros(batch, capacity, *s, dtype=p.dtype, device=p.device)
+                                   for k, s in shapes.items()})
+    return KVCache(layers, capacity)
+
+
+# --------------------------------------------------------------------------- projections (module math)
+
+
+def _gqa_qkv(attn: Attention, x_BnD, cos, sin):
+    """q (B, n, H, Dh), roped k, v (B, n, J, Dh): `Attention._rope_and_core` up to its core."""
+    dq, dkv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+    q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=attn.head_dim)
+               for t in attn.wqkv(x_BnD).split([dq, dkv, dkv], dim=-1))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mla_latents(attn: MLAttention, x_BnD):
+    """(q_src, c_kv (B, n, C), k_r (B, n, Dr) unroped): `MLAttention.forward` up to its `attend`."""
+    a = attn.gather(attn.wa(x_BnD))
+    if attn.q_lora_rank:
+        return a.split([attn.q_lora_rank, attn.kv_lora_rank, attn.rope_dim], dim=-1)
+    c_kv, k_r = a.split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
+    return attn.wq(x_BnD), c_kv, k_r
+
+
+def _mla_cached(attn: MLAttention, c_kv, k_r, cos, sin):
+    """What MLA caches: kv_norm(c_kv) (B, n, C) and the roped shared key (B, n, Dr)."""
+    B, n, _ = k_r.shape
+    return attn.kv_norm(c_kv), apply_rope(k_r.view(B, n, 1, attn.rope_dim), cos, sin)[:, :, 0]
+
+
+# --------------------------------------------------------------------------- attention over the cache
+
+
+def _visible(n: int, T: int, device) -> torch.Tensor:
+    """(n, T) bool: new query i (position T - n + i) sees cached keys 0 .. T - n + i."""
+    return torch.arange(T, device=device)[None, :] <= torch.arange(T - n, T, device=device)[:, None]
+
+
+def cached_gqa_attention(q_BnHD, k_BTJD, v_BTJD, scale: float) -> torch.Tensor:
+    """softmax(scale q k^T, causal for the last n of T positions) v in fp32 -> (B, n, H, Dh)."""
+    J, n, T = k_BTJD.shape[2], q_BnHD.shape[1], k_BTJD.shape[1]
+    q = rearrange(q_BnHD.float(), "b n (j g) d -> b j g n d", j=J)
+    scores = torch.einsum("bjgnd,btjd->bjgnt", q, k_BTJD.float()) * scale
+    p = scores.masked_fill(~_visible(n, T, q.device), float("-inf")).softmax(-1)
+    out = torch.einsum("bjgnt,btjd->bjgnd", p, v_BTJD.float())
+    return rearrange(out, "b j g n d -> b n (j g) d").to(q_BnHD.dtype)
+
+
+def cached_mla_attention(attn: MLAttention, q_BnHE, c_BTC, kr_BTR) -> torch.Tensor:
+    """Absorbed MLA attention over the latent cache -> (B, n, H, Dv); q roped, E = Dn + Dr (module docstring)."""
+    H, n, T = attn.n_heads, q_BnHE.shape[1], c_BTC.shape[1]
+    w = attn.wkv_b.weight.float().view(H, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
+    w_uk, w_uv = w.split([attn.nope_dim, attn.v_dim], dim=1)  # (H, Dn, C), (H, Dv, C)
+    q_nope, q_r = q_BnHE.float().split([attn.nope_dim, attn.rope_dim], dim=-1)
+    q_latent = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
+    scores = (torch.einsum("bnhc,btc->bhnt", q_latent, c_BTC.float())
+              + torch.einsum("bnhr,btr->bhnt", q_r, kr_BTR.float())) * attn.softmax_scale
+    p = scores.masked_fill(~_visible(n, T, q_latent.device), float("-inf")).softmax(-1)
+    out_latent = torch.einsum("bhnt,btc->bnhc", p, c_BTC.float())
+    return torch.einsum("bnhc,hvc->bnhv", out_latent, w_uv).to(q_BnHE.dtype)
+
+
+# --------------------------------------------------------------------------- one attention layer
+
+
+def _attend_prefill(attn, x_BSD, cos, sin):
+    """The layer's attention over the (local) prompt through its own core seam (the ring under CP), and
+    what its cache keeps of it -> (output (B, S, D), {cached name: (B, S, ...)})."""
+    if isinstance(attn, MLAttention):
+        q_src, c_kv, k_r = _mla_latents(attn, x_BSD)
+        c, k_r_roped = _mla_cached(attn, c_kv, k_r, cos, sin)
+        out = attn.out_proj(attn.wo, lambda: attn.attend(attn, q_src, c_kv, k_r, cos, sin))
+        return out, {"c": c, "k_r": k_r_roped}
+    q, k, v = _gqa_qkv(attn, x_BSD, cos, sin)
+    return attn.out_proj(attn.wo, lambda: attn.core(q, k, v, attn.softmax_scale)), {"k": k, "v": v}
+
+
+def _attend_cached(attn, x_BnD, cos, sin, cache: LayerCache, start: int):
+    """The layer's attention for n new tokens at positions start .. start+n-1, writing them into `cache`."""
+    n = x_BnD.shape[1]
+    if isinstance(attn, MLAttention):
+        q_src, c_kv, k_r = _mla_latents(attn, x_BnD)
+        c, k_r_roped = _mla_cached(attn, c_kv, k_r, cos, sin)
+        cache.write(start, c=c, k_r=k_r_roped)
+        held = cache.read(start + n)
+        q = attn.rope_q(attn.up_project_q(q_src), cos, sin)
+        return attn.out_proj(attn.wo, lambda: cached_mla_attention(attn, q, held["c"], held["k_r"]))
+    q, k, v = _gqa_qkv(attn, x_BnD, cos, sin)
+    cache.write(start, k=k, v=v)
+    held = cache.read(start + n)
+    return attn.out_proj(attn.wo, lambda: cached_gqa_attention(q, held["k"], held["v"], attn.softmax_scale))
+
+
+def _logits(model, h_BnD) -> torch.Tensor:
+    return model.head(model.norm(h_BnD)).float()
+
+
+# --------------------------------------------------------------------------- prefill, extend, generate
+
+
+@torch.no_grad()
+def prefill(model, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the prompt, fill `cache` with its S tokens (from position 0); -> fp32 logits of its last
+    position (B, V). Under CP (a `ContextParallelLM`) the prompt runs through the ring and the cache is
+    gathered (module docstring)."""
+    model, layout = unwrap(model)
+    device = next(model.parameters()).device
+    S = tokens_BS.shape[1]
+    if S > cache.capacity:
+        raise ValueError(f"a prompt of {S} tokens does not fit a cache of {cache.capacity}")
+    local_BS, positions = layout.shard(tokens_BS.to(device))
+    cos, sin = model.rope(positions)
+    h = model.embed(local_BS)
+    kept = {}
+    for name, block in model.layers.items():
+        out, kept[name] = _attend_prefill(block.attn, block.attn_norm(h), cos, sin)
+        h = h + out
+        h = h + block.ffn(block.ffn_norm(h))
+    for name, held in kept.items():
+        cache.layers[name].write(0, **{k: layout.gather(t, S) for k, t in held.items()})
+    h = layout.gather(h, S)
+    cache.length, cache.gathered_from_cp = S, layout.parts
+    return _logits(model, h[:, -1:])[:, 0]
+
+
+@torch.no_grad()
+def extend(model, tokens_Bn: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Feed n more tokens after the cached ones (causal among themselves); -> fp32 logits (B, n, V)."""
+    model, _ = unwrap(model)
+    device = next(model.parameters()).device
+    tokens_Bn = tokens_Bn.to(device)
+    start, n = cache.length, tokens_Bn.shape[1]
+    if start + n > cache.capacity:
+        raise ValueError(f"{start} cached + {n} new tokens exceed the cache's {cache.capacity}")
+    cos, sin = model.rope(torch.arange(start, start + n, device=device))
+    h = model.embed(tokens_Bn)
+    for name, block in model.layers.items():
+        h = h + _attend_cached(block.attn, block.attn_norm(h), cos, sin, cache.layers[name], start)
+        h = h + block.ffn(block.ffn_norm(h))
+    cache.length = start + n
+    return _logits(model, h)
+
+
+def _stopped(tokens_Bt: torch.Tensor, stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """(B,) bool: the row has produced one of `stop_ids`."""
+    if not stop_ids:
+        return torch.zeros(tokens_Bt.shape[0], dtype=torch.bool, device=tokens_Bt.device)
+    return torch.isin(tokens_Bt, torch.tensor(stop_ids, device=tokens_Bt.device)).any(-1)
+
+
+@torch.no_grad()
+def greedy_from(model, first_logits_BV: torch.Tensor, cache: KVCache, max_new_tokens: int,
+                stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """Greedy continuation of the cached prompt whose last logits are `first_logits_BV` -> (B, t) token ids,
+    t <= max_new_tokens: stops early once every row has produced a stop id (rows that stopped first keep
+    going; callers cut each row at its first stop id)."""
+    if max_new_tokens < 1:
+        return first_logits_BV.new_zeros(first_logits_BV.shape[0], 0, dtype=torch.long)
+    out = [first_logits_BV.argmax(-1)]
+    while len(out) < max_new_tokens and not _stopped(torch.stack(out, 1), stop_ids).all():
+        out.append(extend(model, out[-1][:, None], cache)[:, -1].argmax(-1))
+    return torch.stack(out[:max_new_tokens], 1)
+
+
+@torch.no_grad()
+def generate_greedy(model, prompt_BS: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """Greedy decoding with the cache: prefill once, then one token per step -> (B, t) new token ids."""
+    if max_new_tokens < 1:
+        return prompt_BS.new_zeros(prompt_BS.shape[0], 0)
+    cache = new_cache(model, prompt_BS.shape[0], prompt_BS.shape[1] + max_new_tokens)
+    return greedy_from(model, prefill(model, prompt_BS, cache), cache, max_new_tokens, stop_ids)
+
+
+@torch.no_grad()
+def generate_uncached(model, prompt_BS: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """The reference: greedy decoding that runs the whole sequence through `model` for every new token
+    (O(t S^2) instead of O(t S)); the cached path must produce the same tokens."""
+    device = next(model.parameters()).device
+    seq, new = prompt_BS.to(device), []
+    while len(new) < max_new_tokens and not (new and _stopped(torch.stack(new, 1), stop_ids).all()):
+        new.append(model(seq).float()[:, -1].argmax(-1))
+        seq = torch.cat([seq, new[-1][:, None]], 1)
+    return torch.stack(new, 1) if new else prompt_BS.new_zeros(prompt_BS.shape[0], 0)
