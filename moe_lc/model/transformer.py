@@ -21,6 +21,15 @@ from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.linear import Linear
+from moe_lc.ops.regions import region, regions_on
+
+
+@region
+def token_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
+    """sum_t mask_t * -log softmax(logits_t)[label_t] in fp32; logits (T, V), labels (T,), mask (T,) fp32 or
+    None (every token counts)."""
+    ce = F.cross_entropy(logits_TV.float(), labels_T, reduction="none")
+    return (ce if mask_T is None else ce * mask_T).sum()
 
 
 class CrossEntropySum(nn.Module):
@@ -33,8 +42,9 @@ class CrossEntropySum(nn.Module):
         mask_T = None if loss_mask_BS is None else loss_mask_BS.flatten().float()
         if logits_BSV.dtype in (torch.bfloat16, torch.float16):
             return CrossEntropy16.apply(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
-        ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="none")
-        return (ce if mask_T is None else ce * mask_T).sum()
+        if mask_T is None and regions_on():  # one graph for masked and unmasked micro-batches (x 1.0 is exact)
+            mask_T = torch.ones(labels_BS.numel(), device=labels_BS.device)
+        return token_loss_sum(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
 
 
 class CrossEntropy16(torch.autograd.Function):
