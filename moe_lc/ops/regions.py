@@ -63,13 +63,21 @@ def region(fn: Callable | None = None, *, dynamic: dict[str, tuple] | None = Non
     return Region(fn, dynamic)
 
 
+# A region meets a few shapes (e.g. SwiGLU: the dense FFN, the shared and the routed experts) and a few
+# autograd modes (forward, a checkpoint's replay, a no-grad rebuild from saved tensors): dynamo's default
+# of 8 graphs per function is too few, and past the limit it would run the region eagerly in silence.
+RECOMPILE_LIMIT = 64
+
+
 @contextmanager
 def compiled_regions(on: bool = True):
-    """Inside: every region runs compiled (on) or plain (off)."""
+    """Inside: every region runs compiled (on) or plain (off); a region needing more graphs than
+    `RECOMPILE_LIMIT` is an error, not a silent eager fallback."""
     global _on
     old, _on = _on, on
     try:
-        yield
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            yield
     finally:
         _on = old
 

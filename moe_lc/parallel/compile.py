@@ -53,6 +53,7 @@ class CompileWatch:
     `force_non_lazy_backward_lowering`, so they land in the same scope)."""
 
     def __init__(self):
+        dynamo_utils.set_compilation_metrics_limit(COMPILATION_RECORDS)
         self.seconds: dict[str, float] = defaultdict(float)
         self.order: list[str] = []  # scopes in the order their compile time was first booked
         self._stack: list[str] = []
@@ -158,8 +159,12 @@ def _on_end(args) -> None:
         _WATCH.on_end(args)
 
 
-dynamo_callback.on_compile_start(_on_start)
-dynamo_callback.on_compile_end(_on_end)
+def _install_callbacks() -> None:
+    """Ours among dynamo's compile callbacks (once; again after a `torch._dynamo.reset()`, which clears them)."""
+    handler = dynamo_callback.callback_handler
+    if _on_start not in handler.start_callbacks:
+        handler.register_start_callback(_on_start)
+        handler.register_end_callback(_on_end)
 
 
 @contextmanager
@@ -167,9 +172,11 @@ def running(watch: CompileWatch | None):
     """Inside: the compiled regions on, and what dynamo compiles booked to `watch` (a training step);
     nothing changes for None (train.compile = false)."""
     global _WATCH
+    _install_callbacks()
     outer, _WATCH = _WATCH, watch if watch is not None else _WATCH
-    try:
-        with regions.compiled_regions(watch is not None or regions.regions_on()):
+    try:  # backward graphs compiled with their forward, in the block's scope
+        with regions.compiled_regions(watch is not None or regions.regions_on()), \
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=watch is not None):
             yield
     finally:
         _WATCH = outer
@@ -179,10 +186,6 @@ def apply_compile(result: Parallelized) -> CompileWatch:
     """The compile plan of a rank's model, applied after `parallelize` (to the blocks and pipeline chunks as
     the rank runs them): scopes for compile seconds, dynamo's settings. Returns the rank's `CompileWatch`;
     steps run compiled inside `running(watch)`."""
-    dynamo_utils.set_compilation_metrics_limit(COMPILATION_RECORDS)
-    # a region whose graphs outnumber the limit would fall back to eager silently: fail instead
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    torch._functorch.config.force_non_lazy_backward_lowering = True  # backward compiled with its forward
     watch = CompileWatch()
     for name, module in result.module.named_modules():
         if isinstance(module, Block):
