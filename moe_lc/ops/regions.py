@@ -67,6 +67,11 @@ def region(fn: Callable | None = None, *, dynamic: dict[str, tuple] | None = Non
 # autograd modes (forward, a checkpoint's replay, a no-grad rebuild from saved tensors): dynamo's default
 # of 8 graphs per function is too few, and past the limit it would run the region eagerly in silence.
 RECOMPILE_LIMIT = 64
+# Inductor's C++ kernels run a loop on several threads from 512 elements a thread on; ATen's eager kernels,
+# which the regions replace, from 32768 (at::internal::GRAIN_SIZE). On a busy CPU (a core taken by another
+# process) each parallel region waits for a descheduled thread: at 512 the debug MoE's compiled step took
+# 10x the eager one on 2 threads. Compiled kernels go parallel where eager ones would.
+PARALLEL_GRAIN = 32768
 
 
 @contextmanager
@@ -76,7 +81,8 @@ def compiled_regions(on: bool = True):
     global _on
     old, _on = _on, on
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
+                torch._inductor.config.patch({"cpp.min_chunk_size": PARALLEL_GRAIN}):
             yield
     finally:
         _on = old
