@@ -43,7 +43,9 @@ def assert_compiled_cleanly(per_rank: list[list[dict]]) -> None:
 
 def test_one_process_trains_like_eager_and_reports_its_compile(tmp_path, capsys):
     """In this process: the same losses and parameters as eager within 1e-5, the start-up line with each
-    block's compile seconds, and the counts in metrics.jsonl at the first and the last step."""
+    block's compile seconds, and the counts in metrics.jsonl at the first and the last step. The counts are
+    pinned: a change that adds a graph (a new shape, a recompile) or a break fails here."""
+    torch._dynamo.reset_code_caches()  # count from nothing, whatever ran before in this process
     cfg = load_config(RECIPE, FAST + SHORT + ["train.compile=true", f"train.output_dir={tmp_path}/run",
                                               "train.log_interval=1000"])
     got = run(cfg, keep_final_state=True)
@@ -51,6 +53,9 @@ def test_one_process_trains_like_eager_and_reports_its_compile(tmp_path, capsys)
     report = compare(ref, LayoutResult(got.losses, got.grad_norms, got.final_state, [], [], 1, []))
     assert report.max_loss_rel <= 1e-5 and report.max_param_rel <= 1e-5, report
     assert_compiled_cleanly([got.compile_per_step])
+    # 10 graphs: RMSNorm 1; RoPE 2 (q, k: 4 and 2 heads); SwiGLU 3 (dense FFN, shared expert, routed rows);
+    # the router, the sort by expert, its inverse, the loss 1 each. Recompiles: RoPE's and SwiGLU's further shapes.
+    assert got.compile_per_step[0]["compile/graphs"] == 10 and got.compile_per_step[0]["compile/recompiles"] == 3
     line = re.search(r"^compile: [\d.]+ s for (\d+) graphs \((.*); a block not listed reused earlier graphs\) \| "
                      r"graph breaks 0, recompiles \d+", capsys.readouterr().out, re.M)
     assert line and int(line[1]) == got.compile_per_step[0]["compile/graphs"], line
