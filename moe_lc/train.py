@@ -32,6 +32,7 @@ from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
+from moe_lc.parallel.compile import apply_compile, running
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
@@ -53,6 +54,7 @@ class TrainResult:
     final_state: dict | None = None  # unsharded parameters (rank 0, when asked for)
     comm_per_step: list[dict] = field(default_factory=list)
     optimizer_state_bytes: int = 0
+    compile_per_step: list[dict] = field(default_factory=list)  # this rank's CompileWatch counts after each step
 
 
 class Trainer:
@@ -82,6 +84,8 @@ class Trainer:
         self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
                                          route=self.route)
         self.model = self.parallel.module.train()
+        # train.compile: the compute regions compiled (meta tensors, the dry run's, have nothing to compile)
+        self.compile_watch = apply_compile(self.parallel) if t.compile and self.device.type != "meta" else None
         self.runtime = None
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
@@ -139,7 +143,8 @@ class Trainer:
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
         self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
-        loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens)
+        with running(self.compile_watch):
+            loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens)
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
@@ -262,6 +267,10 @@ class Trainer:
                          train_flops_with_documents(cfg.model, t.seq_len, tokens_per_step, step.metrics["attn/doc_work"]))
                 metrics["mfu"] = flops / elapsed / (self.peak * self.dims.world)
             metrics.update(step.metrics)
+            if self.compile_watch is not None:  # at the first and last steps: the counts (and start-up line)
+                metrics.update(self.compile_watch.after_step(self.step == first + 1, self.step == t.steps,
+                                                             self.dims["world"], logger.event))
+                result.compile_per_step.append(self.compile_watch.counts())
             comm_bytes = self.dims.counter.as_dict()
             metrics.update(comm_bytes)
             metrics.update(self.dims.counter.times())  # comm/<group>/time_s, exposed_s (comm_timing.py)

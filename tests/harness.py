@@ -50,6 +50,7 @@ class LayoutResult:
     comm_per_rank: list[list[dict]]  # [rank][step] -> {"comm/<group>/<op>_bytes": n}
     optimizer_state_bytes: list[int]  # per rank
     world: int
+    compile_per_rank: list[list[dict]]  # [rank][step] -> CompileWatch counts (train.compile; else empty lists)
 
 
 def _free_port() -> int:
@@ -68,7 +69,7 @@ def _worker(rank: int, world: int, port: int, recipe: str, overrides: list[str],
     cfg = load_config(recipe, overrides, world_size=world)
     result = run(cfg, keep_final_state=True)
     torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "comm": result.comm_per_step,
-                "state_bytes": result.optimizer_state_bytes,
+                "state_bytes": result.optimizer_state_bytes, "compile": result.compile_per_step,
                 "final_state": result.final_state if rank == 0 else None}, Path(out_dir) / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -92,7 +93,8 @@ def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_
                 raise TimeoutError(f"layout {overrides} on {world} ranks did not finish in {timeout_s:.0f} s")
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return LayoutResult(ranks[0]["losses"], ranks[0]["grad_norms"], ranks[0]["final_state"],
-                        [r["comm"] for r in ranks], [r["state_bytes"] for r in ranks], world)
+                        [r["comm"] for r in ranks], [r["state_bytes"] for r in ranks], world,
+                        [r["compile"] for r in ranks])
 
 
 _REFERENCE_CACHE: dict[tuple, LayoutResult] = {}

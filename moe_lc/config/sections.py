@@ -143,6 +143,8 @@ class TrainConfig:
     log_interval: int = f(10, "console progress line every N steps (metrics.jsonl gets every step)")
     device: Device = f("auto", "auto = cuda where torch sees a GPU")
     threads: int = f(0, "torch CPU threads per process; 0 = torch's default")
+    compile: bool = f(False, "torch.compile the compute regions of each block and the loss head "
+                             "(moe_lc/parallel/compile.py)")
     peak_tflops: float = f(0.0, "peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU")
     max_nonfinite_steps: int = f(3, "skip up to N steps with a non-finite loss or grad norm, then stop")
     trace_step: int = f(0, "record step N's timeline (compute phases, every collective's issue / done / wait) in "

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.ops.linear import Linear
+from moe_lc.ops.regions import region
 
 
+@region(dynamic={"gate_up": (...,), "weight": (0,)})  # an expert-parallel rank's rows vary per step
 def swiglu(gate_up: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up [* weight].  gate_up: (..., 2F) with gate first -> (..., F); weight: (...,) fp32,
     a routed row's gate weight (model.moe.weighted_swiglu), cast to gate_up's dtype as combine casts it."""

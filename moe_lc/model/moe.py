@@ -18,6 +18,7 @@ from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.seams import through
 from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
+from moe_lc.ops.regions import region
 
 
 def route(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int,
@@ -46,6 +47,20 @@ def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
     device-to-host sync on CUDA and has no shape on the meta device (the dry run)."""
     flat = idx.flatten()
     return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@region
+def score_and_route(logits_TE: torch.Tensor, bias_E: torch.Tensor, select, score_func: str, n_groups: int,
+                    topk_groups: int, topk: int, group_score: str, norm_topk_prob: bool, scaling: float):
+    """The router after its gate: fp32 logits (T, E) -> idx (T, K) int64 from `select` (`route`'s signature,
+    on the detached affinities), gate weights (T, K) fp32, affinities (T, E) fp32 (pre-bias), and the
+    count of each expert's copies (E,) int64."""
+    scores_TE = logits_TE.sigmoid() if score_func == "sigmoid" else logits_TE.softmax(dim=-1)
+    idx_TK = select(scores_TE.detach(), bias_E, n_groups, topk_groups, topk, group_score)
+    weights_TK = scores_TE.gather(1, idx_TK)
+    if norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    return idx_TK, weights_TK * scaling, scores_TE, expert_counts(idx_TK, bias_E.shape[0])
 
 
 def fp32_logits(gate, x_TD: torch.Tensor) -> torch.Tensor:
@@ -90,15 +105,12 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         logits_TE = self.logits(self.gate, x_TD)
-        scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
-        idx_TK = self.select(scores_TE.detach(), self.expert_bias, self.n_groups, self.topk_groups, self.topk, self.group_score)
-        weights_TK = scores_TE.gather(1, idx_TK)
-        if self.norm_topk_prob:
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-        weights_TK = weights_TK * self.scaling
+        idx_TK, weights_TK, scores_TE, counts_E = score_and_route(
+            logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
+            self.group_score, self.norm_topk_prob, self.scaling)
         if self.training and self.count_loads:
             with torch.no_grad():
-                self.expert_load += expert_counts(idx_TK, self.n_experts).float()
+                self.expert_load += counts_E.float()
         return idx_TK, weights_TK, scores_TE
 
     @torch.no_grad()
@@ -174,6 +186,21 @@ class TokenDispatcher:
         return self.combine(through((self.return_rows(y_sorted, handle),))[0], weights_TK, handle)
 
 
+@region
+def sort_by_expert(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
+    """Token copies grouped by expert: rows (T*K, D) = x's copies in a stable order by expert id, counts
+    (E,) int64, and order (T*K,): position in that order -> flat (token, slot) index."""
+    flat = idx_TK.flatten()
+    order = flat.argsort(stable=True)
+    return x_TD[order // idx_TK.shape[1]], expert_counts(flat, n_experts), order
+
+
+@region
+def unsort_and_sum(y_sorted: torch.Tensor, order: torch.Tensor, weights_TK: torch.Tensor | None, T: int, K: int):
+    """Inverse of `sort_by_expert`'s order, then `weighted_sum`: expert outputs (T*K, D) -> (T, D)."""
+    return weighted_sum(y_sorted[order.argsort()].view(T, K, y_sorted.shape[-1]), weights_TK)
+
+
 def weighted_sum(y_TKD: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
     """(T, K, D) -> (T, D): over K, weighted by the gates unless the experts applied them. A sum in token
     order: deterministic, unlike a scatter-add. Weighted, autograd keeps y for the gates' gradient."""
@@ -187,10 +214,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TD, idx_TK, n_experts):
         T, K = idx_TK.shape
-        flat = idx_TK.flatten()
-        order = flat.argsort(stable=True)  # position in sorted order -> flat (token, slot) index
-        counts = expert_counts(flat, n_experts)
-        rows = x_TD[order // K]
+        rows, counts, order = sort_by_expert(x_TD, idx_TK, n_experts)
         return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K)
 
     def sort_weights(self, weights_TK, handle):
@@ -199,7 +223,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def combine(self, y_back, weights_TK, handle):
         order, T, K = handle
-        return weighted_sum(y_back[order.argsort()].view(T, K, -1), weights_TK)
+        return unsort_and_sum(y_back, order, weights_TK, T, K)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -216,6 +240,7 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, grad_out.new_full((), ctx.scale, dtype=torch.float32), None
 
 
+@region
 def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts: int) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, mean over sequences: sum_e f_e * P_e where
     f_e = E/(K*S) * (tokens of the sequence routed to e), P_e = mean over tokens of normalized affinity."""

@@ -6,6 +6,15 @@ import torch
 from torch import nn
 
 from moe_lc.model.seams import run_now
+from moe_lc.ops.regions import region
+
+
+@region
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in fp32; x (..., dim), weight (dim,) -> x's shape and dtype."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +31,4 @@ class RMSNorm(nn.Module):
         return self.replay(self._norm, x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

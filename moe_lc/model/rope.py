@@ -28,6 +28,8 @@ import math
 import torch
 from torch import nn
 
+from moe_lc.ops.regions import region
+
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     """m(s, x) = 0.1 x ln(s) + 1, and 1 without scaling (DeepSeek's `yarn_get_mscale`)."""
@@ -102,6 +104,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+@region
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., j], x[..., j + d/2]).  x: (B, S, H, d); cos, sin: (S, d/2), or (B, S, d/2)
     when each row has its own positions. Same dtype out."""

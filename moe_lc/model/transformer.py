@@ -21,6 +21,31 @@ from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.linear import Linear
+from moe_lc.ops.regions import region, regions_on
+
+
+@region
+def token_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
+    """sum_t mask_t * -log softmax(logits_t)[label_t] in fp32; logits (T, V), labels (T,), mask (T,) fp32 or
+    None (every token counts)."""
+    ce = F.cross_entropy(logits_TV.float(), labels_T, reduction="none")
+    return (ce if mask_T is None else ce * mask_T).sum()
+
+
+@region
+def rows_logsumexp(logits_RV: torch.Tensor) -> torch.Tensor:
+    """(R, V) 16-bit logits -> (R,) fp32 log-sum-exp."""
+    return torch.logsumexp(logits_RV.float(), dim=-1)
+
+
+@region
+def rows_loss_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, lse_R: torch.Tensor,
+                   scale_R1: torch.Tensor) -> torch.Tensor:
+    """d/d logits of the rows' summed cross-entropy, (softmax - onehot(label)) * scale: (R, V) in the
+    logits' dtype, computed in fp32 from the 16-bit logits and their fp32 log-sum-exp (R,); scale (R, 1)."""
+    p = torch.exp(logits_RV.float() - lse_R[:, None])
+    p = p.scatter_add(1, labels_R[:, None], -torch.ones_like(lse_R)[:, None])
+    return (p * scale_R1).to(logits_RV.dtype)
 
 
 class CrossEntropySum(nn.Module):
@@ -33,8 +58,9 @@ class CrossEntropySum(nn.Module):
         mask_T = None if loss_mask_BS is None else loss_mask_BS.flatten().float()
         if logits_BSV.dtype in (torch.bfloat16, torch.float16):
             return CrossEntropy16.apply(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
-        ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="none")
-        return (ce if mask_T is None else ce * mask_T).sum()
+        if mask_T is None and regions_on():  # one graph for masked and unmasked micro-batches (x 1.0 is exact)
+            mask_T = torch.ones(labels_BS.numel(), device=labels_BS.device)
+        return token_loss_sum(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
 
 
 class CrossEntropy16(torch.autograd.Function):
@@ -48,7 +74,7 @@ class CrossEntropy16(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TV, labels_T, mask_T):
-        lse_T = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in logits_TV.split(CrossEntropy16.ROWS)])
+        lse_T = torch.cat([rows_logsumexp(c) for c in logits_TV.split(CrossEntropy16.ROWS)])
         ce_T = lse_T - logits_TV.gather(1, labels_T.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits_TV, labels_T, mask_T, lse_T)
         return (ce_T if mask_T is None else ce_T * mask_T).sum()
@@ -58,11 +84,10 @@ class CrossEntropy16(torch.autograd.Function):
         logits_TV, labels_T, mask_T, lse_T = ctx.saved_tensors
         out = torch.empty_like(logits_TV)
         for start in range(0, len(logits_TV), CrossEntropy16.ROWS):
-            n = min(CrossEntropy16.ROWS, len(logits_TV) - start)
-            p = torch.exp(logits_TV[start:start + n].float() - lse_T[start:start + n, None])  # softmax
-            p.scatter_add_(1, labels_T[start:start + n, None], -torch.ones(n, 1, device=p.device))
-            scale = grad if mask_T is None else grad * mask_T[start:start + n, None]
-            out[start:start + n] = p * scale
+            rows = slice(start, start + CrossEntropy16.ROWS)
+            n = len(logits_TV[rows])
+            scale = grad.expand(n, 1) if mask_T is None else grad * mask_T[rows, None]  # one shape: one graph
+            out[rows] = rows_loss_grad(logits_TV[rows], labels_T[rows], lse_T[rows], scale)
         return out, None, None
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, weighted_sum
+from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, unsort_and_sum
 from moe_lc.ops.grouped_gemm import known_sizes
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
@@ -250,7 +250,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, y_back, weights_TK, handle):
         """Returned expert outputs (T*K, D) -> token order -> (weighted) sum over K -> (T, D)."""
         order, regroup, send, recv, T, K = handle
-        return weighted_sum(y_back[order.argsort()].view(T, K, y_back.shape[-1]), weights_TK)
+        return unsort_and_sum(y_back, order, weights_TK, T, K)
 
 
 @dataclass
