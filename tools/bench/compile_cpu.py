@@ -5,7 +5,7 @@
 
 Models: "debug" is recipes/debug_cpu.toml as it stands (1.5M parameters: dim 128, 4 blocks, 8 routed
 experts top-2 + 1 shared; 16 sequences x 128 tokens a step in 4 micro-batches); "large" the same at dim 512,
-8 blocks, 8 heads of 64 (4 KV heads), dense FFN 1536, experts 384 wide (45M parameters, 10M activated).
+8 blocks, 8 heads of 64 (4 KV heads), dense FFN 1536, experts 384 wide (46.4M parameters, 21.3M activated).
 Each runs in fp32 and in bf16 (`precision.recipe`), on one process (pp = dp = tp = ep = cp = 1).
 
 Method: each model and precision is a fresh process with an empty inductor cache (so "compile s" is what
