@@ -50,7 +50,11 @@ EXACT = ("params", "grads", "optimizer")
 
 class MetaLoader:
     """Micro-batches of a step as the StepLoader shapes them: token ids on the meta device (all zeros
-    as far as routing and counts are concerned), a CPU loss mask when the data mix has one."""
+    as far as routing and counts are concerned), a CPU loss mask when the data mix has one. One source,
+    one document per sequence (`samples_consumed`, `dataset`: what the trainer reads besides the batches)."""
+
+    samples_consumed = 0
+    dataset = None
 
     def __init__(self, cfg, microbatches: int):
         t = cfg.train

@@ -56,7 +56,10 @@ COLUMNS = ("model", "precision", "params", "eager tok/s", "compiled tok/s", "spe
 
 
 class FixedBatches:
-    """Stands in for the trainer's StepLoader: the same random micro-batches every step."""
+    """Stands in for the trainer's StepLoader: the same random micro-batches every step (one source)."""
+
+    samples_consumed = 0
+    dataset = None
 
     def __init__(self, cfg):
         t = cfg.train

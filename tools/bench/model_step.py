@@ -92,14 +92,18 @@ def categorize(name: str) -> str:
 
 
 class _FixedBatches:
-    """Stands in for the trainer's StepLoader: the same random tokens every step, no data cost."""
+    """Stands in for the trainer's StepLoader: the same random tokens every step, no data cost (one
+    source, one document: what the trainer reads of a loader besides the batches)."""
+
+    samples_consumed = 0
+    dataset = None
 
     def __init__(self, seq: int, vocab: int):
         g = torch.Generator().manual_seed(seq)
         self.tokens = torch.randint(0, vocab, (1, seq + 1), generator=g)
 
     def next_step(self) -> list[dict]:
-        return [{"tokens": self.tokens, "loss_mask": None}]
+        return [{"tokens": self.tokens, "loss_mask": None, "documents": None}]
 
 
 def build_trainer(ctx: Context):
