@@ -16,7 +16,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,7 +50,7 @@ class LayoutResult:
     comm_per_rank: list[list[dict]]  # [rank][step] -> {"comm/<group>/<op>_bytes": n}
     optimizer_state_bytes: list[int]  # per rank
     world: int
-    compile_per_rank: list[list[dict]]  # [rank][step] -> CompileWatch counts (train.compile; else empty lists)
+    compile_per_rank: list[list[dict]] = field(default_factory=list)  # [rank][step] -> CompileWatch counts (train.compile)
 
 
 def _free_port() -> int:
