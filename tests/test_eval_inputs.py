@@ -12,21 +12,8 @@ import torch
 
 import eval.run as eval_run
 from eval import plots
-from moe_lc.config import load_config
-from moe_lc.train import run
-from tests.harness import RECIPES
 
 matplotlib.use("Agg")
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A 1-step debug checkpoint (4 layers): enough to load and score."""
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    run(load_config(RECIPES / "debug_cpu.toml", [
-        "train.steps=1", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
-        "checkpoint.interval=1", "train.log_interval=100", "train.threads=1", f"train.output_dir={out}"]))
-    return out
 
 
 @pytest.fixture

@@ -15,10 +15,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e 
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from eval.lm_eval import MoeLcLM  # noqa: E402
-from moe_lc.config import load_config  # noqa: E402
 from moe_lc.model import decode  # noqa: E402
-from moe_lc.train import run  # noqa: E402
-from tests.harness import RECIPES, ROOT  # noqa: E402
+from tests.harness import ROOT  # noqa: E402
 
 ROWS = [{"prompt": "The pass key is 12345. What is the pass key? ", "answer": "12345", "choices": ["12345", "67890"],
          "label": 0, "text": "The grass is green. The sky is blue. Here we go."}] * 2
@@ -31,15 +29,6 @@ TASKS = {
     "moe_lc_roll": "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
                    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    run(load_config(RECIPES / "debug_cpu.toml", [
-        "train.steps=1", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
-        "checkpoint.interval=1", "train.log_interval=100", "train.threads=1", f"train.output_dir={out}"]))
-    return out
 
 
 @pytest.fixture(scope="module")

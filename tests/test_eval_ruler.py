@@ -22,7 +22,6 @@ from moe_lc.data import ByteTokenizer, load_tokenizer
 from moe_lc.data.token_file import write_token_file
 from moe_lc.model import decode
 from moe_lc.model.transformer import build_model
-from moe_lc.train import run
 from tests.harness import RECIPES, ROOT
 
 PROSE = ("The river runs past the old mill. Nobody remembers who built it! Children still play on its steps. "
@@ -185,15 +184,6 @@ def test_teacher_forced_exact_and_generation_agree_on_a_deterministic_answer():
         starts_with_answer = torch.equal(decode.generate_uncached(model, prompt, 8)[0, :8],
                                          torch.from_numpy(s.tokens[s.answer_start:]))
         assert sc["exact"] == starts_with_answer and (not sc["exact"] or sc["string_match"] == 1.0)
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    run(load_config(RECIPES / "debug_cpu.toml", [
-        "train.steps=1", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
-        "checkpoint.interval=1", "train.log_interval=100", "train.threads=1", f"train.output_dir={out}"]))
-    return out
 
 
 def test_cli_scores_ruler_with_a_summary_table(tiny_run, qa_files, tmp_path, capsys):
