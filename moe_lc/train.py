@@ -24,7 +24,7 @@ from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
 from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
-from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report
+from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report, source_names
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
@@ -40,7 +40,7 @@ from moe_lc.parallel.zero import ZeroAdamW
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.step_timeline import traced_step
 from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, forward_backward, mtp_losses,
-                               step_token_count)
+                               source_losses, step_token_count)
 
 
 class Interrupted(Exception):
@@ -134,17 +134,19 @@ class Trainer:
         micro = self.loader.next_step()
         n_tokens = step_token_count(micro, t.global_batch * t.seq_len, self.dims, self.device)
         batches = []
+        sources = source_names(self.loader.dataset)
         for mb in micro:
             mask = mb["loss_mask"].to(self.device) if mb["loss_mask"] is not None else None
             batches.append(prepare_batch(mb["tokens"].to(self.device), mask, self.dims, m.mtp.depth,
                                          mb.get("documents"), d.document_mask, d.document_positions,
                                          self.cfg.parallel.cp_layout))
+            batches[-1]["sources"] = mb["source"].to(self.device) if sources else None
         scale = 1.0 / n_tokens
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
         self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
         with running(self.compile_watch):
-            loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens)
+            loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens, len(sources))
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
@@ -156,6 +158,7 @@ class Trainer:
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
         metrics.update(balance_routers(self.model, self.dims, stats.aux_losses))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
+        metrics.update(source_losses(stats, sources, self.dims, self.device))
         if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices
             metrics.update(drawn_tokens(self.loader.dataset, first_sample, t.global_batch, t.seq_len))
         return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)

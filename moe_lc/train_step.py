@@ -55,6 +55,22 @@ def mtp_losses(mtp_loss_sums: torch.Tensor | None, depth: int, weight: float, di
     return {f"mtp_loss/depth{d + 1}": v for d, v in enumerate(host)}, (weight / depth * sums.sum()).item()
 
 
+def source_losses(stats: ForwardStats, names: list[str], dims: ParallelDims, device: torch.device) -> dict:
+    """{"data/loss/<name>": next-token loss per token of that data source's rows this step} (a source
+    with no token this step is left out), from the step's `ForwardStats.source_losses` summed over the
+    world: each token's loss lives on one (pp, dp, cp) rank and on every tp rank alike, so tp counts
+    both sums and token counts tp times and their ratio stays. names: the mixture's sources ([] for one
+    source: nothing is booked)."""
+    if not names:
+        return {}
+    both = torch.zeros(2, len(names), dtype=torch.float64, device=device)
+    if stats.source_losses is not None:
+        both += stats.source_losses
+    comm.all_reduce(both, dims["world"])
+    sums, counts = both.tolist()
+    return {f"data/loss/{name}": s / n for name, s, n in zip(names, sums, counts) if n > 0}
+
+
 @torch.no_grad()
 def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: torch.device) -> dict:
     """Attention work under packed documents (batches' "docs"; {} when attention is not masked):
@@ -118,18 +134,20 @@ def balance_routers(model, dims: ParallelDims, aux_losses: dict) -> dict:
 
 
 def forward_backward(model, runtime: PipelineRuntime | None, batches: list[dict], scale: float,
-                     n_tokens: float) -> tuple[torch.Tensor, ForwardStats]:
+                     n_tokens: float, n_sources: int = 0) -> tuple[torch.Tensor, ForwardStats]:
     """Every micro-batch forward and backward: through `model` (this rank's whole model), or the pipeline
     `runtime`'s schedule under PP. batches: `prepare_batch` outputs; each micro-batch's summed token loss is
     multiplied by `scale` (1 / the step's token count n_tokens) before backward. Returns this rank's
-    summed token loss (fp64, detached), before any reduction over the mesh, and the step's `ForwardStats`."""
-    stats = ForwardStats()
+    summed token loss (fp64, detached), before any reduction over the mesh, and the step's `ForwardStats`
+    (which books the loss by the batches' "sources" over n_sources data sources; 0: not booked)."""
+    stats = ForwardStats(n_sources=n_sources)
     if runtime is not None:
         return runtime.step(batches, scale, stats) * (scale * n_tokens), stats
     loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0]["inputs"].device)
     for batch in batches:
         loss = model(batch["inputs"], positions=batch["positions"], labels=batch["labels"],
-                     loss_mask=batch["loss_mask"], mtp=batch["mtp"], stats=stats, docs=batch.get("docs"))
+                     loss_mask=batch["loss_mask"], mtp=batch["mtp"], stats=stats, docs=batch.get("docs"),
+                     sources=batch.get("sources"))
         (loss * scale).backward()
         loss_sum += loss.detach().double() * (scale * n_tokens)
     return loss_sum, stats

@@ -12,6 +12,7 @@ final parameters. Single-process references are cached per (recipe, overrides) f
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -51,6 +52,7 @@ class LayoutResult:
     optimizer_state_bytes: list[int]  # per rank
     world: int
     compile_per_rank: list[list[dict]] = field(default_factory=list)  # [rank][step] -> CompileWatch counts (train.compile)
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl, a dict per step (written by rank 0)
 
 
 def _free_port() -> int:
@@ -92,9 +94,11 @@ def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_
                     p.kill()
                 raise TimeoutError(f"layout {overrides} on {world} ranks did not finish in {timeout_s:.0f} s")
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        log = Path(tmp) / "run" / "metrics.jsonl"
+        metrics = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return LayoutResult(ranks[0]["losses"], ranks[0]["grad_norms"], ranks[0]["final_state"],
                         [r["comm"] for r in ranks], [r["state_bytes"] for r in ranks], world,
-                        [r["compile"] for r in ranks])
+                        [r["compile"] for r in ranks], metrics)
 
 
 _REFERENCE_CACHE: dict[tuple, LayoutResult] = {}

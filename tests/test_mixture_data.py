@@ -183,18 +183,50 @@ def test_recipe_tables_round_trip_and_errors(tmp_path):
         load_config(recipe, ["data.sources=5"])
 
 
-def test_the_trainer_logs_tokens_per_source(tmp_path):
+TWO_SOURCES = ('data.sources=[{source = "stdlib", weight = 0.6}, {name = "packages", source = "stdlib", '
+               'concat_by = "dir", min_doc_tokens = 4096, weight = 0.4}]')
+
+
+def test_the_trainer_logs_tokens_and_loss_per_source(tmp_path):
+    """Per step: the tokens each source gave, and its next-token loss, which, weighted by those tokens,
+    averages to the step's loss (these sources have no loss mask)."""
     from moe_lc.train import main
 
     out = tmp_path / "run"
-    sets = ["train.steps=2", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
-            "train.threads=1", f"train.output_dir={out}", "train.loggers=[]",
-            'data.sources=[{source = "stdlib", weight = 0.6}, {name = "packages", source = "stdlib", '
-            'concat_by = "dir", min_doc_tokens = 4096, weight = 0.4}]']
+    sets = ["train.steps=3", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=2", "train.warmup_steps=1",
+            "train.threads=1", f"train.output_dir={out}", "train.loggers=[]", TWO_SOURCES]
     assert main([str(RECIPES / "debug_cpu.toml"), *sum((["--set", s] for s in sets), [])]) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    both = 0
     for line in lines:
         assert line["data/tokens/stdlib"] + line["data/tokens/packages"] == 4 * 64
+        drawn = {name: line[f"data/tokens/{name}"] for name in ("stdlib", "packages")}
+        assert {k for k in line if k.startswith("data/loss/")} == {f"data/loss/{n}" for n, t in drawn.items() if t}
+        mean = sum(line.get(f"data/loss/{n}", 0.0) * t for n, t in drawn.items()) / (4 * 64)
+        assert mean == pytest.approx(line["loss"], rel=1e-6)
+        both += all(drawn.values())
+    assert both and len({line["data/loss/stdlib"] for line in lines}) == 3  # a real per-step value
     report = json.loads((out / "data_mixture.json").read_text())
-    assert report["samples"] == 8 and [r["name"] for r in report["sources"]] == ["stdlib", "packages"]
+    assert report["samples"] == 12 and [r["name"] for r in report["sources"]] == ["stdlib", "packages"]
     assert sum(line["data/tokens/packages"] for line in lines) == report["sources"][1]["tokens"]
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.pp=2", "parallel.cp=2"], id="pp2xcp2"),
+    pytest.param(["parallel.tp=2", "parallel.dp=2"], id="tp2xdp2"),
+])
+def test_loss_per_source_is_the_same_under_any_layout(layout):
+    """The per-source losses are reduced like the main loss: pipeline stages without the head book
+    nothing, cp ranks book parts of each row, tp ranks the same rows (vocab-parallel loss)."""
+    from tests.harness import reference, run_layout
+
+    sets = ["train.steps=3", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=2", "train.warmup_steps=1",
+            TWO_SOURCES]
+    ref = reference(RECIPES / "debug_cpu.toml", sets)
+    got = run_layout(RECIPES / "debug_cpu.toml", sets + layout, world=4)
+    keys = [k for k in ref.metrics[0] if k.startswith("data/loss/")]
+    assert keys and len(ref.metrics) == len(got.metrics) == 3
+    for a, b in zip(ref.metrics, got.metrics):
+        assert [k for k in b if k.startswith("data/loss/")] == [k for k in a if k.startswith("data/loss/")]
+        for key in (k for k in a if k.startswith("data/loss/")):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key

@@ -83,6 +83,11 @@ def drawn_counts(dataset, first: int, count: int) -> np.ndarray:
     return np.bincount(np.asarray(picks, dtype=np.int64), minlength=len(dataset.sources))
 
 
+def source_names(dataset) -> list[str]:
+    """A Mixture's source names, in the order of its samples' "source" index; [] for any other dataset."""
+    return list(dataset.names) if isinstance(dataset, Mixture) else []
+
+
 def drawn_tokens(dataset, first: int, count: int, seq_len: int) -> dict[str, float]:
     """{"data/tokens/<name>": input tokens drawn from that source} over global samples [first, first +
     count), for a Mixture; {} for any other dataset (one source: nothing to tell apart)."""

@@ -17,12 +17,28 @@ class ForwardStats:
     """mtp_loss_sums: (D,) fp64, detached: each MTP depth's summed token loss over the step's micro-batches
     on this rank (None until a forward with MTP targets ran).
     aux_losses: {MoE layer: its sequence-wise balance loss (0-dim fp32, detached) of the latest forward
-    that computed one}."""
+    that computed one}.
+    n_sources: data sources to book the next-token loss by (0: not booked); source_losses: (2, n_sources)
+    fp64, each source's summed token loss and its token count over this rank's rows (zeros on a rank
+    without the head)."""
 
     mtp_loss_sums: torch.Tensor | None = None
     aux_losses: dict = field(default_factory=dict)
+    n_sources: int = 0
+    source_losses: torch.Tensor | None = None
 
     def add_mtp_losses(self, losses: list[torch.Tensor]) -> None:
         """Add one forward's per-depth summed MTP losses (D fp32 scalars)."""
         sums = torch.stack([x.detach().double() for x in losses])
         self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
+
+    def add_source_losses(self, loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor | None,
+                          sources_B: torch.Tensor) -> None:
+        """Book one forward's per-token losses (B, S_local) by their rows' source (B,) int64."""
+        if not self.n_sources:
+            return
+        weight_BS = torch.ones_like(loss_BS) if loss_mask_BS is None else loss_mask_BS.to(loss_BS.dtype)
+        rows_2B = torch.stack([(loss_BS * weight_BS).sum(1), weight_BS.sum(1)]).double()
+        if self.source_losses is None:
+            self.source_losses = torch.zeros(2, self.n_sources, dtype=torch.float64, device=loss_BS.device)
+        self.source_losses.index_add_(1, sources_B.to(loss_BS.device), rows_2B)

@@ -21,15 +21,18 @@ from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.linear import Linear
-from moe_lc.ops.regions import region, regions_on
+from moe_lc.ops.regions import region
 
 
 @region
-def token_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
-    """sum_t mask_t * -log softmax(logits_t)[label_t] in fp32; logits (T, V), labels (T,), mask (T,) fp32 or
-    None (every token counts)."""
-    ce = F.cross_entropy(logits_TV.float(), labels_T, reduction="none")
-    return (ce if mask_T is None else ce * mask_T).sum()
+def token_losses(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits_t)[label_t] in fp32: logits (T, V), labels (T,) -> (T,)."""
+    return F.cross_entropy(logits_TV.float(), labels_T, reduction="none")
+
+
+def masked_sum(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor | None) -> torch.Tensor:
+    """sum of per-token losses (B, S) weighted by loss_mask (B, S) (None: every token counts)."""
+    return (loss_BS if loss_mask_BS is None else loss_BS * loss_mask_BS.to(loss_BS.dtype)).sum()
 
 
 @region
@@ -52,19 +55,21 @@ class CrossEntropySum(nn.Module):
     """Sum over valid positions of -log p(label), in fp32.  logits (B, S, V); labels (B, S) int64;
     loss_mask (B, S) or None. Summed (not averaged) so the trainer can divide by the step's token
     count, which keeps the loss identical under any split of the batch. 16-bit logits go through
-    `CrossEntropy16`, which keeps them instead of an fp32 log-softmax."""
+    `CrossEntropy16`, which keeps them instead of an fp32 log-softmax. `token_losses` gives the
+    per-token losses (B, S) fp32 that are summed (the head books them per data source)."""
 
     def forward(self, logits_BSV, labels_BS, loss_mask_BS=None):
-        mask_T = None if loss_mask_BS is None else loss_mask_BS.flatten().float()
+        return masked_sum(self.token_losses(logits_BSV, labels_BS), loss_mask_BS)
+
+    def token_losses(self, logits_BSV, labels_BS):
+        logits_TV, labels_T = logits_BSV.flatten(0, 1), labels_BS.flatten()
         if logits_BSV.dtype in (torch.bfloat16, torch.float16):
-            return CrossEntropy16.apply(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
-        if mask_T is None and regions_on():  # one graph for masked and unmasked micro-batches (x 1.0 is exact)
-            mask_T = torch.ones(labels_BS.numel(), device=labels_BS.device)
-        return token_loss_sum(logits_BSV.flatten(0, 1), labels_BS.flatten(), mask_T)
+            return CrossEntropy16.apply(logits_TV, labels_T).view_as(labels_BS)
+        return token_losses(logits_TV, labels_T).view_as(labels_BS)
 
 
 class CrossEntropy16(torch.autograd.Function):
-    """sum_t w_t (lse_t - logit_t[label_t]) of 16-bit logits (T, V), in fp32, computed `ROWS` rows at a
+    """Per-token lse_t - logit_t[label_t] (T,) fp32 of 16-bit logits (T, V), computed `ROWS` rows at a
     time. Backward keeps the logits themselves (2 bytes an entry) and each row's fp32 log-sum-exp,
     not an fp32 log-softmax (4 bytes an entry), and no full fp32 copy of the logits ever exists: at
     DeepSeek-V3's 129K vocabulary that is 1 GiB less per 4K-token micro-batch and head, kept from the
@@ -73,22 +78,20 @@ class CrossEntropy16(torch.autograd.Function):
     ROWS = 1024
 
     @staticmethod
-    def forward(ctx, logits_TV, labels_T, mask_T):
+    def forward(ctx, logits_TV, labels_T):
         lse_T = torch.cat([rows_logsumexp(c) for c in logits_TV.split(CrossEntropy16.ROWS)])
         ce_T = lse_T - logits_TV.gather(1, labels_T.unsqueeze(1)).squeeze(1).float()
-        ctx.save_for_backward(logits_TV, labels_T, mask_T, lse_T)
-        return (ce_T if mask_T is None else ce_T * mask_T).sum()
+        ctx.save_for_backward(logits_TV, labels_T, lse_T)
+        return ce_T
 
     @staticmethod
-    def backward(ctx, grad):
-        logits_TV, labels_T, mask_T, lse_T = ctx.saved_tensors
+    def backward(ctx, grad_T):
+        logits_TV, labels_T, lse_T = ctx.saved_tensors
         out = torch.empty_like(logits_TV)
         for start in range(0, len(logits_TV), CrossEntropy16.ROWS):
             rows = slice(start, start + CrossEntropy16.ROWS)
-            n = len(logits_TV[rows])
-            scale = grad.expand(n, 1) if mask_T is None else grad * mask_T[rows, None]  # one shape: one graph
-            out[rows] = rows_loss_grad(logits_TV[rows], labels_T[rows], lse_T[rows], scale)
-        return out, None, None
+            out[rows] = rows_loss_grad(logits_TV[rows], labels_T[rows], lse_T[rows], grad_T[rows, None])
+        return out, None
 
 
 class Transformer(nn.Module):
@@ -110,21 +113,23 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                mtp: dict | None = None, stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
+                mtp: dict | None = None, stats: ForwardStats | None = None, docs=None,
+                sources: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
         shards under CP pass theirs), or (B, S) when each row has its own (positions restarting at
         each packed document). mtp: `mtp.mtp_targets` for multi-token prediction. stats: the
         step's `ForwardStats`, which this forward adds its MTP losses and MoE aux losses to. docs:
-        the packed documents attention stays inside (moe_lc/ops/documents.py), or None. Returns
+        the packed documents attention stays inside (moe_lc/ops/documents.py), or None. sources:
+        (B,) int64, each row's data source, whose loss the head books in `stats` (None: not booked). Returns
         hidden (B, S', D) without `head`, else logits (B, S, V) when labels is None, else the fp32
         loss summed over valid tokens (plus the weighted MTP losses when mtp is given)."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats, docs), inputs)
+        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats, docs, sources), inputs)
 
     def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None,
-               stats: ForwardStats | None = None, docs=None) -> list:
+               stats: ForwardStats | None = None, docs=None, sources: torch.Tensor | None = None) -> list:
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
@@ -132,14 +137,18 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             chain += block.phases(cos, sin, stats, docs)
         if self.head is not None:
-            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs),), "head"))
+            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs, sources),),
+                               "head"))
         return chain
 
-    def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs):
+    def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs, sources):
         logits = self.head(self.norm(h))
         if labels is None:
             return logits
-        loss = self.loss_fn(logits, labels, loss_mask)
+        token_loss = self.loss_fn.token_losses(logits, labels)
+        loss = masked_sum(token_loss, loss_mask)
+        if stats is not None and sources is not None:
+            stats.add_source_losses(token_loss.detach(), loss_mask, sources)
         if self.mtp is not None and mtp is not None:
             embed = self.embed if self.embed is not None else self.mtp_embed
             losses = mtp_loss(self.mtp, embed, self.head, self.loss_fn, h, mtp, cos, sin, stats, docs)

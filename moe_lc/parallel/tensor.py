@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lc.model.transformer import masked_sum
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -237,17 +238,18 @@ class _VocabParallelCE(torch.autograd.Function):
 
 class VocabParallelCrossEntropy(nn.Module):
     """The vocab-parallel `CrossEntropySum`: logits (B, S, V/N), labels (B, S), loss_mask (B, S) or
-    None -> fp32 loss summed over valid tokens, the same value on every tp rank."""
+    None -> fp32 loss summed over valid tokens, the same value on every tp rank; `token_losses`: the
+    per-token losses (B, S) fp32, replicated."""
 
     def __init__(self, group: Group, ignore_index: int = -100):
         super().__init__()
         self.group, self.ignore_index = group, ignore_index
 
     def forward(self, logits_BSv, labels_BS, loss_mask_BS=None):
-        loss_BS = _VocabParallelCE.apply(logits_BSv, labels_BS, self.group, self.ignore_index)
-        if loss_mask_BS is not None:
-            loss_BS = loss_BS * loss_mask_BS.to(loss_BS.dtype)
-        return loss_BS.sum()
+        return masked_sum(self.token_losses(logits_BSv, labels_BS), loss_mask_BS)
+
+    def token_losses(self, logits_BSv, labels_BS):
+        return _VocabParallelCE.apply(logits_BSv, labels_BS, self.group, self.ignore_index)
 
 
 # -- replicated kv heads (K < N) --------------------------------------------------------------------
