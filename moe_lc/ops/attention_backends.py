@@ -164,14 +164,21 @@ def pack_pieces(pieces, Q: int, K: int, device) -> tuple:
             pieces[0].causal)
 
 
+def lse_merge_weights(acc_lse: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Online softmax: the merged log-sum-exp of two partial attentions over disjoint keys, and the
+    weights of each side's output in the merged one (same shapes as the inputs). Rows neither side
+    reached (lse -inf on both) get lse -inf and weights 0."""
+    new_lse = torch.logaddexp(acc_lse, part_lse)
+    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # exp(-inf - -inf) would be nan
+    return new_lse, torch.exp(acc_lse - base), torch.exp(part_lse - base)
+
+
 def merge_rows_(out_TH: Tensor, lse_TH: Tensor, rows: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
     """Online softmax in fp32 over flat rows: fold part (n, H, D_v), part_lse (n, H) into out (T, H, D_v),
     lse (T, H) at the distinct row indices `rows` (n,). Rows neither side reached stay (0, -inf)."""
     part_out, part_lse = part_out.to(out_TH.dtype), part_lse.to(lse_TH.dtype)
-    acc_lse = lse_TH[rows]
-    new_lse = torch.logaddexp(acc_lse, part_lse)
-    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # exp(-inf - -inf) would be nan
-    merged = out_TH[rows] * torch.exp(acc_lse - base).unsqueeze(-1) + part_out * torch.exp(part_lse - base).unsqueeze(-1)
+    new_lse, old_w, new_w = lse_merge_weights(lse_TH[rows], part_lse)
+    merged = out_TH[rows] * old_w.unsqueeze(-1) + part_out * new_w.unsqueeze(-1)
     out_TH[rows] = merged
     lse_TH[rows] = new_lse
 

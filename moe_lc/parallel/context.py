@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from moe_lc.model.attention import LocalAttention
 from moe_lc.ops.attention import AttentionBackend, get_backend
+from moe_lc.ops.attention_backends import lse_merge_weights
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -204,11 +205,8 @@ def _merge_(out_BSHD: Tensor, lse_BHS: Tensor, part_out: Tensor, part_lse: Tenso
     """Online softmax in fp32: fold a partial (out, lse) over some keys into the accumulators. Rows that
     neither has reached (lse -inf on both sides: packed documents) stay (0, -inf)."""
     acc_out, acc_lse = out_BSHD[:, rows], lse_BHS[:, :, rows]
-    new_lse = torch.logaddexp(acc_lse, part_lse)
-    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # exp(-inf - -inf) would be nan
-    old_w = torch.exp(acc_lse - base).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    new_w = torch.exp(part_lse - base).transpose(1, 2).unsqueeze(-1)
-    acc_out.mul_(old_w).add_(part_out.float() * new_w)
+    new_lse, old_w, new_w = lse_merge_weights(acc_lse, part_lse)  # (B, H, s)
+    acc_out.mul_(old_w.transpose(1, 2).unsqueeze(-1)).add_(part_out.float() * new_w.transpose(1, 2).unsqueeze(-1))
     acc_lse.copy_(new_lse)
 
 
