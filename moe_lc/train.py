@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, 
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroAdamW
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
+from moe_lc.recipe_error_exit import exit_on_recipe_error
 from moe_lc.step_timeline import traced_step
 from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, forward_backward, mtp_losses,
                                source_losses, step_token_count)
@@ -344,41 +344,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _recipe_error(exc: ConfigError, rank: int, world: int) -> int:
-    """Every rank found the same error before any process group: rank 0 prints it once, and every rank
-    leaves with status 2. torchrun stops the other ranks (SIGTERM) as soon as one exits, so under its
-    agent store the others first report that they wait with a SIGTERM handler that exits with 2, and
-    rank 0 prints and exits only then."""
-    store = _launcher_store(world)
-    if rank != 0:
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
-        if store is not None:
-            store.add("moe_lc/recipe_error_waiting", 1)
-        time.sleep(30.0 if store is not None else 3.0)  # ended by torchrun's SIGTERM once rank 0 has exited
-        return 2
-    if store is not None:
-        deadline = time.monotonic() + 60.0
-        while store.add("moe_lc/recipe_error_waiting", 0) < world - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-    print(f"error: {exc}", file=sys.stderr, flush=True)
-    return 2
-
-
-def _launcher_store(world: int):
-    """torchrun's agent TCPStore (a client of it), or None outside torchrun."""
-    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from datetime import timedelta
-
-    try:
-        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                           is_master=False, timeout=timedelta(seconds=30))
-    except (KeyError, RuntimeError, ValueError):
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return torch.distributed.PrefixStore(f"moe_lc/attempt_{attempt}", store)
-
-
 def main(argv=None) -> int:
     """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint / run directory, 3 stopped
     by the non-finite guard, 130 interrupted (Ctrl-C). Every rank returns the same status; a recipe error
@@ -394,7 +359,7 @@ def main(argv=None) -> int:
                 import_wandb()
             plan = run_dir.check(cfg)  # may this run write into train.output_dir? (before any process group)
     except ConfigError as exc:
-        return _recipe_error(exc, rank, world)
+        return exit_on_recipe_error(exc, rank, world)
     sys.stderr.writelines(f"warning: {w}\n" for w in warnings if rank == 0)  # legal, likely mistaken
     if args.print_config:
         print(to_toml(cfg, docs=args.docs))
