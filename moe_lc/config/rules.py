@@ -148,6 +148,8 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
         e.append(f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other")
     sizes = [("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)]
     sizes += [("model.moe.ffn_dim", m.moe.ffn_dim)] if m.has_moe else []
+    if m.has_moe and m.moe.shared_ffn_dim:
+        sizes.append(("model.moe.shared_ffn_dim", m.moe.shared_ffn_dim))
     e += [f"parallel.tp={tp} must divide {name}={value}" for name, value in sizes if value % tp]
     return e
 
