@@ -208,6 +208,13 @@ def test_bad_feature_settings_are_clear_errors(overrides, message):
     assert message in str(info.value)
 
 
+def test_llama3_scaling_warns_past_its_reach():
+    from moe_lc.config.rules import recipe_warnings
+
+    cfg = load_config(RECIPE, ["model.rope.scaling=llama3", "model.rope.factor=2", "model.rope.original_seq_len=32"])
+    assert any("beyond what Llama 3 RoPE scaling is scaled for" in w for w in recipe_warnings(cfg))
+
+
 def test_shared_ffn_dim_must_split_over_tp():
     with pytest.raises(ConfigError, match="parallel.tp=2 must divide model.moe.shared_ffn_dim=63"):
         load_config(RECIPE, ["parallel.tp=2", "model.moe.shared_ffn_dim=63"], world_size=2)

@@ -221,8 +221,9 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"data.synthetic_tasks={d.synthetic_tasks} is set, but data.synthetic_weight = 0 with "
                  f"data.source={d.source!r}: the tasks are never drawn (set synthetic_weight > 0)")
     reach = rope.original_seq_len * rope.factor
-    if rope.scaling == "yarn" and t.seq_len > reach:
-        w.append(f"train.seq_len={t.seq_len} is beyond what YaRN is scaled for: model.rope.original_seq_len x "
+    if rope.scaling in ("yarn", "llama3") and t.seq_len > reach:
+        name = "YaRN" if rope.scaling == "yarn" else "Llama 3 RoPE scaling"
+        w.append(f"train.seq_len={t.seq_len} is beyond what {name} is scaled for: model.rope.original_seq_len x "
                  f"factor = {rope.original_seq_len} x {rope.factor:g} = {reach:g}; positions past it extrapolate "
                  f"(raise model.rope.factor to {t.seq_len / rope.original_seq_len:g})")
     if t.warmup_steps > t.steps:
