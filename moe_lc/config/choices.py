@@ -14,6 +14,7 @@ AttentionKind = Literal["gqa", "mla"]
 RopeScaling = Literal["none", "yarn"]
 ScoreFunc = Literal["sigmoid", "softmax"]
 GroupScore = Literal["top2_sum", "max"]
+DropPolicy = Literal["probability", "position"]  # which over-capacity copies an expert drops (model/capacity.py)
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev"]
 ExpertDispatch = Literal["flat", "hierarchical"]
 MlaRing = Literal["latent", "expanded"]
