@@ -181,21 +181,15 @@ class AllToAllDispatcher(TokenDispatcher):
 
     @torch.no_grad()
     def _count(self, idx_TK: torch.Tensor) -> None:
-        """idx may hold the phantom id E of copies dropped over capacity: they travel nowhere and count
-        toward no node (a phantom column N, cut off)."""
         if not self.counting():
             return
-        topo = self.topo
-        node_TK = topo.node_of_expert(idx_TK.clamp_max(topo.n_experts - 1)).masked_fill(idx_TK == topo.n_experts,
-                                                                                        topo.n_nodes)
-        has_TN = torch.zeros(idx_TK.shape[0], topo.n_nodes + 1, dtype=torch.bool, device=idx_TK.device)
-        has_TN.scatter_(1, node_TK, True)
-        has_TN = has_TN[:, :topo.n_nodes]
+        topo, E, N = self.topo, self.topo.n_experts, self.topo.n_nodes  # a dropped copy (id E) goes to no node: N
+        node_TK = topo.node_of_expert(idx_TK.clamp_max(E - 1)).masked_fill(idx_TK == E, N)
+        has_TN = torch.zeros(len(idx_TK), N + 1, dtype=torch.bool, device=idx_TK.device).scatter_(1, node_TK, True)[:, :N]
         remote = has_TN.clone()
         remote[:, topo.node] = False
         hist = expert_counts(has_TN.sum(1), topo.n_nodes + 1)
-        sent_TK = node_TK < topo.n_nodes
-        extra = torch.stack([((node_TK != topo.node) & sent_TK).sum(), remote.sum()])
+        extra = torch.stack([((node_TK != topo.node) & (node_TK < N)).sum(), remote.sum()])
         tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
         counts = torch.cat([hist.double(), tokens, extra.double()])
         self._counts = counts if self._counts is None else self._counts + counts
@@ -218,9 +212,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # -- dispatch / combine -------------------------------------------------------------------------
     def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
-        """x (T, D), idx (T, K) -> rows for this rank's experts (a RowTransfer of T' rows), counts (El,),
-        handle. `dropping`: copies with the phantom id n_experts (dropped over capacity) sort last and are
-        sent nowhere: the splits count only the kept ones."""
+        """x (T, D), idx (T, K) -> rows for this rank's experts (a RowTransfer of T' rows), counts (El,), handle.
+        `dropping`: copies with the phantom id E (dropped over capacity) sort last and are sent nowhere."""
         T, K = idx_TK.shape
         R, El, me = self.topo.size, self.topo.per_rank, self.topo.rank
         flat = idx_TK.flatten()
@@ -236,8 +229,7 @@ class AllToAllDispatcher(TokenDispatcher):
         send, recv_host = layout[:R], [layout[R + j * El:R + (j + 1) * El] for j in range(R)]
         recv = [sum(row) for row in recv_host]
         counts = known_sizes(recv_RL.sum(0), [sum(col) for col in zip(*recv_host)])
-        sent = order[:sum(send)] if dropping else order
-        rows = RowTransfer(x_TD[sent // K], recv, send, self.group, self.overlap, self.fp8_tokens)
+        rows = RowTransfer(x_TD[order[:sum(send)] // K], recv, send, self.group, self.overlap, self.fp8_tokens)
         regroup = _expert_major(recv_RL, sum(recv))
         return rows, counts, (order, regroup, send, recv, T, K)
 
