@@ -82,7 +82,7 @@ class Router(nn.Module):
     Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
     default (the dry run swaps in a balanced choice it knows the values of). Seam `logits`: (gate, x) ->
     fp32 logits, `fp32_logits` by default (recomputation rebuilds the fp32 copy instead of keeping it).
-    `shards`: how a micro-batch's tokens are split over ranks, for the balance losses' sums
+    `token_shards`: how a micro-batch's tokens are split over ranks, for the balance losses' sums
     (balance_losses.TokenShards; a parallel layout swaps in the mesh's).
     """
 
@@ -104,7 +104,7 @@ class Router(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("loss_sums", torch.zeros(3, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped_load", torch.zeros((), dtype=torch.float32), persistent=False)
-        self.shards = TokenShards()
+        self.token_shards = TokenShards()
         self.count_loads = True  # switched off while a recomputed forward replays this router
         self.select = route
         self.logits = fp32_logits
@@ -150,7 +150,7 @@ class Router(nn.Module):
         names = enabled_losses(*weights.values())
         if not names:
             return None
-        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.shards)
+        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards)
         if self.count_loads:
             with torch.no_grad():
                 self.loss_sums[[list(weights).index(n) for n in names]] += shares.detach()

@@ -56,4 +56,4 @@ def balance_plan(model: nn.Module, dims: ParallelDims, plan) -> None:
         seq_group = dims.groups["cp_tp"] if "cp_tp" in dims.groups else dims.add_group("cp_tp", dims.group_ranks("cp_tp"))
     shards = MeshTokenShards(dims, seq_group, dims["dp_cp_tp"])
     for moe in moes:
-        plan.set(moe.router, shards=shards)
+        plan.set(moe.router, token_shards=shards)

@@ -17,7 +17,7 @@ attribute, so the rules can be resolved in any order and none reads what another
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
     the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
-    the balance losses' sums over the mesh     Router.shards                     parallel/balance_plan.py
+    the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
 
 What the model declares about itself (the output head and router stay in the compute dtype, the
@@ -54,7 +54,7 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens", "shards"})
+                     "aux_loss_scale", "select", "fp8_tokens", "token_shards"})
 
 
 @dataclass
