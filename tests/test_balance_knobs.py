@@ -292,3 +292,19 @@ def test_planner_scales_the_all_to_all_by_the_capacity():
             assert step.keys() == want.keys()
             assert all(step[k] == v for k, v in want.items() if k != key), (step, want)
             assert 0.4 * want[key] <= step[key] <= want[key]
+
+
+def test_dry_run_under_balanced_routing_sends_what_the_planner_says_under_a_capacity():
+    """Balanced routing (the dry run's) asks every expert for T*k/E copies: a capacity of half that keeps
+    exactly half, and the traced all-to-all equals the planner's to the byte (probability priority
+    traced as position: the same counts per expert)."""
+    from tools.dryrun import trace_rank
+    from tools.plan import plan
+
+    layout = ["train.seq_len=64", "train.global_batch=8", "parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+              "train.micro_batch=2", "model.moe.capacity_factor=0.5"]
+    cfg = load_config(RECIPE, layout, world_size=4)
+    traced = trace_rank(cfg, 4, 0)["comm"]
+    want = plan(cfg, 4).ranks[0].comm_per_step()["comm/ep/all_to_all_bytes"]
+    uncapped = plan(load_config(RECIPE, layout[:-1], world_size=4), 4).ranks[0].comm_per_step()
+    assert traced["comm/ep/all_to_all_bytes"] == want == uncapped["comm/ep/all_to_all_bytes"] / 2

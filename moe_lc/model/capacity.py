@@ -40,9 +40,8 @@ def _keep_rank(idx_TK: torch.Tensor, affinity_TK: torch.Tensor, n_experts: int, 
     order = _by_priority_then_expert(flat, affinity_TK.flatten(), policy)
     counts_E = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     starts_E = counts_E.cumsum(0) - counts_E
-    place = torch.empty_like(flat)
-    place[order] = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
-    return place.view_as(idx_TK)
+    place = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
+    return torch.zeros_like(flat).scatter_(0, order, place).view_as(idx_TK)
 
 
 DROP_POLICIES = ("probability", "position")  # the recipe's `DropPolicy` choices (tests/test_config.py)
