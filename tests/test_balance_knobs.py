@@ -308,3 +308,32 @@ def test_dry_run_under_balanced_routing_sends_what_the_planner_says_under_a_capa
     want = plan(cfg, 4).ranks[0].comm_per_step()["comm/ep/all_to_all_bytes"]
     uncapped = plan(load_config(RECIPE, layout[:-1], world_size=4), 4).ranks[0].comm_per_step()
     assert traced["comm/ep/all_to_all_bytes"] == want == uncapped["comm/ep/all_to_all_bytes"] / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, world", [
+    (["parallel.cp=2", "parallel.tp=2", "parallel.dp=1"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1f1b"], 4),
+], ids=["cp2-tp2", "pp2-dp2"])
+def test_every_loss_under_composed_layouts_equals_one_process(layout, world):
+    """All three losses at once, under cp x tp (sequence counts over cp_tp) and under pp x dp (each stage's
+    routers sum their counts over their own stage's dp ranks); the reference routes the same token groups."""
+    knobs = ["model.moe.aux_loss_weight=1e-2", "model.moe.z_loss_weight=1e-2", "model.moe.global_aux_loss_weight=1e-2",
+             "model.moe.bias_update_speed=0"]
+    ref = reference(RECIPE, BASE + knobs + ["train.global_batch=4", "train.micro_batch=4"])
+    per_rank = "train.micro_batch=2" if "parallel.dp=2" in layout else "train.micro_batch=4"
+    got = run_layout(RECIPE, BASE + knobs + ["train.global_batch=4", per_rank] + layout, world=world)
+    assert_equivalent(ref, got)
+    for loss in ("aux_loss", "z_loss", "global_aux_loss"):  # rank 0 logs its own stage's layers
+        assert _metric(got, f"moe/{loss}/layer1") == pytest.approx(_metric(ref, f"moe/{loss}/layer1"), rel=1e-5)
+
+
+def test_probability_priority_drops_alike_under_dp2_ep2_for_a_step():
+    """'probability' priority: the first step (the same parameters everywhere, so the same affinities)
+    drops the same copies as one process routing the same token groups."""
+    knobs = ["model.moe.capacity_factor=1.0", "model.moe.drop_policy=probability", "train.steps=1"]
+    ref = reference(RECIPE, BASE + knobs + ["train.global_batch=4", "train.micro_batch=2"])
+    got = run_layout(RECIPE, BASE + knobs + ["train.global_batch=4", "train.micro_batch=2", "parallel.dp=2",
+                                             "parallel.ep=2"], world=2)
+    assert_equivalent(ref, got)
+    assert _metric(got, "moe/dropped_fraction_max") == _metric(ref, "moe/dropped_fraction_max") > 0.01
