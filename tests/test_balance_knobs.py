@@ -337,3 +337,16 @@ def test_probability_priority_drops_alike_under_dp2_ep2_for_a_step():
                                              "parallel.ep=2"], world=2)
     assert_equivalent(ref, got)
     assert _metric(got, "moe/dropped_fraction_max") == _metric(ref, "moe/dropped_fraction_max") > 0.01
+
+
+@pytest.mark.parametrize("precision, recompute", [
+    ("bf16", ["recompute.policy=selective", 'recompute.selective=["router"]']),
+    ("fp32", ["recompute.policy=full"])], ids=["bf16-router-replayed", "fp32-full"])
+def test_losses_and_dropping_train_alike_under_recomputation(precision, recompute):
+    """The z-loss reads the router's fp32 logits, whose input the "router" item rebuilds in backward (bf16:
+    in fp32 there is nothing to rebuild); full recomputation replays the whole layer (its drops and, under a
+    mesh, its count sums) once more. Both train as without recomputation, to fp32 rounding."""
+    knobs = ["model.moe.aux_loss_weight=1e-2", "model.moe.z_loss_weight=1e-2", "model.moe.global_aux_loss_weight=1e-2",
+             "model.moe.capacity_factor=1.0", "train.global_batch=4", "train.micro_batch=2",
+             f"precision.recipe={precision}"]
+    assert_equivalent(reference(RECIPE, BASE + knobs), run_layout(RECIPE, BASE + knobs + recompute, world=1))

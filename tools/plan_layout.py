@@ -16,8 +16,10 @@ the counted bytes and optimizer state of real runs):
                and small fp64/fp32 all-reduces: token count over dp (masked data only), loss, grad
                norm (and MTP loss sums) over world, expert loads over dp_cp_tp
 
-What each dim sends beyond ZeRO (`tp_traffic`, `cp_traffic`, `ep_traffic`, `pp_traffic`) follows the
-formulas in the docstrings of moe_lc/parallel/{tensor,context,expert}.py. TP, CP and PP bytes are exact
+What each dim sends beyond ZeRO (`tp_traffic`, `cp_traffic`, `ep_traffic`, `pp_traffic`, and the balance
+losses' count sums, `balance_traffic`) follows the formulas in the docstrings of
+moe_lc/parallel/{tensor,context,expert,balance_plan}.py; an expert capacity scales EP's copies by the share
+it keeps under balanced routing (`kept_fraction`). TP, CP and PP bytes are exact
 (tests/test_plan.py runs tp2, cp2, cp2 x tp2 and pp2 and compares every counter); EP's all-to-all volume
 follows the routing, so the planner gives the balanced-routing value, marked ESTIMATE (within 10% of
 the measured volume on the debug model); hierarchical EP is not modeled.

@@ -6,7 +6,8 @@ parallelism they are left out of the all-to-all).
 
 The token group T is what one router call sees: one micro-batch of one data-parallel rank, and under
 context / sequence parallelism that rank's shard of it (B * S / (cp * tp) tokens). A layout is therefore
-equal to one process whose micro-batch is that same group of tokens.
+equal to one process whose micro-batch is that same group of tokens. The capacity is part of the layer's
+function: it applies in evaluation forwards too (a decode step's few tokens rarely reach it).
 
 Legend: T tokens, K experts per token, E routed experts. A dropped copy keeps its slot in idx (T, K)
 with the phantom expert id E ("no expert"), which sorts after every real expert, so dispatchers send
