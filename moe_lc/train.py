@@ -156,7 +156,7 @@ class Trainer:
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
-        metrics.update(balance_routers(self.model, self.dims, stats.aux_losses))
+        metrics.update(balance_routers(self.model, self.dims))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))
         if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lc.model.balance_losses import LOSS_NAMES, enabled_losses
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.parallel import comm
 from moe_lc.parallel.expert import dispatcher_counters, expert_parallel_metrics
@@ -94,33 +95,40 @@ def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: 
 
 
 @torch.no_grad()
-def balance_routers(model, dims: ParallelDims, aux_losses: dict) -> dict:
+def balance_routers(model, dims: ParallelDims) -> dict:
     """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
-    return the MoE metrics: one all-reduce, which under expert parallelism also carries the dispatchers'
-    counters (in fp64 then: counts are exact in either dtype), and one transfer to the host.
-    aux_losses: `ForwardStats.aux_losses`. Metrics per MoE layer L: moe/imbalance/layer{L} (max / mean
-    load), moe/bias_range/layer{L}, moe/aux_loss/layer{L} (with a sequence-wise aux loss), moe/load/layer{L}
-    (E floats: token copies per expert), the `expert_parallel_metrics` under EP; and moe/imbalance_max."""
+    return the MoE metrics: one all-reduce, which also carries each layer's `balance_columns` (the
+    auxiliary losses' shares, the dropped copies) and under expert parallelism the dispatchers' counters
+    (in fp64 then: counts are exact in either dtype), and one transfer to the host. Metrics per MoE
+    layer L: moe/imbalance/layer{L} (max / mean load), moe/bias_range/layer{L}, moe/load/layer{L}
+    (E floats: token copies per expert, as routed, dropped ones included), each enabled loss's
+    moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds, its
+    mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
+    `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max)."""
     moes = model.moe_layers()
     if not moes:
         return {}
     loads = torch.stack([m.router.expert_load for m in moes.values()])  # (L, E) fp32, this rank's
-    counters = dispatcher_counters(moes.values())  # (L, N + 4) fp64, None without expert parallelism
     n_experts = loads.shape[1]
+    extra, names = balance_columns(moes)  # (L, X) fp32
+    loads = torch.cat([loads, extra], dim=1)
+    counters = dispatcher_counters(moes.values())  # (L, N + 4) fp64, None without expert parallelism
     if counters is None:
         comm.all_reduce(loads, dims["dp_cp_tp"])
     else:
         both = torch.cat([loads.double(), counters], dim=1)
         comm.all_reduce(both, dims["dp_cp_tp"])
-        loads, counters = both[:, :n_experts].float(), both[:, n_experts:]
+        loads, counters = both[:, :loads.shape[1]].float(), both[:, loads.shape[1]:]
+    loads, extra = loads[:, :n_experts], loads[:, n_experts:]
     scalars = {}  # metric -> 0-dim device tensor
-    for (name, moe), load in zip(moes.items(), loads):
+    for (name, moe), load, sums in zip(moes.items(), loads, extra):
         scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
         moe.router.update_bias(load)
         bias = moe.router.expert_bias
         scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
-        if moe in aux_losses:
-            scalars[f"moe/aux_loss/layer{name}"] = aux_losses[moe]
+        for column, value in zip(names, sums):
+            scalars[f"moe/{column}/layer{name}"] = (value / load.sum().clamp_min(1.0) if column == "dropped_fraction"
+                                                    else value * moe.aux_loss_scale)
     parts = [torch.stack([v.double() for v in scalars.values()]), loads.double().flatten()]
     host = iter(torch.cat(parts + ([] if counters is None else [counters.flatten()])).tolist())
     metrics = {key: next(host) for key in scalars}
@@ -130,7 +138,26 @@ def balance_routers(model, dims: ParallelDims, aux_losses: dict) -> dict:
         host_counters = [[next(host) for _ in range(counters.shape[1])] for _ in moes]
         metrics.update(expert_parallel_metrics(moes, host_loads, host_counters))
     metrics["moe/imbalance_max"] = max(v for k, v in metrics.items() if k.startswith("moe/imbalance/"))
+    if "dropped_fraction" in names:
+        metrics["moe/dropped_fraction_max"] = max(v for k, v in metrics.items()
+                                                  if k.startswith("moe/dropped_fraction/"))
     return metrics
+
+
+def balance_columns(moes: dict) -> tuple[torch.Tensor, list[str]]:
+    """(L, X) fp32 of this rank's step sums per MoE layer, then reset: each enabled auxiliary loss's
+    weighted shares (`Router.loss_sums`), and the copies dropped over capacity; and the X column names
+    (X = `balance_losses.stat_columns` of the recipe's [model.moe])."""
+    first = next(iter(moes.values()))
+    names = enabled_losses(first.aux_loss_weight, first.router.z_loss_weight, first.router.global_aux_loss_weight)
+    columns = [LOSS_NAMES.index(n) for n in names]
+    rows = []
+    for moe in moes.values():
+        r = moe.router
+        rows.append(torch.cat([r.loss_sums[columns], r.dropped_load.view(1)[:int(r.capacity_factor > 0)]]))
+        r.loss_sums.zero_()
+        r.dropped_load.zero_()
+    return torch.stack(rows), names + ["dropped_fraction"] * int(first.router.capacity_factor > 0)
 
 
 def forward_backward(model, runtime: PipelineRuntime | None, batches: list[dict], scale: float,

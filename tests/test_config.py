@@ -134,6 +134,7 @@ def test_registries_implement_exactly_the_recipe_choices():
     from moe_lc.data.synthetic import TASKS
     from moe_lc.lr_schedule import SCHEDULES
     from moe_lc.metrics import LOGGERS
+    from moe_lc.model.capacity import DROP_POLICIES
     from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS
     from moe_lc.ops import attention, fp8_linear
     from moe_lc.parallel.expert import DISPATCHERS
@@ -150,6 +151,7 @@ def test_registries_implement_exactly_the_recipe_choices():
         "RecomputePolicy": set(POLICIES),
         "RecomputeItem": set(SELECTIVE_ITEMS),
         "Logger": set(LOGGERS),
+        "DropPolicy": set(DROP_POLICIES),
     }
     for name, registry in pairs.items():
         assert registry == set(choices.names(getattr(choices, name))), name

@@ -4,9 +4,11 @@ the MTP and router metrics made from them."""
 
 import copy
 
+import pytest
 import torch
 
 from moe_lc.config import load_config
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import build_model
 from moe_lc.parallel.mesh import ParallelDims
@@ -65,9 +67,16 @@ def test_forward_backward_and_the_step_metrics_without_a_trainer():
     assert set(moes) == {"1", "mtp0"} and set(stats.aux_losses) == set(moes.values())
     assert not hasattr(model, "mtp_loss_sums") and not any(hasattr(m, "last_aux_loss") for m in moes.values())
 
-    router_metrics = balance_routers(model, dims, stats.aux_losses)
+    # the aux-loss metric: the step's sum of every forward's term times the micro-batch share (1 here)
+    per_forward = {moe: [] for moe in moes.values()}
+    for b in batches:
+        seen = ForwardStats()
+        ref(b["inputs"], positions=b["positions"], labels=b["labels"], mtp=b["mtp"], stats=seen)
+        for moe_ref, moe in zip(ref.moe_layers().values(), moes.values()):
+            per_forward[moe].append(seen.aux_losses[moe_ref].item())
+    router_metrics = balance_routers(model, dims)
     for name, moe in moes.items():
-        assert router_metrics[f"moe/aux_loss/layer{name}"] == stats.aux_losses[moe].item()
+        assert router_metrics[f"moe/aux_loss/layer{name}"] == pytest.approx(sum(per_forward[moe]), rel=1e-6)
         assert sum(router_metrics[f"moe/load/layer{name}"]) == n_tokens * moe.router.topk  # each copy once
         assert moe.router.expert_load.sum() == 0  # the bias update took the step's loads
     assert router_metrics["moe/imbalance_max"] == max(router_metrics[f"moe/imbalance/layer{n}"] for n in moes)

@@ -16,8 +16,10 @@ the counted bytes and optimizer state of real runs):
                and small fp64/fp32 all-reduces: token count over dp (masked data only), loss, grad
                norm (and MTP loss sums) over world, expert loads over dp_cp_tp
 
-What each dim sends beyond ZeRO (`tp_traffic`, `cp_traffic`, `ep_traffic`, `pp_traffic`) follows the
-formulas in the docstrings of moe_lc/parallel/{tensor,context,expert}.py. TP, CP and PP bytes are exact
+What each dim sends beyond ZeRO (`tp_traffic`, `cp_traffic`, `ep_traffic`, `pp_traffic`, and the balance
+losses' count sums, `balance_traffic`) follows the formulas in the docstrings of
+moe_lc/parallel/{tensor,context,expert,balance_plan}.py; an expert capacity scales EP's copies by the share
+it keeps under balanced routing (`kept_fraction`). TP, CP and PP bytes are exact
 (tests/test_plan.py runs tp2, cp2, cp2 x tp2 and pp2 and compares every counter); EP's all-to-all volume
 follows the routing, so the planner gives the balanced-routing value, marked ESTIMATE (within 10% of
 the measured volume on the debug model); hierarchical EP is not modeled.
@@ -28,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lc.config import Config
+from moe_lc.model.balance_losses import stat_columns
+from moe_lc.model.capacity import expert_capacity
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.ops.fp8_storage import fp8_row_bytes
 from moe_lc.parallel.expert import counter_elems
@@ -109,9 +113,11 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
         out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8, dims.world), what))
     n_moe = sum(moe_blocks(cfg, st) for st in stages)
     if n_moe and dims.ep == 1:  # under EP the loads ride in the dispatchers' fp64 all-reduce (`ep_traffic`)
-        loads = 4 * n_moe * m.moe.n_routed_experts
+        extra = stat_columns(m.moe)  # each enabled aux loss's sum and the dropped copies, per layer
+        loads = 4 * n_moe * (m.moe.n_routed_experts + extra)
         out.append(Traffic("dp_cp_tp", "all_reduce", ring_bytes("all_reduce", loads, dims["dp_cp_tp"].size),
-                           f"expert loads ({n_moe} MoE layers x {m.moe.n_routed_experts} fp32)"))
+                           f"expert loads ({n_moe} MoE layers x {m.moe.n_routed_experts}"
+                           f"{f' + {extra}' if extra else ''} fp32)"))
     return [t for t in out if t.bytes]
 
 
@@ -213,7 +219,7 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     if dims.ep == 1 or not m.moe.n_routed_experts:
         return []
     n_moe = _per_microbatch(sum(moe_blocks(cfg, st) for st in stages), dims)
-    copies = _tokens(cfg, dims) // dims.tp * m.moe.topk
+    copies = _tokens(cfg, dims) // dims.tp * m.moe.topk * kept_fraction(cfg, dims)
     # FP8 dispatch: the forward dispatch moves FP8 rows with their 1 x 128 scales; combine and both
     # backward transfers stay in the compute dtype
     dispatch = fp8_row_bytes(m.dim) if cfg.precision.fp8_dispatch else m.dim * c
@@ -221,7 +227,7 @@ def ep_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     per_layer = copies * (dispatch + 3 * m.dim * c + weights) * (dims.ep - 1) / dims.ep
     layout = ring_bytes("all_gather", dims.ep * m.moe.n_routed_experts * 8, dims.ep)  # per-expert int64 counts
     mb = cfg.train.microbatches(dims.dp)
-    stats = 8 * counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes())  # loads + counters, fp64
+    stats = 8 * (counter_elems(m.moe.n_routed_experts, dims["ep"].n_nodes()) + stat_columns(m.moe))  # fp64
     n_stats = sum(moe_blocks(cfg, st) for st in stages)
     return [Traffic("ep", "all_to_all", mb * n_moe * per_layer, "token dispatch + combine, fwd + bwd (balanced)",
                     ESTIMATE),
@@ -240,4 +246,36 @@ def pp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
     return [Traffic("pp", "send", cfg.train.microbatches(dims.dp) * sends * act, "stage activations / gradients")]
 
 
-HOOKS = (tp_traffic, cp_traffic, ep_traffic, pp_traffic)
+def kept_fraction(cfg: Config, dims: ParallelDims) -> float:
+    """The share of a router call's T*k copies that an expert capacity lets through under balanced
+    routing (each expert asked for T*k/E copies, taking at most C = ceil(capacity_factor*T*k/E)):
+    min(1, C / (T*k/E)); 1 without a capacity. T: one micro-batch's tokens on this rank's cp and tp shard."""
+    moe = cfg.model.moe
+    if moe.capacity_factor <= 0:
+        return 1.0
+    asked = _tokens(cfg, dims) // dims.tp * moe.topk / moe.n_routed_experts
+    return min(1.0, expert_capacity(_tokens(cfg, dims) // dims.tp, moe.topk, moe.n_routed_experts,
+                                    moe.capacity_factor) / asked)
+
+
+def balance_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:
+    """Balance-loss hook (moe_lc/parallel/balance_plan.py): per MoE layer and training forward, the
+    sequence-wise loss under cp or tp all-reduces the (B, E) per-sequence counts over "cp_tp", the
+    global-batch loss the (E + 1) counts and tokens over "dp_cp_tp" (fp32). Full recomputation replays
+    the forward, and its collectives, once more in backward."""
+    m = cfg.model
+    if not m.moe.n_routed_experts:
+        return []
+    n_moe = _per_microbatch(sum(moe_blocks(cfg, st) for st in stages), dims)
+    calls = cfg.train.microbatches(dims.dp) * n_moe * (2 if cfg.recompute.policy == "full" else 1)
+    E, out = m.moe.n_routed_experts, []
+    if m.moe.aux_loss_weight > 0 and dims.cp * dims.tp > 1:
+        per_call = ring_bytes("all_reduce", 4 * cfg.train.micro_batch * E, dims.cp * dims.tp)
+        out.append(Traffic("cp_tp", "all_reduce", calls * per_call, "sequence-wise balance: per-sequence expert counts"))
+    if m.moe.global_aux_loss_weight > 0 and dims["dp_cp_tp"].size > 1:
+        per_call = ring_bytes("all_reduce", 4 * (E + 1), dims["dp_cp_tp"].size)
+        out.append(Traffic("dp_cp_tp", "all_reduce", calls * per_call, "global-batch balance: expert counts, tokens"))
+    return out
+
+
+HOOKS = (tp_traffic, cp_traffic, ep_traffic, pp_traffic, balance_traffic)

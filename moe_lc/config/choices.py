@@ -15,6 +15,7 @@ RopeScaling = Literal["none", "yarn", "llama3"]
 QkNorm = Literal["none", "head", "full"]
 ScoreFunc = Literal["sigmoid", "softmax"]
 GroupScore = Literal["top2_sum", "max"]
+DropPolicy = Literal["probability", "position"]  # which over-capacity copies an expert drops (model/capacity.py)
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev"]
 ExpertDispatch = Literal["flat", "hierarchical"]
 MlaRing = Literal["latent", "expanded"]

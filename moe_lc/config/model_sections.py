@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_lc.config.choices import AttentionKind, AttnBackend, GroupScore, QkNorm, RopeScaling, ScoreFunc
+from moe_lc.config.choices import AttentionKind, AttnBackend, DropPolicy, GroupScore, QkNorm, RopeScaling, ScoreFunc
 from moe_lc.config.fields import f, non_negative, positive
 
 # --------------------------------------------------------------------------------------------- model
@@ -31,6 +31,14 @@ class MoEConfig:
     routed_scaling_factor: float = f(1.0, "gate weights are the (normalized) top-k affinities times this")
     bias_update_speed: float = f(1e-3, "aux-loss-free balancing: bias step per optimizer step (0 = off)")
     aux_loss_weight: float = f(0.0, "weight of the sequence-wise balance loss (0 = off)")
+    z_loss_weight: float = f(0.0, "router z-loss weight (ST-MoE): mean over the step's tokens of logsumexp(logits)^2 "
+                                  "(0 = off)")
+    global_aux_loss_weight: float = f(0.0, "global-batch balance loss weight (Qwen3-MoE): E * sum_e f_e * P_e with f "
+                                           "counted over the micro-batch of every data-parallel rank (0 = off)")
+    capacity_factor: float = f(0.0, "expert capacity ceil(factor * T * topk / E) per expert, T = the tokens one "
+                                    "router call sees (a micro-batch's shard); copies over it are dropped (0 = off)")
+    drop_policy: DropPolicy = f("probability", "which copies an over-capacity expert drops: the lowest affinity "
+                                               "('probability') or the latest tokens ('position')")
     weighted_swiglu: bool = f(False, "gate weights multiply each expert's SwiGLU output before its down projection "
                                      "(the same function; combine then only sums and saves no expert outputs)")
     shared_ffn_dim: int = f(0, "hidden width of the shared expert(s) together; 0 = n_shared_experts * ffn_dim "
@@ -50,8 +58,8 @@ class MoEConfig:
         non_negative(e, f"{p}.n_routed_experts", self.n_routed_experts)
         non_negative(e, f"{p}.n_shared_experts", self.n_shared_experts)
         non_negative(e, f"{p}.bias_update_speed", self.bias_update_speed)
-        non_negative(e, f"{p}.aux_loss_weight", self.aux_loss_weight)
-        non_negative(e, f"{p}.shared_ffn_dim", self.shared_ffn_dim)
+        for name in ("aux_loss_weight", "z_loss_weight", "global_aux_loss_weight", "capacity_factor", "shared_ffn_dim"):
+            non_negative(e, f"{p}.{name}", getattr(self, name))
         for key, on in ((f"shared_ffn_dim={self.shared_ffn_dim}", self.shared_ffn_dim),
                         ("shared_expert_gate = true", self.shared_expert_gate)):
             if on and not self.n_shared_experts:

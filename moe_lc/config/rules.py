@@ -128,12 +128,13 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
                  "keeps only each block's input, so there is nothing to cache")
     if cfg.precision.fp8_dispatch and not m.has_moe:
         e.append("precision.fp8_dispatch needs MoE layers (model has none)")
-    if m.has_moe and m.moe.aux_loss_weight > 0:
-        for name in ("tp", "cp"):
-            if getattr(p, name) > 1:
-                e.append(f"model.moe.aux_loss_weight={m.moe.aux_loss_weight} with parallel.{name}={getattr(p, name)} "
-                         "is not supported: the sequence-wise balance loss would see only this rank's "
-                         f"{'sequence shard' if name == 'tp' else 'zig-zag chunks'}, not whole sequences")
+    if m.has_moe and m.moe.capacity_factor > 0 and p.expert_dispatch != "flat":
+        e.append(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.expert_dispatch="
+                 f"{p.expert_dispatch!r} is not built: dropped copies are left out of the flat dispatcher only")
+    if m.has_moe and m.moe.global_aux_loss_weight > 0 and p.pp > 1 and p.pp_schedule == "dualpipe":
+        e.append(f"model.moe.global_aux_loss_weight={m.moe.global_aux_loss_weight} with parallel.pp_schedule="
+                 "'dualpipe' is not built: its mirror ranks run a stage's micro-batches at other times, and the "
+                 "counts are summed over the ranks routing the same micro-batch in step")
     return e
 
 

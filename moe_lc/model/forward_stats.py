@@ -16,8 +16,9 @@ import torch
 class ForwardStats:
     """mtp_loss_sums: (D,) fp64, detached: each MTP depth's summed token loss over the step's micro-batches
     on this rank (None until a forward with MTP targets ran).
-    aux_losses: {MoE layer: its sequence-wise balance loss (0-dim fp32, detached) of the latest forward
-    that computed one}.
+    aux_losses: {MoE layer: its weighted auxiliary losses summed (0-dim fp32, detached; this rank's share,
+    balance_losses.py) of the latest forward that computed one}. The step's metrics of each loss come
+    from the routers' `loss_sums`, summed over the step and the mesh.
     n_sources: data sources to book the next-token loss by (0: not booked); source_losses: (2, n_sources)
     fp64, each source's summed token loss and its token count over this rank's rows (zeros on a rank
     without the head)."""

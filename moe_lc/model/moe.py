@@ -1,5 +1,6 @@
 """DeepSeek-style MoE FFN: shared experts + fine-grained routed experts, group-limited routing,
-aux-loss-free balancing, optional sequence-wise aux loss. No token dropping.
+aux-loss-free balancing, optional auxiliary losses (sequence-wise or global-batch balance, router
+z-loss: balance_losses.py). No token dropping unless an expert capacity is set (capacity.py).
 
 Legend: T tokens (B*S flattened), D model dim, E routed experts, G expert groups, K experts per token,
 F expert hidden dim. Tokens reach experts through a `TokenDispatcher`: `LocalDispatcher` here (all
@@ -13,6 +14,9 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.balance_losses import TokenShards, balance_loss_shares, enabled_losses
+from moe_lc.model.balance_losses import sequence_aux_loss  # noqa: F401 (its home before balance_losses.py)
+from moe_lc.model.capacity import dropped_copies, drop_over_capacity, expert_capacity
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.seams import through
@@ -74,9 +78,13 @@ class Router(nn.Module):
     Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
     `expert_load` (E,) fp32, tokens routed to each expert since the last bias update (the one count of
     expert loads: the bias update and the load metrics read it; expert-parallel dispatchers do not).
+    `loss_sums` (3,) fp32, the weighted auxiliary losses' shares (balance_losses.LOSS_NAMES order) and
+    `dropped_load` () fp32, the copies dropped over capacity, both summed since the last step's metrics.
     Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
     default (the dry run swaps in a balanced choice it knows the values of). Seam `logits`: (gate, x) ->
     fp32 logits, `fp32_logits` by default (recomputation rebuilds the fp32 copy instead of keeping it).
+    `token_shards`: how a micro-batch's tokens are split over ranks, for the balance losses' sums
+    (balance_losses.TokenShards; a parallel layout swaps in the mesh's).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -86,6 +94,8 @@ class Router(nn.Module):
         self.score_func, self.scaling = cfg.moe.score_func, cfg.moe.routed_scaling_factor
         self.group_score, self.norm_topk_prob = cfg.moe.group_score, cfg.moe.norm_topk_prob
         self.bias_update_speed = cfg.moe.bias_update_speed
+        self.z_loss_weight, self.global_aux_loss_weight = cfg.moe.z_loss_weight, cfg.moe.global_aux_loss_weight
+        self.capacity_factor, self.drop_policy = cfg.moe.capacity_factor, cfg.moe.drop_policy
         self.gate = Linear(cfg.dim, cfg.moe.n_routed_experts)
         self.gate.fp8_eligible = False
         # its W is a GEMM of E rows: deferring it to a zero-bubble W fills no bubble, and would hold the
@@ -93,6 +103,9 @@ class Router(nn.Module):
         self.gate.defer_wgrad = False
         self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(3, dtype=torch.float32), persistent=False)
+        self.register_buffer("dropped_load", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.token_shards = TokenShards()
         self.count_loads = True  # switched off while a recomputed forward replays this router
         self.select = route
         self.logits = fp32_logits
@@ -101,9 +114,15 @@ class Router(nn.Module):
         """Zero the balancing state (after the model was built on the meta device)."""
         self.expert_bias.zero_()
         self.expert_load.zero_()
+        self.loss_sums.zero_()
+        self.dropped_load.zero_()
 
     def forward(self, x_TD: torch.Tensor):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
+        return self.route_and_score(x_TD)[:3]
+
+    def route_and_score(self, x_TD: torch.Tensor):
+        """`forward`'s three, and the fp32 logits (T, E) the z-loss reads."""
         logits_TE = self.logits(self.gate, x_TD)
         idx_TK, weights_TK, scores_TE, counts_E = score_and_route(
             logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
@@ -111,7 +130,32 @@ class Router(nn.Module):
         if self.training and self.count_loads:
             with torch.no_grad():
                 self.expert_load += counts_E.float()
-        return idx_TK, weights_TK, scores_TE
+        return idx_TK, weights_TK, scores_TE, logits_TE
+
+    def drop_over_capacity(self, idx_TK: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        """idx (T, K) -> the copies sent to experts: idx itself without a capacity, else with the copies
+        over each expert's capacity (T tokens of this call) set to the phantom id E (capacity.py)."""
+        if self.capacity_factor <= 0:
+            return idx_TK
+        capacity = expert_capacity(idx_TK.shape[0], self.topk, self.n_experts, self.capacity_factor)
+        sent_TK = drop_over_capacity(idx_TK, scores_TE, capacity, self.drop_policy)
+        if self.training and self.count_loads:
+            self.dropped_load += dropped_copies(sent_TK, self.n_experts)
+        return sent_TK
+
+    def balance_losses(self, aux_loss_weight: float, logits_TE, scores_TE, idx_TK, n_seqs: int):
+        """The enabled auxiliary losses' weighted shares summed (0-dim fp32, to attach to the output), or
+        None when none is on; their detached values are added to `loss_sums` (training forwards)."""
+        weights = {"aux_loss": aux_loss_weight, "z_loss": self.z_loss_weight,
+                   "global_aux_loss": self.global_aux_loss_weight}
+        names = enabled_losses(*weights.values())
+        if not names:
+            return None
+        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards)
+        if self.count_loads:
+            with torch.no_grad():
+                self.loss_sums[[list(weights).index(n) for n in names]] += shares.detach()
+        return shares.sum()
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
@@ -153,8 +197,9 @@ class TokenDispatcher:
 
     fp8_tokens = False
 
-    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
-        """-> (rows for this rank's experts (tensor or Transfer), counts (E_local,), handle)."""
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int, dropping: bool = False):
+        """-> (rows for this rank's experts (tensor or Transfer), counts (E_local,), handle). `dropping`:
+        idx may hold the phantom id n_experts (a copy dropped over capacity), which is not sent."""
         raise NotImplementedError
 
     def sort_weights(self, weights_TK: torch.Tensor, handle):
@@ -187,12 +232,26 @@ class TokenDispatcher:
 
 
 @region
-def sort_by_expert(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
+def sort_by_expert(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int, dropping: bool = False):
     """Token copies grouped by expert: rows (T*K, D) = x's copies in a stable order by expert id, counts
-    (E,) int64, and order (T*K,): position in that order -> flat (token, slot) index."""
+    (E,) int64, and order (T*K,): position in that order -> flat (token, slot) index. `dropping`: idx may
+    hold the phantom id E of a dropped copy (capacity.py), which sorts last and is left out of the rows
+    (one host sync for their number)."""
     flat = idx_TK.flatten()
     order = flat.argsort(stable=True)
-    return x_TD[order // idx_TK.shape[1]], expert_counts(flat, n_experts), order
+    if not dropping:
+        return x_TD[order // idx_TK.shape[1]], expert_counts(flat, n_experts), order
+    counts = expert_counts(flat, n_experts + 1)[:n_experts]
+    kept = order[:int(counts.sum())]
+    return x_TD[kept // idx_TK.shape[1]], counts, order
+
+
+def pad_dropped(y_rows: torch.Tensor, n_copies: int) -> torch.Tensor:
+    """Expert outputs of the sent copies (n, D), by-expert order -> (n_copies, D): zero rows for the
+    dropped copies, which sort last (a dropped copy adds nothing to its token)."""
+    if y_rows.shape[0] == n_copies:
+        return y_rows
+    return torch.cat([y_rows, y_rows.new_zeros(n_copies - y_rows.shape[0], y_rows.shape[1])])
 
 
 @region
@@ -212,18 +271,18 @@ def weighted_sum(y_TKD: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.
 class LocalDispatcher(TokenDispatcher):
     """All experts on this device: a stable sort by expert id, and its inverse."""
 
-    def dispatch(self, x_TD, idx_TK, n_experts):
+    def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
         T, K = idx_TK.shape
-        rows, counts, order = sort_by_expert(x_TD, idx_TK, n_experts)
-        return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K)
+        rows, counts, order = sort_by_expert(x_TD, idx_TK, n_experts, dropping)
+        return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K, rows.shape[0])
 
     def sort_weights(self, weights_TK, handle):
-        order, _, _ = handle
-        return weights_TK.flatten()[order]
+        order, _, _, n_rows = handle
+        return weights_TK.flatten()[order[:n_rows]]
 
     def combine(self, y_back, weights_TK, handle):
-        order, T, K = handle
-        return unsort_and_sum(y_back, order, weights_TK, T, K)
+        order, T, K, _ = handle
+        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -238,18 +297,6 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out, grad_out.new_full((), ctx.scale, dtype=torch.float32), None
-
-
-@region
-def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """DeepSeek-V3 sequence-wise balance loss, mean over sequences: sum_e f_e * P_e where
-    f_e = E/(K*S) * (tokens of the sequence routed to e), P_e = mean over tokens of normalized affinity."""
-    B, S, K = idx_BSK.shape
-    p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True)).mean(1)
-    counts_BE = torch.zeros(B, n_experts, device=idx_BSK.device).scatter_add_(
-        1, idx_BSK.reshape(B, S * K), torch.ones(B, S * K, device=idx_BSK.device))
-    f_BE = counts_BE * n_experts / (K * S)
-    return (f_BE * p_BE).sum(-1).mean()
 
 
 class MoE(nn.Module):
@@ -286,14 +333,16 @@ class MoE(nn.Module):
         the rows under weighted_swiglu[, aux loss])."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        idx_TK, weights_TK, scores_TE = self.router(x_TD)
-        rows, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, idx_TK, self.n_experts)
+        idx_TK, weights_TK, scores_TE, logits_TE = self.router.route_and_score(x_TD)
+        sent_TK = self.router.drop_over_capacity(idx_TK, scores_TE)
+        rows, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, sent_TK, self.n_experts,
+                                                                      dropping=sent_TK is not idx_TK)
         if self.weighted_swiglu:
             weights_TK = self.dispatcher.sort_weights(weights_TK, ctx["handle"])
-        if self.aux_loss_weight > 0 and self.training and torch.is_grad_enabled():
-            aux = self.aux_loss_weight * sequence_aux_loss(scores_TE.view(B, S, -1), idx_TK.view(B, S, -1),
-                                                           self.n_experts)
-            return x_BSD, rows, weights_TK, aux
+        if self.training and torch.is_grad_enabled():
+            aux = self.router.balance_losses(self.aux_loss_weight, logits_TE, scores_TE, idx_TK, B)
+            if aux is not None:
+                return x_BSD, rows, weights_TK, aux
         return x_BSD, rows, weights_TK
 
     def expert_phase(self, ctx: dict, x_BSD, rows, weights, *aux):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, unsort_and_sum
+from moe_lc.model.moe import MoE, TokenDispatcher, expert_counts, pad_dropped, unsort_and_sum
 from moe_lc.ops.grouped_gemm import known_sizes
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
@@ -183,14 +183,13 @@ class AllToAllDispatcher(TokenDispatcher):
     def _count(self, idx_TK: torch.Tensor) -> None:
         if not self.counting():
             return
-        topo = self.topo
-        node_TK = topo.node_of_expert(idx_TK)
-        has_TN = torch.zeros(idx_TK.shape[0], topo.n_nodes, dtype=torch.bool, device=idx_TK.device)
-        has_TN.scatter_(1, node_TK, True)
+        topo, E, N = self.topo, self.topo.n_experts, self.topo.n_nodes  # a dropped copy (id E) goes to no node: N
+        node_TK = topo.node_of_expert(idx_TK.clamp_max(E - 1)).masked_fill(idx_TK == E, N)
+        has_TN = torch.zeros(len(idx_TK), N + 1, dtype=torch.bool, device=idx_TK.device).scatter_(1, node_TK, True)[:, :N]
         remote = has_TN.clone()
         remote[:, topo.node] = False
         hist = expert_counts(has_TN.sum(1), topo.n_nodes + 1)
-        extra = torch.stack([(node_TK != topo.node).sum(), remote.sum()])
+        extra = torch.stack([((node_TK != topo.node) & (node_TK < N)).sum(), remote.sum()])
         tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
         counts = torch.cat([hist.double(), tokens, extra.double()])
         self._counts = counts if self._counts is None else self._counts + counts
@@ -212,14 +211,14 @@ class AllToAllDispatcher(TokenDispatcher):
         return c
 
     # -- dispatch / combine -------------------------------------------------------------------------
-    def dispatch(self, x_TD, idx_TK, n_experts):
-        """x (T, D), idx (T, K) -> rows for this rank's experts (a RowTransfer of T' rows), counts (El,),
-        handle."""
+    def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
+        """x (T, D), idx (T, K) -> rows for this rank's experts (a RowTransfer of T' rows), counts (El,), handle.
+        `dropping`: copies with the phantom id E (dropped over capacity) sort last and are sent nowhere."""
         T, K = idx_TK.shape
         R, El, me = self.topo.size, self.topo.per_rank, self.topo.rank
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # (token, slot) copies sorted by expert = by destination rank
-        counts_E = expert_counts(flat, n_experts)
+        counts_E = expert_counts(flat, n_experts + int(dropping))[:n_experts]
         self._count(idx_TK)
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
         # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
@@ -230,7 +229,7 @@ class AllToAllDispatcher(TokenDispatcher):
         send, recv_host = layout[:R], [layout[R + j * El:R + (j + 1) * El] for j in range(R)]
         recv = [sum(row) for row in recv_host]
         counts = known_sizes(recv_RL.sum(0), [sum(col) for col in zip(*recv_host)])
-        rows = RowTransfer(x_TD[order // K], recv, send, self.group, self.overlap, self.fp8_tokens)
+        rows = RowTransfer(x_TD[order[:sum(send)] // K], recv, send, self.group, self.overlap, self.fp8_tokens)
         regroup = _expert_major(recv_RL, sum(recv))
         return rows, counts, (order, regroup, send, recv, T, K)
 
@@ -238,7 +237,7 @@ class AllToAllDispatcher(TokenDispatcher):
         """Gate weights (T, K) -> the (T',) fp32 weights of the rows this rank's experts receive (one more
         all-to-all of 4 bytes per row; its backward returns the weights' gradients)."""
         order, regroup, send, recv, T, K = handle
-        return RowTransfer(weights_TK.flatten()[order], recv, send, self.group, self.overlap)
+        return RowTransfer(weights_TK.flatten()[order[:sum(send)]], recv, send, self.group, self.overlap)
 
     def arrange(self, rows, handle):
         return rows[handle[1]]
@@ -250,7 +249,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, y_back, weights_TK, handle):
         """Returned expert outputs (T*K, D) -> token order -> (weighted) sum over K -> (T, D)."""
         order, regroup, send, recv, T, K = handle
-        return unsort_and_sum(y_back, order, weights_TK, T, K)
+        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 @dataclass
@@ -274,7 +273,8 @@ class HierarchicalDispatcher(AllToAllDispatcher):
     RowTransfer between the dispatch and expert phases; stage 2 and the whole combine run inside their
     phases (intra-node, and the forwarders' sums need the gates)."""
 
-    def dispatch(self, x_TD, idx_TK, n_experts):
+    def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
+        assert not dropping, "model.moe.capacity_factor with the hierarchical dispatch is refused by the recipe rules"
         topo, R, El, me = self.topo, self.topo.size, self.topo.per_rank, self.topo.rank
         T, K = idx_TK.shape
         N = topo.n_nodes

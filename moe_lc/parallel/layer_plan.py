@@ -18,6 +18,7 @@ attribute, so the rules can be resolved in any order and none reads what another
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
     the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
+    the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
 
 What the model declares about itself (the output head and router stay in the compute dtype, the
@@ -54,7 +55,7 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares"})
+                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards"})
 
 
 @dataclass
@@ -140,6 +141,10 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         plan.set(moe, aux_loss_scale=aux_loss_scale)
         if route is not None:
             plan.set(moe.router, select=route)
+    if dims is not None and moes:
+        from moe_lc.parallel.balance_plan import balance_plan
+
+        balance_plan(model, dims, plan)
     if cp > 1:
         from moe_lc.parallel.context import context_parallel_plan
 

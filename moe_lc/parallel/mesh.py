@@ -115,6 +115,8 @@ class ParallelDims:
                 out += [[self.rank_of(pp_i, d, c, t) for d in range(self.dp) for c in range(self.cp)] for t in range(self.tp)]
             elif name == "dp_cp_tp":
                 out.append(list(range(base, base + per_stage)))
+            elif name == "cp_tp":  # made on demand (balance_plan.py), not one of GROUP_NAMES
+                out += [list(range(base + d * self.cp * self.tp, base + (d + 1) * self.cp * self.tp)) for d in range(self.dp)]
             elif name == "ep":
                 out += [[base + b * self.ep + e for e in range(self.ep)] for b in range(self.edp)]
             elif name == "edp":
