@@ -6,7 +6,7 @@ groups, sigmoid + a non-zero e_score_correction_bias, routed_scaling_factor 2.5,
 mscale_all_dim, interleaved rope rows), DeepSeek-V2-Lite (MLA without q_lora, softmax, group-limited
 greedy by the best expert, no renormalization, YaRN 0.707 / 0.707), Qwen2 (GQA with q/k/v biases,
 tied embeddings, YaRN) and Llama (GQA, plain RoPE). The families added after them (NEW_FAMILIES):
-Llama with llama3 rope bands; Qwen3 (per-head q/k norm, head_dim != hidden / heads); Mixtral (top-2
+Llama with llama3 rope bands and attention_bias; Qwen3 (per-head q/k norm, head_dim != hidden / heads); Mixtral (top-2
 of 8, renormalized); Qwen3-MoE (per-head q/k norm, norm_topk_prob, a dense first layer by
 mlp_only_layers); OLMoE (q/k norm over whole projections, no renormalization); Qwen2-MoE (q/k/v
 biases, a sigmoid-gated shared expert of its own width); GLM-4.5-style GLM4-MoE (grouped sigmoid
@@ -89,11 +89,12 @@ def llama(**over):
 
 
 def llama3(**over):
-    """Llama 3.1's rope: frequency bands interpolated by factor past the original length."""
+    """Llama 3.1's rope (frequency bands interpolated by factor past the original length), and
+    attention_bias (on q, k, v and o), which Llama 3 lacks but the family allows."""
     from transformers import LlamaConfig
 
     return LlamaConfig(**_common(intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
-                                 tie_word_embeddings=False, rope_parameters=dict(LLAMA3), **over))
+                                 attention_bias=True, tie_word_embeddings=False, rope_parameters=dict(LLAMA3), **over))
 
 
 def qwen3(**over):
@@ -150,10 +151,6 @@ def glm4_moe(**over):
 FAMILIES = {"deepseek_v3": deepseek_v3, "deepseek_v2": deepseek_v2, "qwen2": qwen2, "llama": llama}
 NEW_FAMILIES = {"llama3": llama3, "qwen3": qwen3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe,
                 "qwen2_moe": qwen2_moe, "glm4_moe": glm4_moe}
-# the [model] recipe keys each new family needs beyond those of the first four
-NEEDS = {"llama3": ("rope", "low_freq_factor"), "qwen3": ("model", "qk_norm"), "qwen3_moe": ("model", "qk_norm"),
-         "olmoe": ("model", "qk_norm"), "qwen2_moe": ("moe", "shared_expert_gate"),
-         "glm4_moe": ("rope", "partial_rotary_factor")}
 
 
 def save_model(config, directory: Path, seed: int = 0, max_shard_size: str | None = None):

@@ -8,7 +8,7 @@
   data.tokenizer, load_tokenizer), the [hf] extra missing, a run with no checkpoint: one line each.
 - to-hf writes bos / eos ids and the index (also for one shard), and transformers loads the result.
 - Each family added after the first four refuses, in one line naming the field, what it cannot express
-  (a sliding window, an o_proj bias, clip_qkv, sparse steps, a partial rotary factor outside glm4_moe);
+  (a sliding window, clip_qkv, sparse steps, a partial rotary factor outside glm4_moe);
   to-hf names the field that leaves a model without a transformers family.
 """
 
@@ -355,7 +355,7 @@ def family_dir(tmp_path_factory):
     ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported \(only the first k layers"),
     ("qwen2_moe", {"use_sliding_window": True}, r"use_sliding_window=True is not supported"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
-    ("qwen3", {"attention_bias": True}, r"attention_bias=True is not supported"),
+    ("qwen3", {"use_sliding_window": True}, r"use_sliding_window=True is not supported"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types=\[.*\] is not supported"),
     ("llama3", {"rope_parameters": {**hf_models.LLAMA3, "partial_rotary_factor": 0.5}},
      r"partial_rotary_factor=0.5 is not supported for model_type='llama'"),

@@ -10,8 +10,8 @@ those:
   process, and its to-hf output loads in transformers with our logits (mixtral in the default suite,
   the others marked slow).
 
-A family whose model feature (a [model] recipe key, hf_models.NEEDS) this moe_lc lacks is refused by
-from-hf naming that key; its tests are skipped with that message.
+A family whose model feature (a [model] recipe key: qk_norm, rope.partial_rotary_factor, ...) this
+moe_lc lacks is refused by from-hf naming that key; its tests are skipped with that message.
 """
 
 from __future__ import annotations

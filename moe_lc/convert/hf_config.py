@@ -6,24 +6,27 @@
     deepseek_v3   MLA, sigmoid routing with e_score_correction_bias (our aux-loss-free bias),
                   group-limited top-k by top-2 sums, routed_scaling_factor, norm_topk_prob, MTP layers
     llama, qwen2  dense GQA, RoPE, YaRN or llama3 frequency bands (rope.scaling = "llama3");
-                  Qwen2's q/k/v biases (model.qkv_bias)
-    qwen3         dense GQA with q/k RMSNorm per head (model.qk_norm = "head")
+                  Qwen2's q/k/v biases (model.qkv_bias); Llama's attention_bias (q, k, v and o:
+                  model.qkv_bias + model.attn_out_bias)
+    qwen3         dense GQA with q/k RMSNorm per head (model.qk_norm = "head"), attention_bias as Llama's
     mixtral       GQA MoE, softmax top-k renormalized, every layer MoE (block_sparse_moe w1/w3/w2)
     qwen3_moe     GQA MoE, softmax top-k (norm_topk_prob), per-head q/k norm, mlp_only_layers 0..k-1
-                  as n_dense_layers
-    olmoe         GQA MoE, softmax top-k, q/k RMSNorm over the whole projections (qk_norm = "full")
+                  as n_dense_layers, attention_bias as Llama's
+    olmoe         GQA MoE, softmax top-k, q/k RMSNorm over the whole projections (qk_norm = "full"),
+                  attention_bias as Llama's
     qwen2_moe     GQA MoE with q/k/v biases and a sigmoid-gated shared expert (moe.shared_expert_gate,
-                  moe.shared_ffn_dim = shared_expert_intermediate_size)
-    glm4_moe      GQA MoE with DeepSeek-V3's router, first_k_dense_replace, optional q/k/v biases and
-                  per-head q/k norm (use_qk_norm), partial RoPE (rope.partial_rotary_factor)
+                  moe.shared_ffn_dim = shared_expert_intermediate_size), mlp_only_layers as qwen3_moe
+    glm4_moe      GQA MoE with DeepSeek-V3's router, first_k_dense_replace, attention_bias (q, k, v
+                  only), per-head q/k norm (use_qk_norm), partial RoPE (rope.partial_rotary_factor)
 
 (hf_moe_config.py has the MoE families in detail.) A field we cannot express raises one
 ConvertError naming the field and its value, before any weight is read: a sliding window
-(use_sliding_window, mixtral's sliding_window, non-full layer_types), an o_proj bias (attention_bias
-of llama, qwen3, qwen3_moe, olmoe), a rope type other than default / yarn / llama3, a partial rotary
-factor outside glm4_moe, decoder_sparse_step != 1, mlp_only_layers other than the first k layers,
-olmoe's clip_qkv, a non-silu hidden_act. Training-only fields (output_router_logits,
-router_aux_loss_coef, router_jitter_noise, aux_loss_alpha) map to nothing.
+(use_sliding_window, mixtral's sliding_window, non-full layer_types), a rope type other than
+default / yarn / llama3, a partial rotary factor outside glm4_moe, decoder_sparse_step != 1,
+mlp_only_layers other than the first k layers, olmoe's clip_qkv, a non-silu hidden_act, DeepSeek's
+attention_bias. Training-only fields (output_router_logits, router_aux_loss_coef,
+router_jitter_noise, aux_loss_alpha) map to nothing. A family whose model feature this moe_lc lacks
+(hf_fields.NEUTRAL) is refused naming the recipe key it needs.
 """
 
 from __future__ import annotations
@@ -69,11 +72,12 @@ def _deepseek(hf: dict, family: str) -> ModelConfig:
 
 
 def _dense_gqa(hf: dict, family: str) -> ModelConfig:
-    refuse(hf, "attention_bias", lambda v: not v)  # llama, qwen3: bias on q, k, v *and* o
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     base = common(hf)
-    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=family == "qwen2",
-                 qk_norm="head" if family == "qwen3" else "none",
+    # llama, qwen3: attention_bias puts a bias on q, k, v *and* o; qwen2: always on q, k, v, never on o
+    both = family != "qwen2" and bool(hf.get("attention_bias", False))
+    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=family == "qwen2" or both,
+                 attn_out_bias=both, qk_norm="head" if family == "qwen3" else "none",
                  moe=MoEConfig(n_dense_layers=base["n_layers"], n_routed_experts=0, n_shared_experts=0))
 
 
@@ -129,16 +133,17 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.attention == "gqa":
         if not dense:
             return moe_family_of(cfg)
-        qk = feature(cfg, "qk_norm")
+        qk, out_bias = feature(cfg, "qk_norm"), feature(cfg, "attn_out_bias")
         if feature(cfg.rope, "partial_rotary_factor") != 1.0:
             raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 has no dense family here (glm4_moe is MoE)")
-        if qk == "head" and not cfg.qkv_bias:
+        if out_bias and not cfg.qkv_bias:
+            raise ConvertError("to-hf: model.attn_out_bias without model.qkv_bias: no transformers family biases o only")
+        if qk == "head" and cfg.qkv_bias == out_bias:
             return "qwen3"
         if qk != "none":
-            raise ConvertError(f"to-hf: a dense GQA model with model.qk_norm={qk!r}"
-                               + (" and model.qkv_bias" if cfg.qkv_bias else "") + " has no transformers family here "
-                               "(qwen3: per-head q/k norm without biases)")
-        return "qwen2" if cfg.qkv_bias else "llama"
+            raise ConvertError(f"to-hf: a dense GQA model with model.qk_norm={qk!r} and q/k/v biases but none on wo "
+                               "has no transformers family here (qwen3: per-head q/k norm, biases on all four or none)")
+        return "qwen2" if cfg.qkv_bias and not out_bias else "llama"
     if dense:
         raise ConvertError("to-hf: a dense MLA model has no transformers family here (DeepSeek-V2/V3 are MoE)")
     if m.score_func == "sigmoid" and m.group_score == "top2_sum":
@@ -161,7 +166,7 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
         return to_hf_moe(cfg, family, hf)
     if family in ("llama", "qwen2", "qwen3"):
         extra = {"use_sliding_window": False} if family == "qwen3" else {"mlp_bias": False}
-        return {**hf, "head_dim": cfg.head_size, "attention_bias": False, **extra}
+        return {**hf, "head_dim": cfg.head_size, "attention_bias": feature(cfg, "attn_out_bias"), **extra}
     m, a = cfg.moe, cfg.mla
     grouped = m.n_groups > 1
     hf.update(first_k_dense_replace=m.n_dense_layers, n_routed_experts=m.n_routed_experts,

@@ -17,7 +17,7 @@ class ConvertError(ValueError):
 # recipe keys some families need, at the value that means "off": a moe_lc without the key computes
 # exactly that, so only another value is refused (see `build`)
 NEUTRAL = {"qk_norm": "none", "partial_rotary_factor": 1.0, "shared_expert_gate": False, "shared_ffn_dim": 0,
-           "low_freq_factor": None, "high_freq_factor": None}
+           "low_freq_factor": None, "high_freq_factor": None, "attn_out_bias": False}
 
 
 def build(cls, section: str, **kw):

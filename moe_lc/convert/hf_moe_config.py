@@ -68,8 +68,8 @@ def from_hf_moe(hf: dict, family: str) -> ModelConfig:
         refuse(hf, "sliding_window", lambda v: False)  # any window: mixtral has no use_sliding_window switch
     if family == "olmoe":
         refuse(hf, "clip_qkv", lambda v: False)
-    if family != "glm4_moe":  # qwen3_moe / olmoe: attention_bias puts a bias on o_proj too
-        refuse(hf, "attention_bias", lambda v: not v)
+    # qwen3_moe, olmoe: attention_bias is a bias on q, k, v and o; glm4_moe: on q, k, v only
+    both = family in ("qwen3_moe", "olmoe") and bool(hf.get("attention_bias", False))
     base = common(hf, partial_ok=family == "glm4_moe")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
@@ -77,19 +77,22 @@ def from_hf_moe(hf: dict, family: str) -> ModelConfig:
         moe, qkv_bias = _glm4_moe(hf), bool(hf.get("attention_bias", False))
         qk_norm = "head" if hf.get("use_qk_norm") else "none"
     else:
-        moe, qkv_bias = _softmax_moe(hf, family), family == "qwen2_moe" and hf.get("qkv_bias", True)
-    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=bool(qkv_bias), moe=moe, qk_norm=qk_norm)
+        moe, qkv_bias = _softmax_moe(hf, family), both or (family == "qwen2_moe" and hf.get("qkv_bias", True))
+    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=bool(qkv_bias), moe=moe, qk_norm=qk_norm,
+                 attn_out_bias=both)
 
 
 def moe_family_of(cfg: ModelConfig) -> str:
     """The GQA MoE family computing exactly what `cfg` does, or one ConvertError naming the field why none."""
-    m, qk = cfg.moe, feature(cfg, "qk_norm")
+    m, qk, out_bias = cfg.moe, feature(cfg, "qk_norm"), feature(cfg, "attn_out_bias")
     gated = feature(m, "shared_expert_gate")
     if feature(cfg.rope, "partial_rotary_factor") != 1.0 and m.score_func != "sigmoid":
         raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 exists only in glm4_moe (sigmoid routing)")
     if m.score_func == "sigmoid":
         if m.group_score != "top2_sum" and m.n_groups > 1:
             raise ConvertError(f"to-hf: model.moe.group_score={m.group_score!r}: glm4_moe scores groups by top-2 sums")
+        if out_bias:
+            raise ConvertError("to-hf: model.attn_out_bias: glm4_moe (sigmoid routing) has no bias on o_proj")
         if qk == "full" or gated:
             raise ConvertError(f"to-hf: sigmoid routing is glm4_moe's, which has no qk_norm={qk!r} / shared_expert_gate")
         return "glm4_moe"
@@ -104,8 +107,13 @@ def moe_family_of(cfg: ModelConfig) -> str:
         family = "qwen2_moe"
     else:
         family = {"head": "qwen3_moe", "full": "olmoe", "none": "mixtral"}[qk]
-    if family != "qwen2_moe" and cfg.qkv_bias:
-        raise ConvertError(f"to-hf: model.qkv_bias = true: {family} has no q/k/v-only biases (qwen2_moe, glm4_moe do)")
+    if family in ("qwen3_moe", "olmoe") and cfg.qkv_bias != out_bias:
+        raise ConvertError(f"to-hf: model.qkv_bias={cfg.qkv_bias} and attn_out_bias={out_bias}: {family}'s "
+                           "attention_bias is on q, k, v and o together")
+    if family in ("mixtral", "qwen2_moe") and out_bias:
+        raise ConvertError(f"to-hf: model.attn_out_bias: {family} has no bias on o_proj")
+    if family == "mixtral" and cfg.qkv_bias:
+        raise ConvertError("to-hf: model.qkv_bias = true: mixtral has no attention biases (qwen2_moe, glm4_moe do)")
     if family == "qwen2_moe" and qk != "none":
         raise ConvertError(f"to-hf: model.qk_norm={qk!r}: qwen2_moe has no q/k norm")
     if family == "mixtral" and not m.norm_topk_prob:
@@ -117,7 +125,7 @@ def moe_family_of(cfg: ModelConfig) -> str:
 
 def to_hf_moe(cfg: ModelConfig, family: str, hf: dict) -> dict:
     """The config.json fields of a GQA MoE family on top of the shared ones in `hf`."""
-    m = cfg.moe
+    m, out_bias = cfg.moe, feature(cfg, "attn_out_bias")
     hf = {**hf, "head_dim": cfg.head_size, "num_experts_per_tok": m.topk}
     if family == "glm4_moe":
         return {**hf, "n_routed_experts": m.n_routed_experts, "n_shared_experts": m.n_shared_experts,
@@ -130,10 +138,10 @@ def to_hf_moe(cfg: ModelConfig, family: str, hf: dict) -> dict:
                 "router_jitter_noise": 0.0}
     hf.update(num_experts=m.n_routed_experts, norm_topk_prob=m.norm_topk_prob)
     if family == "olmoe":
-        return {**hf, "intermediate_size": m.ffn_dim, "attention_bias": False, "clip_qkv": None}
+        return {**hf, "intermediate_size": m.ffn_dim, "attention_bias": out_bias, "clip_qkv": None}
     hf.update(moe_intermediate_size=m.ffn_dim, decoder_sparse_step=1, mlp_only_layers=list(range(m.n_dense_layers)),
               use_sliding_window=False)
     if family == "qwen3_moe":
-        return {**hf, "attention_bias": False}
+        return {**hf, "attention_bias": out_bias}
     return {**hf, "qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": feature(m, "shared_ffn_dim")
             or m.n_shared_experts * m.ffn_dim}

@@ -103,6 +103,8 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
             q, k = (hd, hd) if qk_norm == "head" else (H * hd, kv * hd)
             out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
                     Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
+        if feature(cfg, "attn_out_bias"):
+            out.append(Piece(f"{ours}.wo.bias", (0,), f"{theirs}.o_proj.bias", (D,)))
         return out + [Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * hd))]
     a = cfg.mla
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
