@@ -122,11 +122,13 @@ def qwen3_moe(**over):
 
 
 def olmoe(**over):
+    """pad_token_id None: transformers' embedding leaves the pad row out of training (padding_idx), ours
+    trains every row, so with a pad id the two gradients differ in that row (OLMoE's own default is 1)."""
     from transformers import OlmoeConfig
 
     return OlmoeConfig(**_common(intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_experts=8,
                                  num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
-                                 eos_token_id=2, pad_token_id=1, rope_parameters=dict(YARN), **over))
+                                 eos_token_id=2, pad_token_id=None, rope_parameters=dict(YARN), **over))
 
 
 def qwen2_moe(**over):

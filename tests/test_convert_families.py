@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 
+from moe_lc.config import load_config
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from tests import hf_models
 from tests.harness import assert_equivalent, run_layout
@@ -115,6 +116,21 @@ def test_from_hf_then_to_hf_is_bit_identical(convert, family, tmp_path):
     assert {k: config["rope_parameters"].get(k) for k in rope} == rope
 
 
+def hold_key_bias_aside(one, got, cfg) -> float:
+    """The largest absolute difference of the k rows of every q|k|v bias between the two runs, which it
+    then sets equal in `got` (so the norm-wise comparison covers everything else). Why apart: the k bias
+    has a zero gradient in exact arithmetic (it adds q . b_k to every score of a softmax row, which the
+    softmax ignores), so Adam steps it by the sign of rounding noise, and layouts that reorder sums move
+    it differently (llama3 under tp2: 6e-5 norm-wise, 6e-7 absolute, while q, v and o agree within 1e-6)."""
+    q, k = cfg.n_heads * cfg.head_size, cfg.n_kv_heads * cfg.head_size
+    worst = 0.0
+    for name in [n for n in one.final_state if n.endswith("attn.wqkv.bias")]:
+        want, have = one.final_state[name][q:q + k], got.final_state[name][q:q + k]
+        worst = max(worst, (want - have).abs().max().item())
+        got.final_state[name][q:q + k] = want
+    return worst
+
+
 @pytest.mark.parametrize("family", [f if f == "mixtral" else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
 def test_converted_model_trains_alike_under_ep2_or_tp2_and_exports(convert, family, tmp_path):
@@ -124,8 +140,11 @@ def test_converted_model_trains_alike_under_ep2_or_tp2_and_exports(convert, fami
     ckpt = tmp_path / "ckpt"
     layout = "parallel.tp=2" if family in DENSE else "parallel.ep=2"
     got = run_layout(recipe, TRAIN + [layout, "checkpoint.interval=3", f"checkpoint.dir={ckpt}"], world=2)
+    key_bias_apart = hold_key_bias_aside(one, got, load_config(recipe).model)
+    assert key_bias_apart <= 1e-5
     report = assert_equivalent(one, got, rtol=1e-5)
-    print(f"\n{family} {layout}: losses {report.max_loss_rel:.1e}, parameters {report.max_param_rel:.1e} apart")
+    print(f"\n{family} {layout}: losses {report.max_loss_rel:.1e}, parameters {report.max_param_rel:.1e} apart "
+          f"(k biases {key_bias_apart:.1e} absolute)")
     (ckpt / "config.toml").write_bytes(recipe.read_bytes())
     to_hf(ckpt, tmp_path / "hf_out", log=quiet)
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").float().eval()
