@@ -28,7 +28,7 @@ from tests.harness import assert_equivalent, run_layout
 from tests.test_convert import SEQ, TRAIN, hf_tensor_of_grads, our_model, quiet
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: `pip install -e '.[dev]'`
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 FAMILIES = list(hf_models.NEW_FAMILIES)
 DENSE = ("llama3", "qwen3")
@@ -154,3 +154,32 @@ def test_converted_model_trains_alike_under_ep2_or_tp2_and_exports(convert, fami
         want, have, before = trained(tokens).logits, ours(tokens), hf(tokens).logits
     assert (have - want).abs().max() <= 1e-5 * want.abs().max()
     assert (before - want).abs().max() > 1e-3  # training moved the weights: the check above can fail
+
+
+def test_glm4_moe_mtp_layer_converts_as_deepseek_v3s(convert, tmp_path):
+    """GLM-4.5 checkpoints carry their MTP layer as DeepSeek-V3's do: layer num_hidden_layers with enorm,
+    hnorm, eh_proj over [enorm(embedding); hnorm(hidden)], shared_head.norm, copies of the embedding and
+    head, and a decoder layer of its own (vLLM's vllm/model_executor/models/glm4_moe_mtp.py loads these
+    names); transformers builds no MTP layer, so this checks the names and the round trip."""
+    _, hf_dir, _ = convert("glm4_moe")
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    L, D = config["num_hidden_layers"], config["hidden_size"]
+    mtp = f"model.layers.{L}"
+    for key in [k for k in tensors if k.startswith(f"model.layers.{L - 1}.")]:
+        tensors[key.replace(f"layers.{L - 1}.", f"layers.{L}.")] = tensors[key] + 0.01
+    tensors.update({f"{mtp}.enorm.weight": torch.rand(D), f"{mtp}.hnorm.weight": torch.rand(D),
+                    f"{mtp}.eh_proj.weight": torch.randn(D, 2 * D), f"{mtp}.shared_head.norm.weight": torch.rand(D),
+                    f"{mtp}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                    f"{mtp}.shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(tensors, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps(config))
+    from_hf(src, tmp_path / "ours", log=quiet)
+    assert load_config(tmp_path / "ours" / "recipe.toml").model.mtp.depth == 1
+    to_hf(tmp_path / "ours", tmp_path / "back", log=quiet)
+    have = load_file(tmp_path / "back" / "model.safetensors")
+    assert have.keys() == tensors.keys(), set(have) ^ set(tensors)
+    assert not [k for k in tensors if not torch.equal(have[k], tensors[k])]
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1

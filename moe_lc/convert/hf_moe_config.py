@@ -9,7 +9,8 @@ What each family computes, read from transformers 5's modeling files (models/<fa
               (moe.shared_expert_gate, moe.shared_ffn_dim); q/k/v biases (qkv_bias)
   glm4_moe    DeepSeek-V3's router (sigmoid, e_score_correction_bias, groups by top-2 sums,
               routed_scaling_factor) with GQA, optional q/k/v biases and per-head q/k norm,
-              first_k_dense_replace dense layers, partial RoPE (rope.partial_rotary_factor)
+              first_k_dense_replace dense layers, partial RoPE (rope.partial_rotary_factor); MTP
+              layers under DeepSeek-V3's names (vLLM's models/glm4_moe_mtp.py loads those)
 
 Training-only fields map to nothing: output_router_logits (whether transformers returns router
 logits), router_aux_loss_coef (its switch-style balance loss; ours is off: set model.moe.aux_loss_weight
