@@ -119,6 +119,8 @@ def moe_family_of(cfg: ModelConfig) -> str:
         raise ConvertError(f"to-hf: model.qk_norm={qk!r}: qwen2_moe has no q/k norm")
     if family == "mixtral" and not m.norm_topk_prob:
         raise ConvertError("to-hf: model.moe.norm_topk_prob = false without qk_norm: mixtral always renormalizes")
+    if family == "olmoe" and cfg.head_size * cfg.n_heads != cfg.dim:
+        raise ConvertError(f"to-hf: model.head_dim={cfg.head_dim}: olmoe's heads are hidden_size / heads wide")
     if family in ("mixtral", "olmoe") and m.n_dense_layers:
         raise ConvertError(f"to-hf: model.moe.n_dense_layers={m.n_dense_layers}: {family} has no dense layers")
     return family
