@@ -17,6 +17,8 @@ moe_lc lacks is refused by from-hf naming that key; its tests are skipped with t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from moe_lc.config import load_config
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from tests import hf_models
 from tests.harness import assert_equivalent, run_layout
-from tests.test_convert import SEQ, TRAIN, hf_tensor_of_grads, our_model, quiet
+from tests.test_convert import ROOT, SEQ, TRAIN, hf_tensor_of_grads, our_model, quiet
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: `pip install -e '.[dev]'`
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -183,3 +185,22 @@ def test_glm4_moe_mtp_layer_converts_as_deepseek_v3s(convert, tmp_path):
     assert have.keys() == tensors.keys(), set(have) ^ set(tensors)
     assert not [k for k in tensors if not torch.equal(have[k], tensors[k])]
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_to_hf_refuses_a_trained_bias_its_family_has_no_place_for(convert, tmp_path):
+    """A mixtral-shaped run that balanced by the bias (model.moe.bias_update_speed > 0) routes by a bias
+    transformers' Mixtral lacks: to-hf refuses rather than drop it (at speed 0 the same run exports)."""
+    _, _, ours_dir = convert("mixtral")
+    for speed, out in ((0.0, "zero"), (0.05, "moved")):
+        run = tmp_path / out
+        args = [a for kv in TRAIN + [f"train.output_dir={run}", "train.threads=1", "train.steps=2",
+                                     f"model.moe.bias_update_speed={speed}"] for a in ("--set", kv)]
+        done = subprocess.run([sys.executable, "-m", "moe_lc.train", str(ours_dir / "recipe.toml"), *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr
+        if speed:
+            with pytest.raises(ConvertError, match=r"layers.0.ffn.router.expert_bias is non-zero: mixtral routing "
+                                                   r"has no bias"):
+                to_hf(run, tmp_path / f"{out}_hf", log=quiet)
+        else:
+            to_hf(run, tmp_path / f"{out}_hf", log=quiet)

@@ -121,6 +121,17 @@ def _tables(cfg: Config, family: str):
     return by_key, by_ours, groups
 
 
+def _refuse_trained_bias(path: Path, group: str, shapes: dict, dtypes: dict, family: str) -> None:
+    """`family`'s router has no bias, so the checkpoint's expert_bias of this layer (our aux-loss-free
+    balancing state; the table has no place for it) must be zero, or the export would route differently."""
+    names = [n for n in dtypes if n.endswith("expert_bias") and layer_of(n) == group]
+    bias = _read_group(path, names, shapes, dtypes) if names else {}
+    moved = [n for n in names if bias[n].any()]
+    if moved:
+        raise ConvertError(f"{moved[0]} is non-zero: {family} routing has no bias "
+                           f"(train with model.moe.bias_update_speed = 0 to export as {family})")
+
+
 def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dtypes: dict, log, start) -> None:
     """Every HF tensor, one layer of ours read at a time (see the module docstring)."""
     shapes = state_shapes(cfg.model)
@@ -130,10 +141,7 @@ def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dt
         present = [n for n in names if n in dtypes]
         ours = _read_group(path, present, shapes, dtypes)
         if family not in BIASED_ROUTERS:
-            bias = [n for n in present if n.endswith("expert_bias") and ours[n].any()]
-            if bias:
-                raise ConvertError(f"{bias[0]} is non-zero: {family} routing has no bias "
-                                   f"(train with model.moe.bias_update_speed = 0 to export as {family})")
+            _refuse_trained_bias(path, group, shapes, dtypes, family)
         for key in dict.fromkeys(p.theirs for n in present for p in by_ours[n]):
             writer.add(key, _hf_tensor(by_key[key], ours, rope_dim))
         if group.startswith("mtp."):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
