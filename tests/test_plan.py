@@ -326,6 +326,10 @@ OTHER_DIMS = [
     ("ep2-weighted-swiglu", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2",
                                 "model.moe.weighted_swiglu=true"], 0.10),
     ("pp2", 2, ["parallel.pp=2", "parallel.dp=1", "train.micro_batch=2"], None),
+    # the features of issue #35 that add parameters and a tp collective (qk_norm "full")
+    ("tp2-qk-norm-shared-gate", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", "model.qk_norm=full",
+                                    "model.attn_out_bias=true", "model.moe.shared_expert_gate=true",
+                                    "model.moe.shared_ffn_dim=64"], 0.0),
 ]
 SLOW_DIMS = [("cp2-tp2", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.0),
              ("pp2-dualpipe-dp2", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=dualpipe",

@@ -161,7 +161,23 @@ def tp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
         loss = ring_bytes("all_reduce", 4 * _tokens(cfg, dims), dims.tp) + ring_bytes("all_reduce", 8 * _tokens(cfg, dims), dims.tp)
         out.append(Traffic("tp", "all_reduce", mb * _per_microbatch(loss * (1 + depth), dims),
                            "vocab-parallel loss (max; sum-exp, target)" + (" of the main and MTP heads" if depth else "")))
+    if cfg.model.attention == "gqa" and cfg.model.qk_norm == "full":
+        out.append(_whole_row_qk_norm(cfg, dims, stages, mb))
     return out
+
+
+def _whole_row_qk_norm(cfg: Config, dims: ParallelDims, stages: list[dict], mb: int) -> Traffic:
+    """qk_norm = "full" under TP (tensor.py's RowSquaresOverTP): per block and micro-batch, the q and k rows'
+    sums of squares ((B, S, 1) fp32 each) are all-reduced forward and their gradients backward; every replay
+    of the forward (recompute "full", selective "attention" or "norm") all-reduces them again."""
+    r = cfg.recompute
+    items = set(r.selective) if r.policy == "selective" else set()
+    replays = int(r.policy == "full") + len(items & {"attention", "norm"})
+    per_block = (4 + 2 * replays) * ring_bytes("all_reduce", 4 * _tokens(cfg, dims), dims.tp)
+    n_blocks = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
+    # nested replays (selective "attention" and "norm" together) were not measured
+    return Traffic("tp", "all_reduce", mb * n_blocks * per_block, "qk_norm='full': q and k sums of squares",
+                   "exact" if replays <= 1 else "estimate")
 
 
 def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:

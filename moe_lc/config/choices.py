@@ -11,7 +11,8 @@ from typing import Literal, get_args
 
 AttnBackend = Literal["auto", "reference", "torch", "flash_attn", "flash_attn4"]
 AttentionKind = Literal["gqa", "mla"]
-RopeScaling = Literal["none", "yarn"]
+RopeScaling = Literal["none", "yarn", "llama3"]
+QkNorm = Literal["none", "head", "full"]
 ScoreFunc = Literal["sigmoid", "softmax"]
 GroupScore = Literal["top2_sum", "max"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_lc.config.choices import AttentionKind, AttnBackend, GroupScore, RopeScaling, ScoreFunc
+from moe_lc.config.choices import AttentionKind, AttnBackend, GroupScore, QkNorm, RopeScaling, ScoreFunc
 from moe_lc.config.fields import f, non_negative, positive
 
 # --------------------------------------------------------------------------------------------- model
@@ -33,6 +33,15 @@ class MoEConfig:
     aux_loss_weight: float = f(0.0, "weight of the sequence-wise balance loss (0 = off)")
     weighted_swiglu: bool = f(False, "gate weights multiply each expert's SwiGLU output before its down projection "
                                      "(the same function; combine then only sums and saves no expert outputs)")
+    shared_ffn_dim: int = f(0, "hidden width of the shared expert(s) together; 0 = n_shared_experts * ffn_dim "
+                               "(Qwen2-MoE: shared_expert_intermediate_size)")
+    shared_expert_gate: bool = f(False, "scale the shared experts' output per token by sigmoid(x w^T), w: (1, dim) "
+                                        "(Qwen2-MoE's shared_expert_gate)")
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden width of the shared SwiGLU (0: no shared experts)."""
+        return (self.shared_ffn_dim or self.n_shared_experts * self.ffn_dim) if self.n_shared_experts else 0
 
     def errors(self, n_layers: int) -> list[str]:
         e, p = [], "model.moe"
@@ -42,6 +51,11 @@ class MoEConfig:
         non_negative(e, f"{p}.n_shared_experts", self.n_shared_experts)
         non_negative(e, f"{p}.bias_update_speed", self.bias_update_speed)
         non_negative(e, f"{p}.aux_loss_weight", self.aux_loss_weight)
+        non_negative(e, f"{p}.shared_ffn_dim", self.shared_ffn_dim)
+        for key, on in ((f"shared_ffn_dim={self.shared_ffn_dim}", self.shared_ffn_dim),
+                        ("shared_expert_gate = true", self.shared_expert_gate)):
+            if on and not self.n_shared_experts:
+                e.append(f"{p}.{key} needs {p}.n_shared_experts >= 1 (there is no shared expert)")
         positive(e, f"{p}.routed_scaling_factor", self.routed_scaling_factor)
         if self.n_routed_experts <= 0 or self.n_dense_layers >= n_layers:
             return e
@@ -74,6 +88,10 @@ class RopeConfig:
     truncate: bool = f(True, "YaRN: round the correction range to whole dims (floor / ceil), as the official code")
     mscale: float = f(1.0, "YaRN: cos/sin factor m(s, mscale) / m(s, mscale_all_dim), m(s, x) = 0.1 x ln(s) + 1")
     mscale_all_dim: float = f(0.0, "YaRN: 0 = cos/sin factor m(s, 1); MLA multiplies its softmax scale by m(s, this)^2")
+    low_freq_factor: float = f(1.0, "llama3: wavelengths above original_seq_len / this are divided by factor")
+    high_freq_factor: float = f(4.0, "llama3: wavelengths below original_seq_len / this keep theta_i; between, a ramp")
+    partial_rotary_factor: float = f(1.0, "GQA: rotate the first int(head_dim * this) dims of each q/k head, pass "
+                                          "the rest through (GLM-4.5: 0.5)")
 
     def errors(self) -> list[str]:
         e = []
@@ -84,6 +102,16 @@ class RopeConfig:
             if not self.beta_fast > self.beta_slow:
                 e.append(f"model.rope.beta_fast={self.beta_fast} must exceed rope.beta_slow={self.beta_slow}")
             positive(e, "model.rope.original_seq_len", self.original_seq_len)
+        if self.scaling == "llama3":
+            if self.factor < 1:
+                e.append(f"model.rope.factor={self.factor} must be >= 1 with rope.scaling = 'llama3'")
+            positive(e, "model.rope.low_freq_factor", self.low_freq_factor)
+            if not self.high_freq_factor > self.low_freq_factor:
+                e.append(f"model.rope.high_freq_factor={self.high_freq_factor} must exceed "
+                         f"rope.low_freq_factor={self.low_freq_factor}")
+            positive(e, "model.rope.original_seq_len", self.original_seq_len)
+        if not 0 < self.partial_rotary_factor <= 1:
+            e.append(f"model.rope.partial_rotary_factor={self.partial_rotary_factor} must lie in (0, 1]")
         return e
 
 
@@ -137,6 +165,11 @@ class ModelConfig:
     attention: AttentionKind = f("gqa", "grouped-query, or multi-head latent attention ([model.mla])")
     attn_backend: AttnBackend = f("auto", "attention kernel; auto = the fastest usable on the device")
     qkv_bias: bool = f(False, "biases on the q, k, v projections (Qwen2); GQA only")
+    qk_norm: QkNorm = f("none", "GQA: RMSNorm of q and k before RoPE; 'head': over each head's dims, one weight "
+                                "(head_dim,) for all heads (Qwen3, GLM-4.5); 'full': over the whole q and k "
+                                "projection outputs (OLMoE)")
+    attn_out_bias: bool = f(False, "a bias on the attention output projection wo (transformers' attention_bias "
+                                   "in Llama, Qwen3, OLMoE covers it and q, k, v)")
     moe: MoEConfig = f(MoEConfig(), "[model.moe]")
     rope: RopeConfig = f(RopeConfig(), "[model.rope]")
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")
@@ -157,8 +190,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Rotated dims per head (MLA rotates only its decoupled part)."""
-        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_size
+        """Rotated dims per head (MLA rotates only its decoupled part; GQA its first partial_rotary_factor)."""
+        if self.attention == "mla":
+            return self.mla.qk_rope_head_dim
+        return int(self.head_size * self.rope.partial_rotary_factor)  # transformers' int(head_dim * factor)
 
     @property
     def has_moe(self) -> bool:
@@ -179,6 +214,13 @@ class ModelConfig:
             e += self.mla.errors()
             if self.qkv_bias:
                 e.append("model.qkv_bias = true needs model.attention = 'gqa' (MLA has no q/k/v projections)")
+            if self.attn_out_bias:
+                e.append("model.attn_out_bias = true needs model.attention = 'gqa' (not built for MLA's wo)")
+            if self.qk_norm != "none":
+                e.append(f"model.qk_norm={self.qk_norm!r} needs model.attention = 'gqa' (MLA normalizes its latents)")
+            if self.rope.partial_rotary_factor != 1.0:
+                e.append(f"model.rope.partial_rotary_factor={self.rope.partial_rotary_factor} needs model.attention = "
+                         "'gqa' (MLA sets its rotated dims with mla.qk_rope_head_dim)")
         elif self.n_heads > 0 and self.n_kv_heads > 0 and self.dim > 0:
             if self.n_heads % self.n_kv_heads:
                 e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
@@ -188,4 +230,8 @@ class ModelConfig:
                 e.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim} when head_dim = 0")
             elif self.head_size % 2:
                 e.append(f"model head size {self.head_size} must be even for RoPE")
+            elif 0 < self.rope.partial_rotary_factor <= 1 and (self.rope_dim < 2 or self.rope_dim % 2):
+                e.append(f"model.rope.partial_rotary_factor={self.rope.partial_rotary_factor} rotates "
+                         f"int({self.head_size} * {self.rope.partial_rotary_factor}) = {self.rope_dim} dims per head: "
+                         "must be even and >= 2")
         return e + self.moe.errors(self.n_layers) + self.rope.errors() + self.mtp.errors()

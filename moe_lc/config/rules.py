@@ -148,6 +148,8 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
         e.append(f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other")
     sizes = [("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)]
     sizes += [("model.moe.ffn_dim", m.moe.ffn_dim)] if m.has_moe else []
+    if m.has_moe and m.moe.shared_ffn_dim:
+        sizes.append(("model.moe.shared_ffn_dim", m.moe.shared_ffn_dim))
     e += [f"parallel.tp={tp} must divide {name}={value}" for name, value in sizes if value % tp]
     return e
 
@@ -219,8 +221,9 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"data.synthetic_tasks={d.synthetic_tasks} is set, but data.synthetic_weight = 0 with "
                  f"data.source={d.source!r}: the tasks are never drawn (set synthetic_weight > 0)")
     reach = rope.original_seq_len * rope.factor
-    if rope.scaling == "yarn" and t.seq_len > reach:
-        w.append(f"train.seq_len={t.seq_len} is beyond what YaRN is scaled for: model.rope.original_seq_len x "
+    if rope.scaling in ("yarn", "llama3") and t.seq_len > reach:
+        name = "YaRN" if rope.scaling == "yarn" else "Llama 3 RoPE scaling"
+        w.append(f"train.seq_len={t.seq_len} is beyond what {name} is scaled for: model.rope.original_seq_len x "
                  f"factor = {rope.original_seq_len} x {rope.factor:g} = {reach:g}; positions past it extrapolate "
                  f"(raise model.rope.factor to {t.seq_len / rope.original_seq_len:g})")
     if t.warmup_steps > t.steps:

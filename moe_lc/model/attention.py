@@ -6,6 +6,9 @@ module are the local ones (set by `moe_lc.parallel.tensor`), and the core is swa
 attention under CP (`moe_lc.parallel.context`); this file stays single-device code. Seams (see
 moe_lc/model/seams.py): `core`, `replay` around RoPE + core (selective recomputation keeps q|k|v), and
 `out_proj` around the whole attention and wo (FP8 activation caching keeps the output once, in FP8).
+Optional: q/k normalization before RoPE (`model.qk_norm`, moe_lc/model/qk_norm.py), RoPE on the first
+rot_dim dims of a head only (`model.rope.partial_rotary_factor`: the cos/sin tables are that narrow),
+biases on q|k|v (`model.qkv_bias`) and on wo (`model.attn_out_bias`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from einops import rearrange
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.model.qk_norm import qk_norms
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.seams import project_now, run_now
 from moe_lc.ops.attention import attention, get_backend
@@ -43,13 +47,16 @@ class LocalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """x (B, S, D) -> (B, S, D).  wqkv: (H*Dh + 2*K*Dh, D) fused q|k|v projection; wo: (D, H*Dh)."""
+    """x (B, S, D) -> (B, S, D).  wqkv: (H*Dh + 2*K*Dh, D) fused q|k|v projection; wo: (D, H*Dh);
+    q_norm, k_norm: None, or RMSNorm weights (Dh,) ("head") / (H*Dh,), (K*Dh,) ("full")."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim)
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.attn_out_bias)
+        self.qk_norm = cfg.qk_norm
+        self.q_norm, self.k_norm = qk_norms(cfg.qk_norm, cfg.n_heads, cfg.n_kv_heads, self.head_dim, cfg.norm_eps)
         self.softmax_scale = self.head_dim ** -0.5  # YaRN's temperature is in cos/sin (rope.py), as in transformers
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
@@ -64,7 +71,16 @@ class Attention(nn.Module):
     def _rope_and_core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        docs: Documents | None = None) -> torch.Tensor:
         """qkv (B, S, (H + 2K) * Dh) -> attention output (B, S, H, Dh)."""
+        return self.core(*self.heads(qkv, cos, sin), self.softmax_scale, docs)
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """qkv (B, S, (H + 2K) * Dh) -> q (B, S, H, Dh), k, v (B, S, K, Dh): q and k normalized (qk_norm)
+        and roped, what the core sees (the KV cache of moe_lc/model/decode.py keeps these k, v)."""
         dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in qkv.split([dq, dkv, dkv], dim=-1))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.core(q, k, v, self.softmax_scale, docs)
+        q, k, v = qkv.split([dq, dkv, dkv], dim=-1)
+        if self.qk_norm == "full":  # over the whole projection, before the split into heads (OLMoE)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":  # one (Dh,) weight for every head (Qwen3, GLM-4.5)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

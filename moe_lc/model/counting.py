@@ -8,12 +8,22 @@ from __future__ import annotations
 from moe_lc.config import ModelConfig
 
 
+def attention_vector_params(cfg: ModelConfig) -> int:
+    """Parameters of one attention module that no matmul reads: GQA's q/k norm weights (model.qk_norm)
+    and biases (qkv_bias, attn_out_bias); MLA's latent norm weights."""
+    if cfg.attention == "mla":
+        return cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+    norms = {"none": 0, "head": 2 * Dh, "full": (H + K) * Dh}[cfg.qk_norm]
+    return norms + (H + 2 * K) * Dh * cfg.qkv_bias + cfg.dim * cfg.attn_out_bias
+
+
 def attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one attention module (GQA: fused qkv + output; MLA: latents, norms, up and
-    output projections)."""
+    """Parameters of one attention module (GQA: fused qkv + output, and `attention_vector_params`; MLA:
+    latents, norms, up and output projections)."""
     D, H = cfg.dim, cfg.n_heads
     if cfg.attention == "gqa":
-        return D * (H + 2 * cfg.n_kv_heads) * cfg.head_size + H * cfg.head_size * D
+        return D * (H + 2 * cfg.n_kv_heads) * cfg.head_size + H * cfg.head_size * D + attention_vector_params(cfg)
     qk, q_rank, kv_rank = cfg.qk_head_dim, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
     down = D * (q_rank + kv_rank + cfg.mla.qk_rope_head_dim)
     q_up = q_rank * H * qk + q_rank if q_rank else D * H * qk  # (+ q_norm weight)
@@ -56,7 +66,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "norms": L * 2 * D + D,
         "dense_ffn": n_dense * 3 * D * cfg.ffn_dim,
         "router": n_moe * cfg.moe.n_routed_experts * D,
-        "shared_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_shared_experts,
+        "shared_experts": n_moe * shared_expert_params(cfg),
         "routed_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts,
         "head": cfg.vocab_size * D,
     }
@@ -67,12 +77,17 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def shared_expert_params(cfg: ModelConfig) -> int:
+    """One MoE layer's shared SwiGLU (moe.shared_hidden wide) and its gate (moe.shared_expert_gate)."""
+    return 3 * cfg.dim * cfg.moe.shared_hidden + cfg.dim * cfg.moe.shared_expert_gate
+
+
 def mtp_module_params(cfg: ModelConfig) -> int:
     """One MTP module: two input norms, the 2D -> D projection, one block (MoE when the model has
     experts), and its output norm; the embedding and output head are shared with the main model."""
     D = cfg.dim
     if cfg.moe.n_routed_experts and cfg.moe.n_dense_layers < cfg.n_layers:
-        ffn = 3 * D * cfg.moe.ffn_dim * (cfg.moe.n_routed_experts + cfg.moe.n_shared_experts) + cfg.moe.n_routed_experts * D
+        ffn = 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts + shared_expert_params(cfg) + cfg.moe.n_routed_experts * D
     else:
         ffn = 3 * D * cfg.ffn_dim
     return 2 * D + 2 * D * D + attention_params(cfg) + 2 * D + ffn + D
@@ -87,6 +102,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     c = param_counts(cfg)
     matmul_params = c["activated"] - c["norms"]
+    if cfg.attention == "gqa":  # its q/k norm weights and biases (MLA's latent norms stay counted, as before)
+        matmul_params -= cfg.n_layers * attention_vector_params(cfg)
     return 3 * (2 * matmul_params + cfg.n_layers * attention_core_flops(cfg, seq_len))
 
 
@@ -95,12 +112,10 @@ def block_train_flops_per_token(cfg: ModelConfig, layer_id: int, seq_len: int) -
     weights (attention projections; dense SwiGLU, or router + shared + top-k routed experts) and its
     causal attention core. What pipeline stages are balanced by."""
     D = cfg.dim
-    attn = attention_params(cfg)
-    if cfg.attention == "mla":  # the latent norms' weights are no matmul
-        attn -= cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank
+    attn = attention_params(cfg) - attention_vector_params(cfg)  # norm weights and biases are no matmul
     if cfg.is_moe_layer(layer_id):
         m = cfg.moe
-        ffn = 3 * D * m.ffn_dim * (m.topk + m.n_shared_experts) + m.n_routed_experts * D
+        ffn = 3 * D * m.ffn_dim * m.topk + shared_expert_params(cfg) + m.n_routed_experts * D
     else:
         ffn = 3 * D * cfg.ffn_dim
     return 3 * (2 * (attn + ffn) + attention_core_flops(cfg, seq_len))

@@ -120,10 +120,7 @@ def new_cache(model, batch: int, capacity: int) -> KVCache:
 
 def _gqa_qkv(attn: Attention, x_BnD, cos, sin):
     """q (B, n, H, Dh), roped k, v (B, n, J, Dh): `Attention._rope_and_core` up to its core."""
-    dq, dkv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
-    q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=attn.head_dim)
-               for t in attn.wqkv(x_BnD).split([dq, dkv, dkv], dim=-1))
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return attn.heads(attn.wqkv(x_BnD), cos, sin)
 
 
 def _mla_latents(attn: MLAttention, x_BnD):

@@ -253,14 +253,18 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts
 
 
 class MoE(nn.Module):
-    """x (B, S, D) -> shared(x) + sum_k gate_k * expert_k(x)."""
+    """x (B, S, D) -> shared(x) + sum_k gate_k * expert_k(x); with model.moe.shared_expert_gate (Qwen2-MoE)
+    shared(x) is scaled per token by sigmoid(x shared_gate^T), shared_gate: (1, D), replicated under TP."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts = cfg.moe.n_routed_experts
         self.router = Router(cfg)
         self.experts = RoutedExperts(cfg.moe.n_routed_experts, cfg.dim, cfg.moe.ffn_dim)
-        self.shared = SwiGLU(cfg.dim, cfg.moe.n_shared_experts * cfg.moe.ffn_dim) if cfg.moe.n_shared_experts else None
+        self.shared = SwiGLU(cfg.dim, cfg.moe.shared_hidden) if cfg.moe.n_shared_experts else None
+        self.shared_gate = Linear(cfg.dim, 1) if cfg.moe.shared_expert_gate else None
+        if self.shared_gate is not None:  # a GEMM of one row: neither FP8 nor worth deferring
+            self.shared_gate.fp8_eligible = self.shared_gate.defer_wgrad = False
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.aux_loss_weight = cfg.moe.aux_loss_weight
         self.weighted_swiglu = cfg.moe.weighted_swiglu
@@ -303,7 +307,9 @@ class MoE(nn.Module):
     def combine_phase(self, ctx: dict, x_BSD, y_back, weights_TK, aux=None,
                       stats: ForwardStats | None = None) -> torch.Tensor:
         y_BSD = self.dispatcher.combine(y_back, weights_TK, ctx["handle"]).view_as(x_BSD)
-        if self.shared is not None:
+        if self.shared_gate is not None:
+            y_BSD = y_BSD + torch.sigmoid(self.shared_gate(x_BSD)) * self.shared(x_BSD)
+        elif self.shared is not None:
             y_BSD = y_BSD + self.shared(x_BSD)
         if aux is not None:
             if stats is not None:

@@ -211,9 +211,12 @@ class Linear(nn.Module):
             entered = self.tp.enter(x)
             assert keep is None or entered is x, "a kept input must be the GEMM's input"
             x = entered
-        y = _LinearFn.apply(x, self.weight, self.bias, None, self.gemms, self.wgrad_store, self.weight,
-                            keep or self.keep_input)
-        return self.tp.exit(y) if self.tp is not None else y
+        # a role that sums the ranks' outputs (row-parallel) adds the replicated bias once, after the sum
+        bias_after = self.bias is not None and getattr(self.tp, "sums_outputs", False)
+        y = _LinearFn.apply(x, self.weight, None if bias_after else self.bias, None, self.gemms, self.wgrad_store,
+                            self.weight, keep or self.keep_input)
+        y = self.tp.exit(y) if self.tp is not None else y
+        return y + self.bias.to(y.dtype) if bias_after else y
 
     def extra_repr(self) -> str:
         tp = f", tp={self.tp}" if self.tp is not None else ""

@@ -6,7 +6,8 @@ attribute, so the rules can be resolved in any order and none reads what another
 
     decision                                  attributes it sets                rule
     tensor parallelism: TP role, local heads,  Linear.tp, .n_heads/.n_kv_heads,  parallel/tensor_plan.py
-      vocab-parallel embedding and loss        .gather, .embed, .loss_fn
+      vocab-parallel embedding and loss,       .gather, .embed, .loss_fn,
+      a whole-row qk norm's sum of squares     WideRMSNorm.sum_squares
     expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/expert.py
       all-to-all token dispatcher              MoE.dispatcher
     context parallelism: the attention core    .core (zig-zag ring attention;    parallel/context.py
@@ -53,7 +54,7 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens"})
+                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares"})
 
 
 @dataclass

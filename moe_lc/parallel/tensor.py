@@ -164,7 +164,10 @@ class ColumnParallel:
 
 class RowParallel:
     """Weight columns (input features) split over tp; input (B, S, in/N); the partial (B, S, D)
-    outputs are summed in `exit`: reduce-scattered to (B, s, D) with SP, all-reduced without."""
+    outputs are summed in `exit`: reduce-scattered to (B, s, D) with SP, all-reduced without. A bias
+    (replicated, grad group "dp_cp_tp") is added by the Linear after that sum, once."""
+
+    sums_outputs = True
 
     def __init__(self, group: Group, sequence_parallel: bool = True):
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -250,6 +253,41 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def token_losses(self, logits_BSv, labels_BS):
         return _VocabParallelCE.apply(logits_BSv, labels_BS, self.group, self.ignore_index)
+
+
+# -- a norm over a whole row whose features are split over tp (qk_norm = "full") --------------------
+class SumOverTP(torch.autograd.Function):
+    """Forward all-reduce (sum) over tp; backward all-reduce too: every rank's output feeds only its
+    own features' path, so each rank's gradient is a partial of the sum's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        dx = dx.contiguous().clone()
+        comm.all_reduce(dx, ctx.group)
+        return dx, None
+
+
+class RowSquaresOverTP:
+    """The `sum_squares` seam of a `WideRMSNorm` under TP: this rank's per-row sum of squares (..., 1) ->
+    the whole row's. `copies`: how many tp ranks hold each slice (kv heads replicated when K < N), whose
+    squares the all-reduce counts that many times."""
+
+    def __init__(self, group: Group, copies: int = 1):
+        self.group, self.copies = group, copies
+
+    def __call__(self, sum_squares: torch.Tensor) -> torch.Tensor:
+        total = SumOverTP.apply(sum_squares, self.group)
+        return total / self.copies if self.copies > 1 else total
+
+    def __repr__(self) -> str:
+        return f"sum_squares(tp={self.group.size}, copies={self.copies})"
 
 
 # -- replicated kv heads (K < N) --------------------------------------------------------------------

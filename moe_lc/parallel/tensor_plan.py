@@ -4,10 +4,13 @@ the model and records each module type's entry: shards in the placements (which 
 checkpoints and the planner read), roles and local head counts in the layer plan (layer_plan.py).
 
     Attention      wqkv column-parallel by heads (q | k | v sections; kv heads replicated when K < N),
-                   wo row-parallel
+                   wo row-parallel (its bias replicated, added after the sum); qk_norm "head": RMSNorm
+                   rule; "full": weights cut like the q / k rows, the row's sum of squares all-reduced
     MLAttention    latent projection wa replicated on the sequence shard ("dp_cp_tp") with one gather of
                    the latents; up-projections split by heads; wo row-parallel
     SwiGLU         w13 column-parallel ([gate | up], each half split), w2 row-parallel
+    MoE            its shared-expert gate (Qwen2-MoE) replicated on the sequence shard ("dp_cp_tp"), like
+                   the router; the shared experts are a SwiGLU
     RMSNorm,       replicated; their gradient covers only this rank's sequence shard ("dp_cp_tp")
     Router
     RoutedExperts  not tensor-parallel (expert parallelism folds over dp x cp x tp)
@@ -26,14 +29,16 @@ from torch import nn
 from moe_lc.model.attention import Attention
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.mla import MLAttention
-from moe_lc.model.moe import RoutedExperts, Router
+from moe_lc.model.moe import MoE, RoutedExperts, Router
 from moe_lc.model.mtp import MTPModule
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.qk_norm import WideRMSNorm
 from moe_lc.ops.linear import Linear
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements, Shard
-from moe_lc.parallel.tensor import (ColumnParallel, RowParallel, SequenceGather, VocabParallelCrossEntropy,
-                                    VocabParallelEmbedding, kv_share_group, replicated_rows_grad)
+from moe_lc.parallel.tensor import (ColumnParallel, RowParallel, RowSquaresOverTP, SequenceGather,
+                                    VocabParallelCrossEntropy, VocabParallelEmbedding, kv_share_group,
+                                    replicated_rows_grad)
 
 
 @dataclass
@@ -50,8 +55,9 @@ class _TP:
         self.placements.shard_(param, shard, self.group)
 
     def linear(self, linear: Linear, shard: Shard, role) -> None:
-        assert linear.bias is None or role is not self.row, "a row-parallel bias would be added N times"
-        if linear.bias is not None:
+        if linear.bias is not None and role is self.row:  # added once after the sum, on the sequence shard
+            self.placements.set_group([linear.bias], "dp_cp_tp")
+        elif linear.bias is not None:
             self.shard(linear.bias, Shard(shard.group, 0, shard.sections))
         self.shard(linear.weight, shard)
         self.plan.set(linear, tp=role)
@@ -67,6 +73,15 @@ def _attention(attn: Attention, tp: _TP) -> list:
         hook, weight = replicated_rows_grad(attn.wqkv.weight, H // N * Dh, kv_share_group(tp.dims, K))
         place = tp.placements.of(attn.wqkv.weight)
         place.grad_hooks, place.norm_weight = (*place.grad_hooks, hook), weight
+    if isinstance(attn.q_norm, WideRMSNorm):  # "full": a slice of the row per rank, like the q / k rows
+        tp.shard(attn.q_norm.weight, Shard("tp", 0))
+        tp.shard(attn.k_norm.weight, Shard("tp", 0, ((K * Dh, kv_pieces),)))
+        tp.plan.set(attn.q_norm, sum_squares=RowSquaresOverTP(tp.group))
+        tp.plan.set(attn.k_norm, sum_squares=RowSquaresOverTP(tp.group, N // kv_pieces))
+        if K < N:  # each of the N/K ranks sharing a kv head has its own heads' share of the gradient
+            hook, weight = replicated_rows_grad(attn.k_norm.weight, 0, kv_share_group(tp.dims, K))
+            place = tp.placements.of(attn.k_norm.weight)
+            place.grad_hooks, place.norm_weight = (*place.grad_hooks, hook), weight
     return list(attn.parameters())
 
 
@@ -91,6 +106,14 @@ def _swiglu(ffn: SwiGLU, tp: _TP) -> list:
     return list(ffn.parameters())
 
 
+def _moe(moe: MoE, tp: _TP) -> list:
+    """The shared-expert gate only: the router, experts and shared SwiGLU are visited on their own."""
+    if moe.shared_gate is None:
+        return []
+    tp.placements.set_group(moe.shared_gate.parameters(), "dp_cp_tp")
+    return list(moe.shared_gate.parameters())
+
+
 def _replicated(module: nn.Module, tp: _TP) -> list:
     tp.placements.set_group(module.parameters(), "dp_cp_tp")
     return list(module.parameters())
@@ -102,7 +125,7 @@ def _mtp_projection(module: MTPModule, tp: _TP) -> list:
 
 
 TP_PLAN = {Attention: _attention, MLAttention: _mla, SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated,
-           RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection}
+           RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection, MoE: _moe}
 
 
 def tensor_parallel_plan(model: nn.Module, dims: ParallelDims, placements: Placements, plan) -> None:
