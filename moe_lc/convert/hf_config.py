@@ -25,8 +25,7 @@ ConvertError naming the field and its value, before any weight is read: a slidin
 default / yarn / llama3, a partial rotary factor outside glm4_moe, decoder_sparse_step != 1,
 mlp_only_layers other than the first k layers, olmoe's clip_qkv, a non-silu hidden_act, DeepSeek's
 attention_bias. Training-only fields (output_router_logits, router_aux_loss_coef,
-router_jitter_noise, aux_loss_alpha) map to nothing. A family whose model feature this moe_lc lacks
-(hf_fields.NEUTRAL) is refused naming the recipe key it needs.
+router_jitter_noise, aux_loss_alpha) map to nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from moe_lc.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
-from moe_lc.convert.hf_fields import ConvertError, build, common, feature, refuse, rope_to_hf
+from moe_lc.convert.hf_fields import ConvertError, common, refuse, rope_to_hf
 from moe_lc.convert.hf_moe_config import MOE_FAMILIES, from_hf_moe, moe_family_of, to_hf_moe
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "qwen2", "qwen3") + MOE_FAMILIES
@@ -76,9 +75,9 @@ def _dense_gqa(hf: dict, family: str) -> ModelConfig:
     base = common(hf)
     # llama, qwen3: attention_bias puts a bias on q, k, v *and* o; qwen2: always on q, k, v, never on o
     both = family != "qwen2" and bool(hf.get("attention_bias", False))
-    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=family == "qwen2" or both,
-                 attn_out_bias=both, qk_norm="head" if family == "qwen3" else "none",
-                 moe=MoEConfig(n_dense_layers=base["n_layers"], n_routed_experts=0, n_shared_experts=0))
+    return ModelConfig(**base, head_dim=head_dim, qkv_bias=family == "qwen2" or both, attn_out_bias=both,
+                       qk_norm="head" if family == "qwen3" else "none",
+                       moe=MoEConfig(n_dense_layers=base["n_layers"], n_routed_experts=0, n_shared_experts=0))
 
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -133,8 +132,8 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.attention == "gqa":
         if not dense:
             return moe_family_of(cfg)
-        qk, out_bias = feature(cfg, "qk_norm"), feature(cfg, "attn_out_bias")
-        if feature(cfg.rope, "partial_rotary_factor") != 1.0:
+        qk, out_bias = cfg.qk_norm, cfg.attn_out_bias
+        if cfg.rope.partial_rotary_factor != 1.0:
             raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 has no dense family here (glm4_moe is MoE)")
         if out_bias and not cfg.qkv_bias:
             raise ConvertError("to-hf: model.attn_out_bias without model.qkv_bias: no transformers family biases o only")
@@ -166,7 +165,7 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
         return to_hf_moe(cfg, family, hf)
     if family in ("llama", "qwen2", "qwen3"):
         extra = {"use_sliding_window": False} if family == "qwen3" else {"mlp_bias": False}
-        return {**hf, "head_dim": cfg.head_size, "attention_bias": feature(cfg, "attn_out_bias"), **extra}
+        return {**hf, "head_dim": cfg.head_size, "attention_bias": cfg.attn_out_bias, **extra}
     m, a = cfg.moe, cfg.mla
     grouped = m.n_groups > 1
     hf.update(first_k_dense_replace=m.n_dense_layers, n_routed_experts=m.n_routed_experts,

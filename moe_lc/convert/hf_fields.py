@@ -5,35 +5,11 @@ family allows one). Read by hf_config.py (DeepSeek, dense GQA) and hf_moe_config
 
 from __future__ import annotations
 
-import dataclasses
-
 from moe_lc.config import RopeConfig
 
 
 class ConvertError(ValueError):
     """A checkpoint we cannot convert exactly, with the reason."""
-
-
-# recipe keys some families need, at the value that means "off": a moe_lc without the key computes
-# exactly that, so only another value is refused (see `build`)
-NEUTRAL = {"qk_norm": "none", "partial_rotary_factor": 1.0, "shared_expert_gate": False, "shared_ffn_dim": 0,
-           "low_freq_factor": None, "high_freq_factor": None, "attn_out_bias": False}
-
-
-def build(cls, section: str, **kw):
-    """cls(**kw); a key this moe_lc's `cls` lacks is dropped at its NEUTRAL value and refused at any other,
-    naming the recipe key (a family whose feature is not built yet is refused, not converted wrongly)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in [k for k in kw if k not in names]:
-        if kw[key] != NEUTRAL.get(key, object()):
-            raise ConvertError(f"{section}.{key}={kw[key]!r} is needed and this moe_lc has no such recipe key")
-        del kw[key]
-    return cls(**kw)
-
-
-def feature(cfg, key: str):
-    """cfg.key, or its NEUTRAL value where this moe_lc has no such key."""
-    return getattr(cfg, key, NEUTRAL[key])
 
 
 def refuse(hf: dict, field: str, ok) -> None:
@@ -50,28 +26,28 @@ def rope_params(hf: dict) -> dict:
 def rope_section(hf: dict, partial_ok: bool = False) -> RopeConfig:
     params = rope_params(hf)
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and partial != 1.0 and not partial_ok:
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0 and not partial_ok:
         raise ConvertError(f"partial_rotary_factor={partial!r} is not supported for model_type={hf.get('model_type')!r}")
-    extra = {"partial_rotary_factor": float(partial)} if partial not in (None, 1.0) else {}
+    base = dict(theta=theta, partial_rotary_factor=float(partial))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", None) or (kind in ("yarn", "llama3") and params.get("factor", 1.0) == 1.0):
-        return build(RopeConfig, "model.rope", theta=theta, **extra)
+        return RopeConfig(**base)
     if kind == "llama3":
-        return build(RopeConfig, "model.rope", theta=theta, scaling="llama3", factor=float(params["factor"]),
-                     original_seq_len=int(params["original_max_position_embeddings"]),
-                     low_freq_factor=float(params["low_freq_factor"]),
-                     high_freq_factor=float(params["high_freq_factor"]), **extra)
+        return RopeConfig(**base, scaling="llama3", factor=float(params["factor"]),
+                          original_seq_len=int(params["original_max_position_embeddings"]),
+                          low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]))
     if kind != "yarn":
         raise ConvertError(f"rope_scaling.type={kind!r}: only default RoPE, YaRN and llama3 are supported")
     if params.get("attention_factor") is not None:
         raise ConvertError(f"rope_scaling.attention_factor={params['attention_factor']!r}: an explicit YaRN attention "
                            "factor is not supported (it is derived from factor, mscale, mscale_all_dim)")
-    return build(RopeConfig, "model.rope", theta=theta, scaling="yarn", factor=float(params["factor"]),
-                 original_seq_len=int(params["original_max_position_embeddings"]),
-                 beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-                 truncate=bool(params.get("truncate", True)), mscale=float(params.get("mscale") or 0.0),
-                 mscale_all_dim=float(params.get("mscale_all_dim") or 0.0), **extra)
+    return RopeConfig(**base, scaling="yarn", factor=float(params["factor"]),
+                      original_seq_len=int(params["original_max_position_embeddings"]),
+                      beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                      truncate=bool(params.get("truncate", True)), mscale=float(params.get("mscale") or 0.0),
+                      mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
 
 
 def common(hf: dict, partial_ok: bool = False) -> dict:
@@ -97,6 +73,6 @@ def rope_to_hf(r) -> dict:
     elif r.scaling == "llama3":
         rope.update(rope_type="llama3", factor=r.factor, original_max_position_embeddings=r.original_seq_len,
                     low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
-    if feature(r, "partial_rotary_factor") != 1.0:
+    if r.partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = r.partial_rotary_factor
     return rope

@@ -21,7 +21,7 @@ changes the function the weights compute.
 from __future__ import annotations
 
 from moe_lc.config import ModelConfig, MoEConfig
-from moe_lc.convert.hf_fields import ConvertError, build, common, feature, refuse
+from moe_lc.convert.hf_fields import ConvertError, common, refuse
 
 SOFTMAX_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 MOE_FAMILIES = SOFTMAX_FAMILIES + ("glm4_moe",)
@@ -43,13 +43,12 @@ def _softmax_moe(hf: dict, family: str) -> MoEConfig:
     n_dense = _dense_prefix(hf) if family.startswith("qwen") else 0
     expert_ffn = hf["moe_intermediate_size"] if family.startswith("qwen") else hf["intermediate_size"]
     gated = family == "qwen2_moe"
-    return build(MoEConfig, "model.moe", n_dense_layers=n_dense, n_routed_experts=experts,
-                 n_shared_experts=1 if gated else 0, ffn_dim=expert_ffn, topk=hf["num_experts_per_tok"], n_groups=1,
-                 topk_groups=1, score_func="softmax",
-                 norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-                 routed_scaling_factor=1.0, bias_update_speed=0.0, aux_loss_weight=0.0,
-                 shared_expert_gate=gated,
-                 shared_ffn_dim=hf["shared_expert_intermediate_size"] if gated else 0)
+    return MoEConfig(n_dense_layers=n_dense, n_routed_experts=experts, n_shared_experts=1 if gated else 0,
+                     ffn_dim=expert_ffn, topk=hf["num_experts_per_tok"], n_groups=1, topk_groups=1,
+                     score_func="softmax",
+                     norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+                     routed_scaling_factor=1.0, bias_update_speed=0.0, aux_loss_weight=0.0,
+                     shared_expert_gate=gated, shared_ffn_dim=hf["shared_expert_intermediate_size"] if gated else 0)
 
 
 def _glm4_moe(hf: dict) -> MoEConfig:
@@ -79,15 +78,15 @@ def from_hf_moe(hf: dict, family: str) -> ModelConfig:
         qk_norm = "head" if hf.get("use_qk_norm") else "none"
     else:
         moe, qkv_bias = _softmax_moe(hf, family), both or (family == "qwen2_moe" and hf.get("qkv_bias", True))
-    return build(ModelConfig, "model", **base, head_dim=head_dim, qkv_bias=bool(qkv_bias), moe=moe, qk_norm=qk_norm,
-                 attn_out_bias=both)
+    return ModelConfig(**base, head_dim=head_dim, qkv_bias=bool(qkv_bias), moe=moe, qk_norm=qk_norm,
+                       attn_out_bias=both)
 
 
 def moe_family_of(cfg: ModelConfig) -> str:
     """The GQA MoE family computing exactly what `cfg` does, or one ConvertError naming the field why none."""
-    m, qk, out_bias = cfg.moe, feature(cfg, "qk_norm"), feature(cfg, "attn_out_bias")
-    gated = feature(m, "shared_expert_gate")
-    if feature(cfg.rope, "partial_rotary_factor") != 1.0 and m.score_func != "sigmoid":
+    m, qk, out_bias = cfg.moe, cfg.qk_norm, cfg.attn_out_bias
+    gated = m.shared_expert_gate
+    if cfg.rope.partial_rotary_factor != 1.0 and m.score_func != "sigmoid":
         raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 exists only in glm4_moe (sigmoid routing)")
     if m.score_func == "sigmoid":
         if m.group_score != "top2_sum" and m.n_groups > 1:
@@ -128,14 +127,14 @@ def moe_family_of(cfg: ModelConfig) -> str:
 
 def to_hf_moe(cfg: ModelConfig, family: str, hf: dict) -> dict:
     """The config.json fields of a GQA MoE family on top of the shared ones in `hf`."""
-    m, out_bias = cfg.moe, feature(cfg, "attn_out_bias")
+    m, out_bias = cfg.moe, cfg.attn_out_bias
     hf = {**hf, "head_dim": cfg.head_size, "num_experts_per_tok": m.topk}
     if family == "glm4_moe":
         return {**hf, "n_routed_experts": m.n_routed_experts, "n_shared_experts": m.n_shared_experts,
                 "moe_intermediate_size": m.ffn_dim, "first_k_dense_replace": m.n_dense_layers, "n_group": m.n_groups,
                 "topk_group": m.topk_groups, "norm_topk_prob": m.norm_topk_prob,
                 "routed_scaling_factor": m.routed_scaling_factor, "attention_bias": cfg.qkv_bias,
-                "use_qk_norm": feature(cfg, "qk_norm") == "head", "num_nextn_predict_layers": cfg.mtp.depth}
+                "use_qk_norm": cfg.qk_norm == "head", "num_nextn_predict_layers": cfg.mtp.depth}
     if family == "mixtral":
         return {**hf, "num_local_experts": m.n_routed_experts, "intermediate_size": m.ffn_dim, "sliding_window": None,
                 "router_jitter_noise": 0.0}
@@ -146,5 +145,4 @@ def to_hf_moe(cfg: ModelConfig, family: str, hf: dict) -> dict:
               use_sliding_window=False)
     if family == "qwen3_moe":
         return {**hf, "attention_bias": out_bias}
-    return {**hf, "qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": feature(m, "shared_ffn_dim")
-            or m.n_shared_experts * m.ffn_dim}
+    return {**hf, "qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": m.shared_hidden}

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_lc.config import ModelConfig
-from moe_lc.convert.hf_fields import feature
 
 
 @dataclass(frozen=True)
@@ -98,12 +97,12 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         if cfg.qkv_bias:
             out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
                                                (("q", H), ("k", kv), ("v", kv))])
-        qk_norm = feature(cfg, "qk_norm")
+        qk_norm = cfg.qk_norm
         if qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
             q, k = (hd, hd) if qk_norm == "head" else (H * hd, kv * hd)
             out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
                     Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
-        if feature(cfg, "attn_out_bias"):
+        if cfg.attn_out_bias:
             out.append(Piece(f"{ours}.wo.bias", (0,), f"{theirs}.o_proj.bias", (D,)))
         return out + [Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * hd))]
     a = cfg.mla
@@ -151,8 +150,8 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
                 Piece(f"{ours}.ffn.experts.w13.weight", (e, F, 0), f"{x}.{up}.weight", (F, D), expert=True),
                 Piece(f"{ours}.ffn.experts.w2.weight", (e, 0, 0), f"{x}.{down}.weight", (D, F), expert=True)]
     if m.n_shared_experts:
-        shared_ffn = feature(m, "shared_ffn_dim") or F * m.n_shared_experts
-        if feature(m, "shared_expert_gate"):  # Qwen2-MoE: one shared expert, scaled by sigmoid(x . gate)
+        shared_ffn = m.shared_hidden
+        if m.shared_expert_gate:  # Qwen2-MoE: one shared expert, scaled by sigmoid(x . gate)
             out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_expert", shared_ffn, D)
             out.append(Piece(f"{ours}.ffn.shared_gate.weight", (0, 0), f"{moe}.shared_expert_gate.weight", (1, D)))
         else:
