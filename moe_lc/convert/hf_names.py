@@ -3,7 +3,8 @@
 A piece is one HF tensor (or a column range of one) placed as a rectangular box of one of our full
 tensors. Fused weights of ours are several pieces: `wqkv` = q | k | v rows, `w13` = gate | up rows,
 MLA's `wa` = q_a_proj | kv_a_proj_with_mqa rows; stacked experts are one piece per expert at
-offset (e, 0, 0). `from_hf` fills boxes from pieces, `to_hf` cuts pieces out of boxes, so the two
+offset (e, 0, 0) (Mixtral names its MoE block `block_sparse_moe` and an expert's gate / up / down
+w1 / w3 / w2; the others `mlp` and gate_proj / up_proj / down_proj). `from_hf` fills boxes from pieces, `to_hf` cuts pieces out of boxes, so the two
 directions cannot disagree.
 
 Conventions that differ, and why we convert instead of matching them at run time:
@@ -97,9 +98,8 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         if cfg.qkv_bias:
             out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
                                                (("q", H), ("k", kv), ("v", kv))])
-        qk_norm = cfg.qk_norm
-        if qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
-            q, k = (hd, hd) if qk_norm == "head" else (H * hd, kv * hd)
+        if cfg.qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
+            q, k = (hd, hd) if cfg.qk_norm == "head" else (H * hd, kv * hd)
             out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
                     Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
         if cfg.attn_out_bias:
@@ -150,12 +150,11 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
                 Piece(f"{ours}.ffn.experts.w13.weight", (e, F, 0), f"{x}.{up}.weight", (F, D), expert=True),
                 Piece(f"{ours}.ffn.experts.w2.weight", (e, 0, 0), f"{x}.{down}.weight", (D, F), expert=True)]
     if m.n_shared_experts:
-        shared_ffn = m.shared_hidden
         if m.shared_expert_gate:  # Qwen2-MoE: one shared expert, scaled by sigmoid(x . gate)
-            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_expert", shared_ffn, D)
+            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_expert", m.shared_hidden, D)
             out.append(Piece(f"{ours}.ffn.shared_gate.weight", (0, 0), f"{moe}.shared_expert_gate.weight", (1, D)))
         else:
-            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_experts", shared_ffn, D)
+            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_experts", m.shared_hidden, D)
     return out
 
 
