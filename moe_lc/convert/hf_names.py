@@ -4,8 +4,8 @@ A piece is one HF tensor (or a column range of one) placed as a rectangular box 
 tensors. Fused weights of ours are several pieces: `wqkv` = q | k | v rows, `w13` = gate | up rows,
 MLA's `wa` = q_a_proj | kv_a_proj_with_mqa rows; stacked experts are one piece per expert at
 offset (e, 0, 0) (Mixtral names its MoE block `block_sparse_moe` and an expert's gate / up / down
-w1 / w3 / w2; the others `mlp` and gate_proj / up_proj / down_proj). `from_hf` fills boxes from pieces, `to_hf` cuts pieces out of boxes, so the two
-directions cannot disagree.
+w1 / w3 / w2; the others `mlp` and gate_proj / up_proj / down_proj). `from_hf` fills boxes from
+pieces, `to_hf` cuts pieces out of boxes, so the two directions cannot disagree.
 
 Conventions that differ, and why we convert instead of matching them at run time:
   - DeepSeek checkpoints store the decoupled RoPE dims of q_b_proj / q_proj and kv_a_proj_with_mqa
