@@ -21,7 +21,7 @@ from moe_lc.model.counting import param_counts
 from moe_lc.model.moe import MoE, Router
 from moe_lc.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from moe_lc.model.transformer import Transformer, build_model
-from tests.harness import RECIPES, assert_equivalent, reference, run_layout
+from tests.harness import RECIPES, assert_equivalent, reference, run_layout, run_workers
 
 RECIPE = RECIPES / "debug_cpu.toml"
 
@@ -218,6 +218,59 @@ def test_llama3_scaling_warns_past_its_reach():
 def test_shared_ffn_dim_must_split_over_tp():
     with pytest.raises(ConfigError, match="parallel.tp=2 must divide model.moe.shared_ffn_dim=63"):
         load_config(RECIPE, ["parallel.tp=2", "model.moe.shared_ffn_dim=63"], world_size=2)
+
+
+# -- tensor parallelism in fp64: every gradient and its share of the global grad norm ----------------
+
+def _tp_gradient_worker(rank, world):
+    """tp = 2 with one kv head (replicated on both ranks): each parameter's gradient made whole (gathered
+    shards; replicated ones summed over tp, as ZeRO-1's "dp_cp_tp" group does) vs one device, and its
+    squares as ZeRO-1 counts them in the global norm (placement norm weights; replicated once)."""
+    import copy
+
+    from moe_lc.config import ParallelConfig
+    from moe_lc.parallel import comm
+    from moe_lc.parallel.mesh import ParallelDims
+    from moe_lc.parallel.parallelize import parallelize
+    from moe_lc.parallel.placement import gather_full
+
+    small = ["model.dim=32", "model.n_layers=2", "model.n_kv_heads=1", "model.vocab_size=128", "model.ffn_dim=64",
+             "model.moe.ffn_dim=16", "model.attn_backend=reference"]
+    cfg = load_config(RECIPE, small + ALL_ON[:5], check=False).model  # qk_norm full, partial RoPE, biases, gate
+    dims = ParallelDims.from_config(ParallelConfig(tp=world), world, rank)
+    dims.init_groups()
+    ref = build_model(cfg, seed=0, dtype=torch.float64)
+    for name, p in ref.named_parameters():  # norm weights and biases away from their init (1, 0)
+        if p.dim() == 1:
+            p.data += 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype)
+    parallel = parallelize(copy.deepcopy(ref), dims)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2))
+    parallel.module(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    ref(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    ref_grads, out = dict(ref.named_parameters()), {}
+    for name, p in parallel.module.named_parameters():
+        grad, place = p.grad.clone(), parallel.placements[name]
+        replicated = place.grad_group in ("dp_cp_tp", "edp")  # edp = tp here (ep = 1)
+        if replicated:
+            comm.all_reduce(grad, dims["tp"])
+        squares = grad.pow(2) * (place.norm_weight if place.norm_weight is not None else 1.0)
+        counted = squares.sum() / (world if replicated else 1)
+        comm.all_reduce(counted, dims["tp"])
+        want = ref_grads[name].grad
+        out[name] = (((gather_full(grad, place.shards, dims.groups) - want).norm() / want.norm()).item(),
+                     abs(counted.item() / want.pow(2).sum().item() - 1))
+    return out
+
+
+def test_tp_gradients_and_grad_norm_shares_match_one_device_in_fp64():
+    """RMSNorm and RoPE run in fp32 by design, which leaves ~1e-7; a layout error is O(1) (a k_norm
+    counted on both ranks that share its kv head is off by 100% in its norm share)."""
+    for rank in run_workers(_tp_gradient_worker, 2):
+        assert {n for n in rank if "q_norm" in n or "shared_gate" in n or "wo.bias" in n}
+        worst_grad = max(rank, key=lambda n: rank[n][0])
+        worst_share = max(rank, key=lambda n: rank[n][1])
+        assert rank[worst_grad][0] < 1e-6, (worst_grad, rank[worst_grad])
+        assert rank[worst_share][1] < 1e-6, (worst_share, rank[worst_share])
 
 
 # -- equivalence: each feature under a layout that cuts what it touches --------------------------------
