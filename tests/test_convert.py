@@ -183,8 +183,8 @@ def test_fp8_weights_dequantize_blockwise(tmp_path):
 
 @pytest.mark.parametrize("field, value, message", [
     ("use_sliding_window", True, "use_sliding_window=True is not supported"),
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "rope_scaling.type='llama3'"),
-    ("model_type", "mixtral", "model_type='mixtral' is not supported"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}, "rope_scaling.type='dynamic'"),
+    ("model_type", "mistral", "model_type='mistral' is not supported"),
     ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
 ])
 def test_unsupported_config_is_refused_before_any_weight_is_read(converted, tmp_path, monkeypatch, field, value,

@@ -7,6 +7,9 @@
 - Inputs: a truncated shard, an invalid config.json, a garbage tokenizer (convert, training's
   data.tokenizer, load_tokenizer), the [hf] extra missing, a run with no checkpoint: one line each.
 - to-hf writes bos / eos ids and the index (also for one shard), and transformers loads the result.
+- Each family added after the first four refuses, in one line naming the field, what it cannot express
+  (a sliding window, clip_qkv, sparse steps, a partial rotary factor outside glm4_moe);
+  to-hf names the field that leaves a model without a transformers family.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lc.config import load_config
+from moe_lc.config import MoEConfig, load_config, model_config
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from moe_lc.convert.__main__ import main
+from moe_lc.convert.hf_config import family_of
 from moe_lc.convert.hf_files import HFWeights
 from moe_lc.data import load_tokenizer
 from tests import hf_models
@@ -328,3 +332,62 @@ def test_converted_recipe_shows_a_recipe_that_extends_it(conversion, tmp_path):
     cfg = load_config(tmp_path / "my_run.toml")
     assert cfg.train.output_dir == "runs/my_run" and cfg.checkpoint.init_from == str(conversion)
     assert any("to-hf runs/my_run" in line for line in lines)
+
+
+# -- the families added after the first four -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    """family -> a saved tiny random model of tests/hf_models.NEW_FAMILIES, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family) / "hf"
+            hf_models.save_model(hf_models.NEW_FAMILIES[family](), made[family])
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family, edit, message", [
+    ("mixtral", {"sliding_window": 4096}, r"sliding_window=4096 is not supported"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported \(only the first k layers"),
+    ("qwen2_moe", {"use_sliding_window": True}, r"use_sliding_window=True is not supported"),
+    ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
+    ("qwen3", {"use_sliding_window": True}, r"use_sliding_window=True is not supported"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types=\[.*\] is not supported"),
+    ("llama3", {"rope_parameters": {**hf_models.LLAMA3, "partial_rotary_factor": 0.5}},
+     r"partial_rotary_factor=0.5 is not supported for model_type='llama'"),
+    ("glm4_moe", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+])
+def test_new_family_refuses_what_it_cannot_express(family_dir, tmp_path, capsys, monkeypatch, family, edit, message):
+    source = family_dir(family)
+    capsys.readouterr()  # save_pretrained's progress bar
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), **edit}))
+    (hf / "model.safetensors").symlink_to(source / "model.safetensors")
+    monkeypatch.setattr(HFWeights, "get", lambda *a: pytest.fail("a weight was read"))
+    refused(capsys, message, "from-hf", hf, "--out", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def gqa_moe(**moe) -> object:
+    """A GQA MoE config, softmax top-2 of 8 renormalized, no shared expert (mixtral's) unless `moe` says."""
+    keys = dict(n_dense_layers=0, n_routed_experts=8, n_shared_experts=0, ffn_dim=32, topk=2, n_groups=1,
+                topk_groups=1, score_func="softmax", norm_topk_prob=True, bias_update_speed=0.0)
+    return model_config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, moe=MoEConfig(**{**keys, **moe}))
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (gqa_moe(n_shared_experts=1), r"n_shared_experts=1 without shared_expert_gate"),
+    (gqa_moe(routed_scaling_factor=2.0), r"routed_scaling_factor=2.0 has no GQA MoE family"),
+    (gqa_moe(n_groups=4, topk_groups=2), r"n_groups=4 \(group-limited softmax routing is DeepSeek-V2's"),
+    (gqa_moe(norm_topk_prob=False), r"norm_topk_prob = false without qk_norm: mixtral always renormalizes"),
+    (gqa_moe(n_dense_layers=1), r"n_dense_layers=1: mixtral has no dense layers"),
+])
+def test_to_hf_names_why_a_gqa_moe_model_has_no_family(cfg, message):
+    assert family_of(gqa_moe()) == "mixtral" and family_of(gqa_moe(score_func="sigmoid")) == "glm4_moe"
+    with pytest.raises(ConvertError, match=message):
+        family_of(cfg)

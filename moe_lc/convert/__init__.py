@@ -3,9 +3,10 @@
     python -m moe_lc.convert from-hf HF_DIR --out DIR [--overwrite]   recipe.toml + tokenizer/ + a step-0 checkpoint
     python -m moe_lc.convert to-hf CHECKPOINT --out HF_DIR [--overwrite]
 
-`hf_config` maps config.json to our [model] (and back) for the families it can express exactly,
-`hf_names` places each HF tensor in our tensors, `hf_files` reads and writes safetensors, `out_dir`
-decides what --out may replace and swaps the result in whole. Needs the [hf] extra (safetensors,
+`hf_config` maps config.json to our [model] (and back) for the families it can express exactly
+(`hf_moe_config` the GQA MoE ones, `hf_fields` what all share), `hf_names` places each HF tensor in
+our tensors, `hf_files` reads and writes safetensors, `out_dir` decides what --out may replace and
+swaps the result in whole. Needs the [hf] extra (safetensors,
 tokenizers): pip install -e '.[hf]'.
 """
 

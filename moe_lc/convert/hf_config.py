@@ -5,64 +5,49 @@
                   first_k_dense_replace, YaRN with mscale / mscale_all_dim (DeepSeek-V2, V2-Lite)
     deepseek_v3   MLA, sigmoid routing with e_score_correction_bias (our aux-loss-free bias),
                   group-limited top-k by top-2 sums, routed_scaling_factor, norm_topk_prob, MTP layers
-    llama, qwen2  dense GQA, RoPE or YaRN; Qwen2's q/k/v biases (model.qkv_bias)
+    llama, qwen2  dense GQA, RoPE, YaRN or llama3 frequency bands (rope.scaling = "llama3");
+                  Qwen2's q/k/v biases (model.qkv_bias); Llama's attention_bias (q, k, v and o:
+                  model.qkv_bias + model.attn_out_bias)
+    qwen3         dense GQA with q/k RMSNorm per head (model.qk_norm = "head"), attention_bias as Llama's
+    mixtral       GQA MoE, softmax top-k renormalized, every layer MoE (block_sparse_moe w1/w3/w2)
+    qwen3_moe     GQA MoE, softmax top-k (norm_topk_prob), per-head q/k norm, mlp_only_layers 0..k-1
+                  as n_dense_layers, attention_bias as Llama's
+    olmoe         GQA MoE, softmax top-k, q/k RMSNorm over the whole projections (qk_norm = "full"),
+                  attention_bias as Llama's
+    qwen2_moe     GQA MoE with q/k/v biases and a sigmoid-gated shared expert (moe.shared_expert_gate,
+                  moe.shared_ffn_dim = shared_expert_intermediate_size), mlp_only_layers as qwen3_moe
+    glm4_moe      GQA MoE with DeepSeek-V3's router, first_k_dense_replace, attention_bias (q, k, v
+                  only), per-head q/k norm (use_qk_norm), partial RoPE (rope.partial_rotary_factor)
 
-A field we cannot express (a sliding window, an o_proj bias, a rope type we lack, ...) raises one
-ConvertError naming the field and its value, before any weight is read.
+(hf_moe_config.py has the MoE families in detail.) A field we cannot express raises one
+ConvertError naming the field and its value, before any weight is read: a sliding window
+(use_sliding_window, mixtral's sliding_window, non-full layer_types), a rope type other than
+default / yarn / llama3, a partial rotary factor outside glm4_moe, decoder_sparse_step != 1,
+mlp_only_layers other than the first k layers, olmoe's clip_qkv, a non-silu hidden_act, DeepSeek's
+attention_bias. Training-only fields (output_router_logits, router_aux_loss_coef,
+router_jitter_noise, aux_loss_alpha) map to nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from moe_lc.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
+from moe_lc.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from moe_lc.convert.hf_fields import ConvertError, common, refuse, rope_to_hf
+from moe_lc.convert.hf_moe_config import MOE_FAMILIES, from_hf_moe, moe_family_of, to_hf_moe
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "qwen2")
-
-
-class ConvertError(ValueError):
-    """A checkpoint we cannot convert exactly, with the reason."""
-
-
-def _rope_section(hf: dict) -> RopeConfig:
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ("default", None) or (kind == "yarn" and params.get("factor", 1.0) == 1.0):
-        return RopeConfig(theta=float(theta))
-    if kind != "yarn":
-        raise ConvertError(f"rope_scaling.type={kind!r}: only default RoPE and YaRN are supported")
-    if params.get("attention_factor") is not None:
-        raise ConvertError(f"rope_scaling.attention_factor={params['attention_factor']!r}: an explicit YaRN attention "
-                           "factor is not supported (it is derived from factor, mscale, mscale_all_dim)")
-    return RopeConfig(theta=float(theta), scaling="yarn", factor=float(params["factor"]),
-                      original_seq_len=int(params["original_max_position_embeddings"]),
-                      beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-                      truncate=bool(params.get("truncate", True)), mscale=float(params.get("mscale") or 0.0),
-                      mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
-
-
-def _refuse(hf: dict, field: str, ok) -> None:
-    if field in hf and hf[field] is not None and not ok(hf[field]):
-        raise ConvertError(f"{field}={hf[field]!r} is not supported")
-
-
-def _common(hf: dict) -> dict:
-    _refuse(hf, "hidden_act", lambda v: v == "silu")
-    _refuse(hf, "mlp_bias", lambda v: not v)
-    _refuse(hf, "partial_rotary_factor", lambda v: v == 1.0)
-    _refuse(hf, "pretraining_tp", lambda v: v == 1)
-    _refuse(hf, "use_sliding_window", lambda v: not v)
-    _refuse(hf, "layer_types", lambda v: all(t == "full_attention" for t in v))
-    return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                ffn_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                init_std=float(hf.get("initializer_range", 0.02)), rope=_rope_section(hf))
+FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "qwen2", "qwen3") + MOE_FAMILIES
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+__all__ = ["ARCHITECTURES", "FAMILIES", "ConvertError", "check_field_types", "family_of", "from_hf_config",
+           "to_hf_config"]
 
 
 def _deepseek(hf: dict, family: str) -> ModelConfig:
-    _refuse(hf, "moe_layer_freq", lambda v: v == 1)
-    _refuse(hf, "attention_bias", lambda v: not v)
+    refuse(hf, "moe_layer_freq", lambda v: v == 1)
+    refuse(hf, "attention_bias", lambda v: not v)
     method = hf.get("topk_method", "greedy" if family == "deepseek_v2" else "noaux_tc")
     wanted = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}[family]
     if method not in wanted:
@@ -82,21 +67,24 @@ def _deepseek(hf: dict, family: str) -> ModelConfig:
     mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                     v_head_dim=hf["v_head_dim"])
-    return ModelConfig(**_common(hf), attention="mla", moe=moe, mla=mla)
+    return ModelConfig(**common(hf), attention="mla", moe=moe, mla=mla)
 
 
 def _dense_gqa(hf: dict, family: str) -> ModelConfig:
-    _refuse(hf, "attention_bias", lambda v: not v)  # llama: bias on q, k, v *and* o
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    common = _common(hf)
-    return ModelConfig(**common, head_dim=head_dim, qkv_bias=family == "qwen2",
-                       moe=MoEConfig(n_dense_layers=common["n_layers"], n_routed_experts=0, n_shared_experts=0))
+    base = common(hf)
+    # llama, qwen3: attention_bias puts a bias on q, k, v *and* o; qwen2: always on q, k, v, never on o
+    both = family != "qwen2" and bool(hf.get("attention_bias", False))
+    return ModelConfig(**base, head_dim=head_dim, qkv_bias=family == "qwen2" or both, attn_out_bias=both,
+                       qk_norm="head" if family == "qwen3" else "none",
+                       moe=MoEConfig(n_dense_layers=base["n_layers"], n_routed_experts=0, n_shared_experts=0))
 
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "head_dim", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank",
-               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+               "num_local_experts", "shared_expert_intermediate_size", "decoder_sparse_step")
 
 
 def check_field_types(hf: dict) -> None:
@@ -118,7 +106,10 @@ def from_hf_config(hf: dict, mtp_layers: int = 0) -> tuple[ModelConfig, str]:
         raise ConvertError(f"model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})")
     check_field_types(hf)
     try:
-        cfg = _deepseek(hf, family) if family.startswith("deepseek") else _dense_gqa(hf, family)
+        if family.startswith("deepseek"):
+            cfg = _deepseek(hf, family)
+        else:
+            cfg = from_hf_moe(hf, family) if family in MOE_FAMILIES else _dense_gqa(hf, family)
         if mtp_layers:
             cfg = dataclasses.replace(cfg, mtp=MTPConfig(depth=mtp_layers))
         errors = cfg.errors()
@@ -140,9 +131,18 @@ def family_of(cfg: ModelConfig) -> str:
     dense = m.n_routed_experts == 0 or m.n_dense_layers >= cfg.n_layers
     if cfg.attention == "gqa":
         if not dense:
-            raise ConvertError("to-hf: a GQA model with routed experts has no transformers family here "
-                               "(use model.attention = 'mla' for DeepSeek-V2/V3, or a dense GQA model)")
-        return "qwen2" if cfg.qkv_bias else "llama"
+            return moe_family_of(cfg)
+        qk, out_bias = cfg.qk_norm, cfg.attn_out_bias
+        if cfg.rope.partial_rotary_factor != 1.0:
+            raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 has no dense family here (glm4_moe is MoE)")
+        if out_bias and not cfg.qkv_bias:
+            raise ConvertError("to-hf: model.attn_out_bias without model.qkv_bias: no transformers family biases o only")
+        if qk == "head" and cfg.qkv_bias == out_bias:
+            return "qwen3"
+        if qk != "none":
+            raise ConvertError(f"to-hf: a dense GQA model with model.qk_norm={qk!r} and q/k/v biases but none on wo "
+                               "has no transformers family here (qwen3: per-head q/k norm, biases on all four or none)")
+        return "qwen2" if cfg.qkv_bias and not out_bias else "llama"
     if dense:
         raise ConvertError("to-hf: a dense MLA model has no transformers family here (DeepSeek-V2/V3 are MoE)")
     if m.score_func == "sigmoid" and m.group_score == "top2_sum":
@@ -160,18 +160,12 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
           "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std,
           "hidden_act": "silu", "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
-          "dtype": dtype}
-    r = cfg.rope
-    rope = {"rope_theta": r.theta, "rope_type": "default"}
-    if r.scaling == "yarn":
-        rope.update(rope_type="yarn", factor=r.factor, original_max_position_embeddings=r.original_seq_len,
-                    beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
-        rope.update({k: v for k, v in (("mscale", r.mscale), ("mscale_all_dim", r.mscale_all_dim)) if v})
-    hf["rope_parameters"] = rope
-    hf["architectures"] = [{"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                            "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]]
-    if family in ("llama", "qwen2"):
-        return {**hf, "head_dim": cfg.head_size, "attention_bias": False, "mlp_bias": False}
+          "dtype": dtype, "rope_parameters": rope_to_hf(cfg.rope), "architectures": [ARCHITECTURES[family]]}
+    if family in MOE_FAMILIES:
+        return to_hf_moe(cfg, family, hf)
+    if family in ("llama", "qwen2", "qwen3"):
+        extra = {"use_sliding_window": False} if family == "qwen3" else {"mlp_bias": False}
+        return {**hf, "head_dim": cfg.head_size, "attention_bias": cfg.attn_out_bias, **extra}
     m, a = cfg.moe, cfg.mla
     grouped = m.n_groups > 1
     hf.update(first_k_dense_replace=m.n_dense_layers, n_routed_experts=m.n_routed_experts,

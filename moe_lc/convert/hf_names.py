@@ -3,8 +3,9 @@
 A piece is one HF tensor (or a column range of one) placed as a rectangular box of one of our full
 tensors. Fused weights of ours are several pieces: `wqkv` = q | k | v rows, `w13` = gate | up rows,
 MLA's `wa` = q_a_proj | kv_a_proj_with_mqa rows; stacked experts are one piece per expert at
-offset (e, 0, 0). `from_hf` fills boxes from pieces, `to_hf` cuts pieces out of boxes, so the two
-directions cannot disagree.
+offset (e, 0, 0) (Mixtral names its MoE block `block_sparse_moe` and an expert's gate / up / down
+w1 / w3 / w2; the others `mlp` and gate_proj / up_proj / down_proj). `from_hf` fills boxes from
+pieces, `to_hf` cuts pieces out of boxes, so the two directions cannot disagree.
 
 Conventions that differ, and why we convert instead of matching them at run time:
   - DeepSeek checkpoints store the decoupled RoPE dims of q_b_proj / q_proj and kv_a_proj_with_mqa
@@ -97,6 +98,12 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         if cfg.qkv_bias:
             out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
                                                (("q", H), ("k", kv), ("v", kv))])
+        if cfg.qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
+            q, k = (hd, hd) if cfg.qk_norm == "head" else (H * hd, kv * hd)
+            out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
+                    Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
+        if cfg.attn_out_bias:
+            out.append(Piece(f"{ours}.wo.bias", (0,), f"{theirs}.o_proj.bias", (D,)))
         return out + [Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * hd))]
     a = cfg.mla
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -119,6 +126,11 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * a.v_head_dim))]
 
 
+# a family's MoE block: its module name, and each expert's gate / up / down weight names
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+_SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
 def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, interleaved: bool) -> list[Piece]:
     D, m = cfg.dim, cfg.moe
     out = [Piece(f"{ours}.attn_norm.weight", (0,), f"{theirs}.input_layernorm.weight", (D,)),
@@ -127,16 +139,22 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
     if layer < m.n_dense_layers or m.n_routed_experts == 0:
         return out + _swiglu(f"{ours}.ffn", f"{theirs}.mlp", cfg.ffn_dim, D)
     E, F = m.n_routed_experts, m.ffn_dim
-    out.append(Piece(f"{ours}.ffn.router.gate.weight", (0, 0), f"{theirs}.mlp.gate.weight", (E, D)))
-    if family == "deepseek_v3":
-        out.append(Piece(f"{ours}.ffn.router.expert_bias", (0,), f"{theirs}.mlp.gate.e_score_correction_bias", (E,)))
+    module, (gate, up, down) = _MOE_NAMES.get(family, ("mlp", _SWIGLU_NAMES))
+    moe = f"{theirs}.{module}"
+    out.append(Piece(f"{ours}.ffn.router.gate.weight", (0, 0), f"{moe}.gate.weight", (E, D)))
+    if family in ("deepseek_v3", "glm4_moe"):
+        out.append(Piece(f"{ours}.ffn.router.expert_bias", (0,), f"{moe}.gate.e_score_correction_bias", (E,)))
     for e in range(E):
-        x = f"{theirs}.mlp.experts.{e}"
-        out += [Piece(f"{ours}.ffn.experts.w13.weight", (e, 0, 0), f"{x}.gate_proj.weight", (F, D), expert=True),
-                Piece(f"{ours}.ffn.experts.w13.weight", (e, F, 0), f"{x}.up_proj.weight", (F, D), expert=True),
-                Piece(f"{ours}.ffn.experts.w2.weight", (e, 0, 0), f"{x}.down_proj.weight", (D, F), expert=True)]
+        x = f"{moe}.experts.{e}"
+        out += [Piece(f"{ours}.ffn.experts.w13.weight", (e, 0, 0), f"{x}.{gate}.weight", (F, D), expert=True),
+                Piece(f"{ours}.ffn.experts.w13.weight", (e, F, 0), f"{x}.{up}.weight", (F, D), expert=True),
+                Piece(f"{ours}.ffn.experts.w2.weight", (e, 0, 0), f"{x}.{down}.weight", (D, F), expert=True)]
     if m.n_shared_experts:
-        out += _swiglu(f"{ours}.ffn.shared", f"{theirs}.mlp.shared_experts", F * m.n_shared_experts, D)
+        if m.shared_expert_gate:  # Qwen2-MoE: one shared expert, scaled by sigmoid(x . gate)
+            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_expert", m.shared_hidden, D)
+            out.append(Piece(f"{ours}.ffn.shared_gate.weight", (0, 0), f"{moe}.shared_expert_gate.weight", (1, D)))
+        else:
+            out += _swiglu(f"{ours}.ffn.shared", f"{moe}.shared_experts", m.shared_hidden, D)
     return out
 
 

@@ -36,6 +36,8 @@ from moe_lc.convert.out_dir import check_out, is_hf_model_dir, staged
 from moe_lc.data.tokenizer import load_tokenizer
 from moe_lc.model.transformer import state_shapes
 
+BIASED_ROUTERS = ("deepseek_v3", "glm4_moe")  # families whose router has e_score_correction_bias (our expert_bias)
+
 
 def _read_group(path: Path, names: list[str], shapes: dict, dtypes: dict) -> dict[str, torch.Tensor]:
     """Full tensors of `names` from the checkpoint (DCP reads the boxes that overlap each)."""
@@ -119,6 +121,17 @@ def _tables(cfg: Config, family: str):
     return by_key, by_ours, groups
 
 
+def _refuse_trained_bias(path: Path, group: str, shapes: dict, dtypes: dict, family: str) -> None:
+    """`family`'s router has no bias, so the checkpoint's expert_bias of this layer (our aux-loss-free
+    balancing state; the table has no place for it) must be zero, or the export would route differently."""
+    names = [n for n in dtypes if n.endswith("expert_bias") and layer_of(n) == group]
+    bias = _read_group(path, names, shapes, dtypes) if names else {}
+    moved = [n for n in names if bias[n].any()]
+    if moved:
+        raise ConvertError(f"{moved[0]} is non-zero: {family} routing has no bias "
+                           f"(train with model.moe.bias_update_speed = 0 to export as {family})")
+
+
 def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dtypes: dict, log, start) -> None:
     """Every HF tensor, one layer of ours read at a time (see the module docstring)."""
     shapes = state_shapes(cfg.model)
@@ -127,11 +140,8 @@ def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dt
     for i, (group, names) in enumerate(groups.items()):
         present = [n for n in names if n in dtypes]
         ours = _read_group(path, present, shapes, dtypes)
-        if family == "deepseek_v2":
-            bias = [n for n in present if n.endswith("expert_bias") and ours[n].any()]
-            if bias:
-                raise ConvertError(f"{bias[0]} is non-zero: DeepSeek-V2 routing has no bias "
-                                   "(train with model.moe.bias_update_speed = 0 to export as deepseek_v2)")
+        if family not in BIASED_ROUTERS:
+            _refuse_trained_bias(path, group, shapes, dtypes, family)
         for key in dict.fromkeys(p.theirs for n in present for p in by_ours[n]):
             writer.add(key, _hf_tensor(by_key[key], ours, rope_dim))
         if group.startswith("mtp."):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
@@ -170,7 +180,7 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, recipe: str | Path | None 
         _write_weights(writer, path, cfg, family, dtypes, log, start)
         shards = writer.finish()
         rope = cfg.model.rope
-        seq = rope.original_seq_len * rope.factor if rope.scaling == "yarn" else 0
+        seq = rope.original_seq_len * rope.factor if rope.scaling in ("yarn", "llama3") else 0
         dtype = str(dtypes["embed.weight"]).removeprefix("torch.")
         hf = {**to_hf_config(cfg.model, family, max(cfg.train.seq_len, int(seq)), dtype), **ids}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
