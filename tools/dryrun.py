@@ -96,6 +96,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     cfg = _position_priority(cfg)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK="0")
     dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=rank, world_size=world)
     tracer = StepTracer()
@@ -120,6 +121,12 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
                 "problems": sorted(set(tracer.problems))}
     finally:
         dist.destroy_process_group()
+        # the process goes on as it was (a later run in it reads its world size from these)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _label_states(trainer, tracer: StepTracer) -> dict:
