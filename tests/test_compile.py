@@ -90,6 +90,20 @@ def test_mla_mtp_and_balance_loss_compiled_train_like_eager():
     assert_compiled_cleanly(got.compile_per_rank)
 
 
+BALANCE_LOSSES = ["model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001",
+                  "model.moe.global_aux_loss_weight=0.01"]
+
+
+def test_balance_losses_compiled_under_cp_train_like_one_eager_process():
+    """The balance losses' sums over the mesh (expert counts all-reduced over the ranks holding other
+    chunks of the sequences, or other micro-batches) run between the compiled regions: cp2 compiled
+    equals one eager process, with no graph break."""
+    got = run_layout(RECIPE, SHORT + BALANCE_LOSSES + ["parallel.cp=2", "train.compile=true"], world=2)
+    report = compare(reference(RECIPE, SHORT + BALANCE_LOSSES), got)
+    assert report.max_loss_rel <= 1e-5 and report.max_param_rel <= 1e-5, report
+    assert_compiled_cleanly(got.compile_per_rank)
+
+
 LONG_LAYOUTS = {"one process": ([], 1), **LAYOUTS}
 
 

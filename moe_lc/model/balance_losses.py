@@ -53,26 +53,31 @@ def _counts(idx: torch.Tensor, n_experts: int, rows: int) -> torch.Tensor:
     return torch.zeros(rows, n_experts, device=idx.device).scatter_add_(1, flat, torch.ones(flat.shape, device=idx.device))
 
 
-@region
 def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts: int,
                       shards: TokenShards | None = None) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, mean over sequences: sum_e f_e * P_e where
     f_e = E/(K*S) * (tokens of the sequence routed to e), P_e = mean over tokens of normalized affinity.
     With `shards` splitting the sequences over n > 1 ranks: this rank's share (module docstring); the
-    per-sequence counts are summed over the sequences' ranks, S is the whole sequence's length."""
+    per-sequence counts are summed over the sequences' ranks, S is the whole sequence's length. The sum
+    runs eagerly, between the compiled regions (a collective cannot sit inside one)."""
     B, S, K = idx_BSK.shape
-    if shards is None or shards.n == 1:
-        p_BE = _normalized(scores_BSE).mean(1)
-        f_BE = _counts(idx_BSK, n_experts, B) * n_experts / (K * S)
-        return (f_BE * p_BE).sum(-1).mean()
-    S_whole = S * shards.n
-    counts_BE = shards.sum_over_sequences(_counts(idx_BSK, n_experts, B))
-    f_BE = counts_BE * n_experts / (K * S_whole)
-    p_share_BE = _normalized(scores_BSE).sum(1) / S_whole
-    return (f_BE * p_share_BE).sum(-1).mean()
+    n = 1 if shards is None else shards.n
+    counts_BE = _counts(idx_BSK, n_experts, B)
+    if n > 1:
+        counts_BE = shards.sum_over_sequences(counts_BE)
+    return _sequence_balance(scores_BSE, counts_BE, K, S * n, n == 1)
 
 
 @region
+def _sequence_balance(scores_BSE: torch.Tensor, counts_BE: torch.Tensor, K: int, S_whole: int,
+                      whole: bool) -> torch.Tensor:
+    """The sequence-wise loss (or this rank's share of it) from the sequences' expert counts (B, E)."""
+    f_BE = counts_BE * counts_BE.shape[-1] / (K * S_whole)
+    scores_BSE = _normalized(scores_BSE)
+    p_BE = scores_BSE.mean(1) if whole else scores_BSE.sum(1) / S_whole
+    return (f_BE * p_BE).sum(-1).mean()
+
+
 def global_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor, shards: TokenShards) -> torch.Tensor:
     """This rank's share of E * sum_e f_e * P_e over the tokens of every data-parallel rank's micro-batch:
     f_e from the copies per expert summed over `shards.sum_over_batch` (no gradient), P_e this rank's
@@ -80,18 +85,26 @@ def global_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor, shards: Token
     T, K = idx_TK.shape
     E = scores_TE.shape[-1]
     stats = torch.cat([_counts(idx_TK, E, 1)[0], torch.full((1,), float(T), device=idx_TK.device)])
-    stats = shards.sum_over_batch(stats)
-    f_E = stats[:E] / (K * stats[E])
-    p_share_E = _normalized(scores_TE).sum(0) / (T * shards.n)
-    return E * (f_E * p_share_E).sum()
+    return _global_balance(scores_TE, shards.sum_over_batch(stats), K, T * shards.n)
 
 
 @region
+def _global_balance(scores_TE: torch.Tensor, stats_E1: torch.Tensor, K: int, tokens: int) -> torch.Tensor:
+    """E * sum_e f_e P_e from the summed copies per expert and token count (E + 1,)."""
+    E = scores_TE.shape[-1]
+    f_E = stats_E1[:E] / (K * stats_E1[E])
+    return E * (f_E * (_normalized(scores_TE).sum(0) / tokens)).sum()
+
+
 def z_loss(logits_TE: torch.Tensor, shards: TokenShards) -> torch.Tensor:
     """This rank's share of the mean over one data-parallel rank's micro-batch (T * n tokens) of
     logsumexp(logits)^2: the sum over its tokens over T * n."""
-    T = logits_TE.shape[0]
-    return logits_TE.float().logsumexp(-1).square().sum() / (T * shards.n)
+    return _z_loss(logits_TE, logits_TE.shape[0] * shards.n)
+
+
+@region
+def _z_loss(logits_TE: torch.Tensor, tokens: int) -> torch.Tensor:
+    return logits_TE.float().logsumexp(-1).square().sum() / tokens
 
 
 LOSS_NAMES = ("aux_loss", "z_loss", "global_aux_loss")  # metric names moe/<name>/layer{L}, in this order
