@@ -322,6 +322,10 @@ def test_plan_matches_measurement(name, world, overrides):
 OTHER_DIMS = [
     ("tp2", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.0),
     ("cp2", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4"], 0.0),
+    # the ring runs again in each replay of the attention core
+    ("cp2-recompute-full", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4", "recompute.policy=full"], None),
+    ("cp2-recompute-attention", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4",
+                                    "recompute.policy=selective", 'recompute.selective=["attention"]'], None),
     ("ep2", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2"], 0.10),
     ("ep2-weighted-swiglu", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2",
                                 "model.moe.weighted_swiglu=true"], 0.10),

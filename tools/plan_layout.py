@@ -187,8 +187,9 @@ def _whole_row_qk_norm(cfg: Config, dims: ParallelDims, stages: list[dict], mb: 
 
 
 def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> list[Traffic]:
-    """CP hook (context.py's docstring): per attention call, forward (cp-1)(|K|+|V|)c,
-    backward (cp-1)(|K|+|V|)c + cp(|K|+|V|)*4 (fp32 accumulators), sent to the next cp rank. What
+    """CP hook (context.py's docstring): per attention call, forward (cp-1)(|K|+|V|)c (again for each
+    replay under recomputation), backward (cp-1)(|K|+|V|)c + cp(|K|+|V|)*4 (fp32 accumulators), sent to
+    the next cp rank. What
     travels: GQA's K and V (this rank's kv heads under TP); MLA's latent and shared RoPE key
     (parallel.mla_ring = latent, latent_ring.py: whole on every TP rank), or its expanded per-head K, V."""
     if dims.cp == 1:
@@ -202,7 +203,10 @@ def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
         kv_heads = m.n_kv_heads // min(m.n_kv_heads, dims.tp) if dims.tp > 1 else m.n_kv_heads
         per_token, what = 2 * kv_heads * m.head_size, "ring attention K/V (+dK/dV)"
     kv = _tokens(cfg, dims) * per_token
-    per_call = (dims.cp - 1) * kv * c * 2 + dims.cp * kv * 4
+    # every replay of the forward's core (recompute "full", selective "attention") runs the ring again
+    r = cfg.recompute
+    replays = int(r.policy == "full") + int(r.policy == "selective" and "attention" in r.selective)
+    per_call = (dims.cp - 1) * kv * c * (2 + replays) + dims.cp * kv * 4
     n_layers = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
     return [Traffic("cp", "send", cfg.train.microbatches(dims.dp) * n_layers * per_call, what)]
 
