@@ -203,9 +203,11 @@ def cp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
         kv_heads = m.n_kv_heads // min(m.n_kv_heads, dims.tp) if dims.tp > 1 else m.n_kv_heads
         per_token, what = 2 * kv_heads * m.head_size, "ring attention K/V (+dK/dV)"
     kv = _tokens(cfg, dims) * per_token
-    # every replay of the forward's core (recompute "full", selective "attention") runs the ring again
+    # every replay of the forward's core runs the ring again: recompute "full", and selective "attention"
+    # unless MLA's "mla_up" takes that path (it rebuilds q, k, v from the latents, not the core)
     r = cfg.recompute
-    replays = int(r.policy == "full") + int(r.policy == "selective" and "attention" in r.selective)
+    core = r.policy == "selective" and "attention" in r.selective and not (m.attention == "mla" and "mla_up" in r.selective)
+    replays = int(r.policy == "full") + int(core)
     per_call = (dims.cp - 1) * kv * c * (2 + replays) + dims.cp * kv * 4
     n_layers = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
     return [Traffic("cp", "send", cfg.train.microbatches(dims.dp) * n_layers * per_call, what)]
