@@ -341,7 +341,7 @@ def test_probability_priority_drops_alike_under_dp2_ep2_for_a_step():
 
 @pytest.mark.parametrize("precision, recompute", [
     ("bf16", ["recompute.policy=selective", 'recompute.selective=["router"]']),
-    ("fp32", ["recompute.policy=full"])], ids=["bf16-router-replayed", "fp32-full"])
+    pytest.param("fp32", ["recompute.policy=full"], marks=pytest.mark.slow)], ids=["bf16-router-replayed", "fp32-full"])
 def test_losses_and_dropping_train_alike_under_recomputation(precision, recompute):
     """The z-loss reads the router's fp32 logits, whose input the "router" item rebuilds in backward (bf16:
     in fp32 there is nothing to rebuild); full recomputation replays the whole layer (its drops and, under a

@@ -65,7 +65,9 @@ def test_one_process_trains_like_eager_and_reports_its_compile(tmp_path, capsys)
     assert all(m["compile/graph_breaks"] == 0 for m in logged if "compile/graph_breaks" in m)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+# the default suite keeps cp2; tp2 x ep2 and pp2 DualPipe run here with -m slow (and in the 20-step test)
+@pytest.mark.parametrize("layout", [pytest.param(v, id=k, marks=() if k == "cp2" else pytest.mark.slow)
+                                    for k, v in LAYOUTS.items()])
 def test_layout_compiled_trains_like_one_eager_process(layout):
     """Compiled regions under tp2 x ep2, cp2 and pp2 DualPipe against one eager process: losses and
     parameters within 1e-5; on every rank no graph break and no recompile after the first step."""

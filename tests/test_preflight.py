@@ -47,7 +47,8 @@ POLICIES = {"none": ("none", ()), "selective": ("selective", ("norm", "swiglu"))
             "attention": ("selective", ("attention",)), "every-item": ("selective", EVERY_ITEM), "full": ("full", ())}
 
 
-@pytest.mark.parametrize("model", ["moe", "dense", "weighted", "no-shared", "mla", "mla-q-lora"])
+@pytest.mark.parametrize("model", ["moe", "dense", "mla", *(pytest.param(m, marks=pytest.mark.slow)
+                                                           for m in ("weighted", "no-shared", "mla-q-lora"))])
 def test_the_block_floor_is_under_the_planners_estimate(model):
     m = _models()[model]
     for (prec, (c, fp8_linear, cache)), (name, (policy, items)), tp, cp in itertools.product(

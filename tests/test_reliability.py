@@ -58,7 +58,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, nproc, layout):
 
 
 @pytest.mark.parametrize("target, world", [(["parallel.dp=2", "parallel.tp=2"], 4),
-                                           (["parallel.dp=4", "parallel.ep=4"], 4)])
+                                           pytest.param(["parallel.dp=4", "parallel.ep=4"], 4, marks=pytest.mark.slow)])
 def test_checkpoint_reshards_to_another_layout(tmp_path, target, world):
     """Saved at pp=2 x dp=2 (ZeRO over 2), resumed at dp=2 x tp=2 or at dp=4 x ep=4: the next steps
     match the run that continued in the original layout (model, optimizer shards, data position)."""

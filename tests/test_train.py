@@ -106,8 +106,19 @@ def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path):
     assert f"checkpoint.resume = true, but {tmp_path}/typo does not exist: starting from step 0" in out.stdout
 
 
+def test_debug_recipe_learns(tmp_path):
+    """The README's main job, its schedule squeezed into 40 steps: the loss halves from first to last step."""
+    out = cli(str(RECIPE), "--set", "train.steps=40", "--set", f"train.output_dir={tmp_path}/debug")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = read_metrics(tmp_path / "debug" / "metrics.jsonl")
+    assert len(rows) == 40
+    assert rows[-1]["loss"] <= 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+
+
+@pytest.mark.slow
 def test_debug_recipe_learns_within_budget(tmp_path):
-    """The README's main job: 200 steps on CPU, loss falls by >= 30% from first to last step."""
+    """The README's main job as written: 200 steps on CPU in under 3 minutes, loss falls by >= 30% from
+    first to last step (CI runs the same command from the README, without these checks)."""
     import time
 
     start = time.perf_counter()
