@@ -245,8 +245,9 @@ DENSE, MOE = RECIPES / "dense_cpu.toml", RECIPES / "debug_cpu.toml"
 @pytest.mark.parametrize("recipe, model, layout, world", [
     (DENSE, [], ["parallel.tp=2"], 2),
     (MOE, [], ["parallel.tp=2"], 2),
-    # ZeRO-1 over dp with the single kv head replicated on both tp ranks (hook + grad-norm weight)
-    (MOE, ["model.n_kv_heads=1"], ["parallel.tp=2", "parallel.dp=2"], 4),
+    # ZeRO-1 over dp with the single kv head replicated on both tp ranks (hook + grad-norm weight), with
+    # Qwen2's q|k|v biases, whose k|v rows are replicated too
+    (MOE, ["model.n_kv_heads=1", "model.qkv_bias=true"], ["parallel.tp=2", "parallel.dp=2"], 4),
     pytest.param(DENSE, [], ["parallel.tp=4"], 4, marks=pytest.mark.slow),
     pytest.param(MOE, [], ["parallel.tp=4"], 4, marks=pytest.mark.slow),  # 2 kv heads on 4 ranks
     pytest.param(MOE, [], ["parallel.tp=2", "parallel.dp=2"], 4, marks=pytest.mark.slow),

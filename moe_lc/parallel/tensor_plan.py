@@ -69,10 +69,11 @@ def _attention(attn: Attention, tp: _TP) -> list:
     tp.linear(attn.wqkv, Shard("tp", 0, ((H * Dh, N), (K * Dh, kv_pieces), (K * Dh, kv_pieces))), tp.column)
     tp.linear(attn.wo, Shard("tp", 1), tp.row)
     tp.plan.set(attn, n_heads=H // N, n_kv_heads=K // kv_pieces)
-    if K < N:
-        hook, weight = replicated_rows_grad(attn.wqkv.weight, H // N * Dh, kv_share_group(tp.dims, K))
-        place = tp.placements.of(attn.wqkv.weight)
-        place.grad_hooks, place.norm_weight = (*place.grad_hooks, hook), weight
+    if K < N:  # the k|v rows of the weight and of the bias (Qwen2's) are replicated: sum their gradients
+        for param in (p for p in (attn.wqkv.weight, attn.wqkv.bias) if p is not None):
+            hook, weight = replicated_rows_grad(param, H // N * Dh, kv_share_group(tp.dims, K))
+            place = tp.placements.of(param)
+            place.grad_hooks, place.norm_weight = (*place.grad_hooks, hook), weight
     if isinstance(attn.q_norm, WideRMSNorm):  # "full": a slice of the row per rank, like the q / k rows
         tp.shard(attn.q_norm.weight, Shard("tp", 0))
         tp.shard(attn.k_norm.weight, Shard("tp", 0, ((K * Dh, kv_pieces),)))
