@@ -333,6 +333,9 @@ OTHER_DIMS = [
     ("ep2-weighted-swiglu", 2, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2",
                                 "model.moe.weighted_swiglu=true"], 0.10),
     ("pp2", 2, ["parallel.pp=2", "parallel.dp=1", "train.micro_batch=2"], None),
+    # one kv head on two tp ranks: its rows' gradients (weight, Qwen2's bias) all-reduced over tp_kv
+    ("tp2-kv1-bias", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", "model.n_kv_heads=1",
+                         "model.qkv_bias=true"], None),
     # the features of issue #35 that add parameters and a tp collective (qk_norm "full")
     ("tp2-qk-norm-shared-gate", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", "model.qk_norm=full",
                                     "model.attn_out_bias=true", "model.moe.shared_expert_gate=true",

@@ -169,7 +169,22 @@ def tp_traffic(cfg: Config, dims: ParallelDims, stages: list[dict], c: int) -> l
                            "vocab-parallel loss (max; sum-exp, target)" + (" of the main and MTP heads" if depth else "")))
     if cfg.model.attention == "gqa" and cfg.model.qk_norm == "full":
         out.append(_whole_row_qk_norm(cfg, dims, stages, mb))
+    if cfg.model.attention == "gqa" and cfg.model.n_kv_heads < dims.tp:
+        out.append(_replicated_kv_rows(cfg, dims, stages, mb, c))
     return out
+
+
+def _replicated_kv_rows(cfg: Config, dims: ParallelDims, stages: list[dict], mb: int, c: int) -> Traffic:
+    """Fewer kv heads than tp ranks (tensor.py's replicated_rows_grad): per block and micro-batch, the
+    backward all-reduces the gradients of this rank's one kv head over the tp / K ranks sharing it: its
+    k|v rows of wqkv (2 Dh x D) and of the q|k|v bias (2 Dh), and its slice of a whole-row k_norm (Dh),
+    in the parameters' dtype."""
+    m = cfg.model
+    Dh = m.head_size
+    numel = 2 * Dh * m.dim + 2 * Dh * int(m.qkv_bias) + Dh * int(m.qk_norm == "full")
+    n_blocks = _per_microbatch(sum(_blocks(cfg, st) for st in stages), dims)
+    return Traffic("tp_kv", "all_reduce", mb * n_blocks * ring_bytes("all_reduce", c * numel, dims.tp // m.n_kv_heads),
+                   "gradients of the kv head shared by tp ranks")
 
 
 def _whole_row_qk_norm(cfg: Config, dims: ParallelDims, stages: list[dict], mb: int) -> Traffic:
