@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -167,3 +169,17 @@ def run_workers(fn, world: int, *args, ranks_per_node: int | None = None, timeou
                     p.kill()
                 raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout_s:.0f} s")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def eval_alone_and_on_cp2(run: Path, args: list[str], out: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`python -m eval RUN ARGS` in one process and under torchrun with 2 ranks (context parallel), into
+    out/one and out/cp; both must succeed. Returns (the cp run's process, one's results.json "tasks", cp's)."""
+    base = ["-m", "eval", str(run), *args, "--out"]
+    one = subprocess.run([sys.executable, *base, str(out / "one")], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    cp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         *base, str(out / "cp")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    a, b = (json.loads((out / d / "results.json").read_text())["tasks"] for d in ("one", "cp"))
+    return cp, a, b

@@ -18,7 +18,7 @@ from eval.run import evaluate, parse_args
 from moe_lc.config import load_config
 from moe_lc.data import ByteTokenizer
 from moe_lc.train import run
-from tests.harness import RECIPES, ROOT
+from tests.harness import RECIPES, ROOT, eval_alone_and_on_cp2
 
 RECIPE = RECIPES / "debug_cpu.toml"
 
@@ -161,15 +161,8 @@ def test_context_parallel_eval_under_torchrun_matches_one_process(tiny_run, tmp_
     every score and perplexity equals the single-process eval's."""
     args = ["--tasks", "passkey,perplexity", "--lengths", "128,200", "--depths", "0,1", "--samples", "2",
             "--ppl-tokens", "600", "--threads", "1"]
-    one = subprocess.run([sys.executable, "-m", "eval", str(tiny_run), *args, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert one.returncode == 0, one.stderr[-3000:]
-    cp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         "-m", "eval", str(tiny_run), *args, "--out", str(tmp_path / "cp")],
-                        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert cp.returncode == 0, cp.stderr[-3000:]
+    cp, a, b = eval_alone_and_on_cp2(tiny_run, args, tmp_path)
     assert "context parallel over 2 ranks" in cp.stdout
-    a, b = (json.loads((tmp_path / d / "results.json").read_text())["tasks"] for d in ("one", "cp"))
     for length in ("128", "200"):
         for key in ("logprob", "token_acc", "exact"):
             assert b["passkey"]["by_length"][length][key] == pytest.approx(a["passkey"]["by_length"][length][key],

@@ -4,8 +4,6 @@ teacher-forced exact match and greedy generation agree on a deterministic answer
 (summary table, skipped QA, one-line mistakes) and context parallelism (the same predictions)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from moe_lc.data import ByteTokenizer, load_tokenizer
 from moe_lc.data.token_file import write_token_file
 from moe_lc.model import decode
 from moe_lc.model.transformer import build_model
-from tests.harness import RECIPES, ROOT
+from tests.harness import RECIPES, eval_alone_and_on_cp2
 
 PROSE = ("The river runs past the old mill. Nobody remembers who built it! Children still play on its steps. "
          "Is the wheel turning today? It turns when the rain comes. ") * 40
@@ -234,14 +232,7 @@ def test_context_parallel_ruler_eval_matches_one_process(tiny_run, tmp_path):
     predictions and scores as one process."""
     args = ["--tasks", "niah_single_1,fwe", "--lengths", "701", "--samples", "2", "--gen-tokens", "12",
             "--threads", "1"]
-    one = subprocess.run([sys.executable, "-m", "eval", str(tiny_run), *args, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert one.returncode == 0, one.stderr[-3000:]
-    cp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         "-m", "eval", str(tiny_run), *args, "--out", str(tmp_path / "cp")],
-                        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert cp.returncode == 0, cp.stderr[-3000:]
-    a, b = (json.loads((tmp_path / d / "results.json").read_text())["tasks"] for d in ("one", "cp"))
+    _, a, b = eval_alone_and_on_cp2(tiny_run, args, tmp_path)
     for name in ("niah_single_1", "fwe"):
         assert b[name]["examples"] == a[name]["examples"]
         for key, value in a[name]["by_length"]["701"].items():
