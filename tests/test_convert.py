@@ -79,29 +79,49 @@ def hf_tensor_of_grads(ours, cfg, family, tied):
     return out
 
 
-@pytest.mark.parametrize("family", list(hf_models.FAMILIES))
-def test_logits_and_gradients_match_transformers(converted, family):
-    hf, hf_dir, ours_dir = converted[family]
-    ours, cfg = our_model(ours_dir)
+def checkpoint_grads(hf, family: str, expert_ffn: int) -> dict[str, torch.Tensor]:
+    """transformers' parameter gradients under the names save_pretrained writes: its fused experts
+    (gate_up_proj (E, 2F, D), down_proj (E, D, F)) one tensor per expert, Mixtral's `mlp` as
+    `block_sparse_moe` with w1 / w3 / w2."""
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    out, F = {}, expert_ffn
+    for name, p in hf.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if family == "mixtral":
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(g.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.{gate}.weight")] = g[e, :F]
+                out[name.replace("gate_up_proj", f"{e}.{up}.weight")] = g[e, F:]
+        elif name.endswith("experts.down_proj"):
+            for e in range(g.shape[0]):
+                out[name.replace("down_proj", f"{e}.{down}.weight")] = g[e]
+        else:
+            out[name] = g
+    return out
+
+
+def forward_backward_both(ours, hf, cfg, family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """Our model and transformers' on the same random tokens (2, SEQ), each backward from the same random
+    weighting of its logits: (max |logit diff| / max |logit|, transformers' gradients by checkpoint name)."""
     tokens = torch.randint(0, hf_models.VOCAB, (2, SEQ))
     weights = torch.randn(2, SEQ, hf_models.VOCAB)
     ours.zero_grad(), hf.zero_grad()
     ours_logits, hf_logits = ours(tokens), hf(tokens).logits
-    scale = hf_logits.abs().max()
-    assert (ours_logits - hf_logits).abs().max() <= 1e-5 * scale
+    logit_diff = ((ours_logits - hf_logits).abs().max() / hf_logits.abs().max()).item()
     (ours_logits * weights).sum().backward()
     (hf_logits * weights).sum().backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    if family.startswith("deepseek"):  # transformers' fused experts: compare per expert
-        for n in [n for n in hf_grads if n.endswith("experts.gate_up_proj")]:
-            g, F = hf_grads.pop(n), cfg.model.moe.ffn_dim
-            for e in range(g.shape[0]):
-                hf_grads[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = g[e, :F]
-                hf_grads[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = g[e, F:]
-        for n in [n for n in hf_grads if n.endswith("experts.down_proj")]:
-            g = hf_grads.pop(n)
-            for e in range(g.shape[0]):
-                hf_grads[n.replace("down_proj", f"{e}.down_proj.weight")] = g[e]
+    return logit_diff, checkpoint_grads(hf, family, cfg.model.moe.ffn_dim)
+
+
+@pytest.mark.parametrize("family", list(hf_models.FAMILIES))
+def test_logits_and_gradients_match_transformers(converted, family):
+    hf, hf_dir, ours_dir = converted[family]
+    ours, cfg = our_model(ours_dir)
+    logit_diff, hf_grads = forward_backward_both(ours, hf, cfg, family)
+    assert logit_diff <= 1e-5
     tied = family == "qwen2"
     mapped = hf_tensor_of_grads(ours, cfg, family, tied)
     assert set(mapped) == set(hf_grads), set(mapped) ^ set(hf_grads)

@@ -26,7 +26,7 @@ from moe_lc.config import load_config
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from tests import hf_models
 from tests.harness import assert_equivalent, run_layout
-from tests.test_convert import ROOT, SEQ, TRAIN, hf_tensor_of_grads, our_model, quiet
+from tests.test_convert import ROOT, SEQ, TRAIN, forward_backward_both, hf_tensor_of_grads, our_model, quiet
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: `pip install -e '.[dev]'`
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -50,44 +50,13 @@ def convert(tmp_path_factory):
     return get
 
 
-def checkpoint_grads(hf, family: str, expert_ffn: int) -> dict[str, torch.Tensor]:
-    """transformers' parameter gradients under the names save_pretrained writes: its fused experts
-    (gate_up_proj (E, 2F, D), down_proj (E, D, F)) one tensor per expert, Mixtral's `mlp` as
-    `block_sparse_moe` with w1 / w3 / w2."""
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    out, F = {}, expert_ffn
-    for name, p in hf.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad
-        if family == "mixtral":
-            name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(g.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.{gate}.weight")] = g[e, :F]
-                out[name.replace("gate_up_proj", f"{e}.{up}.weight")] = g[e, F:]
-        elif name.endswith("experts.down_proj"):
-            for e in range(g.shape[0]):
-                out[name.replace("down_proj", f"{e}.{down}.weight")] = g[e]
-        else:
-            out[name] = g
-    return out
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_gradients_match_transformers(convert, family):
     hf, _, ours_dir = convert(family)
     ours, cfg = our_model(ours_dir)
-    tokens = torch.randint(0, hf_models.VOCAB, (2, SEQ))
-    weights = torch.randn(2, SEQ, hf_models.VOCAB)
-    ours.zero_grad(), hf.zero_grad()
-    ours_logits, hf_logits = ours(tokens), hf(tokens).logits
-    scale = hf_logits.abs().max()
-    print(f"\n{family}: max |logit diff| / max |logit| = {((ours_logits - hf_logits).abs().max() / scale).item():.2e}")
-    assert (ours_logits - hf_logits).abs().max() <= 1e-5 * scale
-    (ours_logits * weights).sum().backward()
-    (hf_logits * weights).sum().backward()
-    want = checkpoint_grads(hf, family, cfg.model.moe.ffn_dim)
+    logit_diff, want = forward_backward_both(ours, hf, cfg, family)
+    print(f"\n{family}: max |logit diff| / max |logit| = {logit_diff:.2e}")
+    assert logit_diff <= 1e-5
     have = hf_tensor_of_grads(ours, cfg, family, tied=False)
     assert set(have) == set(want), set(have) ^ set(want)
     worst = max(((have[n] - g).abs().max() / g.abs().max().clamp_min(1e-6)).item() for n, g in want.items())
