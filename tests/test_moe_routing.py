@@ -4,7 +4,8 @@ import torch
 
 from moe_lc.config import model_config
 from moe_lc.model.forward_stats import ForwardStats
-from moe_lc.model.moe import MoE, LocalDispatcher, Router, route, sequence_aux_loss
+from moe_lc.model.balance_losses import sequence_aux_loss
+from moe_lc.model.moe import LocalDispatcher, MoE, Router, route
 
 
 def cfg(**kw):

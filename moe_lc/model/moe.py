@@ -15,7 +15,6 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.balance_losses import TokenShards, balance_loss_shares, enabled_losses
-from moe_lc.model.balance_losses import sequence_aux_loss  # noqa: F401 (its home before balance_losses.py)
 from moe_lc.model.capacity import dropped_copies, drop_over_capacity, expert_capacity
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.forward_stats import ForwardStats
