@@ -46,10 +46,10 @@ def balance_plan(model: nn.Module, dims: ParallelDims, plan) -> None:
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         return
-    cfg = moes[0].router
+    router = moes[0].router  # every MoE layer has the same [model.moe]
     sequence = moes[0].aux_loss_weight > 0 and dims.cp * dims.tp > 1
-    batch = cfg.global_aux_loss_weight > 0 and dims.dp * dims.cp * dims.tp > 1
-    if not (sequence or batch or (cfg.z_loss_weight > 0 and dims.cp * dims.tp > 1)):
+    batch = router.global_aux_loss_weight > 0 and dims.dp * dims.cp * dims.tp > 1
+    if not (sequence or batch or (router.z_loss_weight > 0 and dims.cp * dims.tp > 1)):
         return
     seq_group = None
     if sequence:
