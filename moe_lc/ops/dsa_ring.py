@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moe_lc.ops.dsa_select import Selection, indexer_scores, merge_topk, order_keys, selection_from_keys, visible
+from moe_lc.ops.dsa_select import Selection, indexer_scores, merge_topk, selection_from_keys, tile_topk, visible
 
 KEY_TILE = 4096  # key columns scored at once by the selection pass (it merges top-k per tile)
 QUERY_TILE = 4096
@@ -59,8 +59,12 @@ class RingLayout:
     def one_device(cls, seq_len: int, docs=None) -> "RingLayout":
         return cls(((0,),), seq_len, 0, docs)
 
+    def __post_init__(self):
+        for ids in self.chunks:  # positions ascend along every rank's rows: ties break by a cumsum over them
+            assert list(ids) == sorted(ids), self.chunks
+
     def positions(self, rank: int, device=None) -> Tensor:
-        """(T,) int64: the global positions of rank `rank`'s rows."""
+        """(T,) int64: the global positions of rank `rank`'s rows (ascending)."""
         return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk, device=device) for c in self.chunks[rank]])
 
     def doc_ids(self, positions: Tensor) -> Tensor | None:
@@ -138,7 +142,8 @@ def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: flo
                     continue
                 seen = visible(q_pos[qt], k_pos[kt], None if q_doc is None else q_doc[:, qt],
                                None if k_doc is None else k_doc[:, kt])
-                keys = order_keys(indexer_scores(q[:, qt], w[:, qt], blocks[0][:, kt], scale), k_pos[kt], seen)
+                keys = tile_topk(indexer_scores(q[:, qt], w[:, qt], blocks[0][:, kt], scale), k_pos[kt], seen, topk,
+                                 best[i])
                 best[i] = merge_topk(best[i], keys, topk)
 
     ring_visit(ring, [k], visit)

@@ -55,12 +55,56 @@ def indexer_scores(q: Tensor, w: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 def order_keys(scores: Tensor, k_pos: Tensor, seen: Tensor) -> Tensor:
-    """scores (B, Q, K) fp32, k_pos (K,) int64, seen (B or 1, Q, K) -> int64 keys (B, Q, K): the exact
-    top-k order (module docstring); HIDDEN where not seen."""
+    """scores (B, Q, K) fp32, k_pos (K,) or (B, Q, K) int64, seen (B or 1, Q, K) -> int64 keys (B, Q, K): the
+    exact top-k order (module docstring); HIDDEN where not seen."""
     bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 and 0.0 tie, as floats do
     ordered = torch.where(bits >= 0, bits, -1 - (bits & 0x7FFFFFFF))  # negative floats: larger magnitude lower
     keys = (ordered << 32) | (_LOW - k_pos.to(torch.int64))
     return torch.where(seen, keys, torch.full_like(keys, HIDDEN))
+
+
+def tile_topk(scores: Tensor, k_pos: Tensor, seen: Tensor, k: int, best: Tensor | None = None) -> Tensor:
+    """Keys (B, Q, m) of one tile's candidates for the running top-k `best` (B, Q, k) (None: none yet):
+    scores (B, Q, K) fp32, k_pos (K,) ascending, seen (B or 1, Q, K); `merge_topk(best, candidates, k)` is
+    then the exact top-k of both. With a full `best`, only scores >= its k-th score can enter (ties too: an
+    earlier position may win), usually few: they are packed with nonzero. Otherwise the tile's own exact
+    top-k: a float topk finds each row's k-th score v; scores above v win, and of those equal to v the
+    earliest positions fill the rest (a cumsum over the tie mask ranks them). Hidden columns score -inf."""
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if best is not None:
+        floor = key_scores(best[..., -1:])
+        cand = scores >= floor
+        counts = cand.count_nonzero(-1)
+        m = int(counts.max()) if counts.numel() else 0
+        if torch.isfinite(floor).all() and m <= k:
+            return _packed(scores, k_pos, cand, counts, m)
+    kk = min(k, scores.shape[-1])
+    v = scores.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tie = scores > v, scores == v
+    need = kk - above.count_nonzero(-1)
+    chosen = above | tie
+    crowded = tie.count_nonzero(-1) > need  # rows with more ties at v than places left: rank them
+    if crowded.any():
+        rows = crowded.nonzero(as_tuple=True)
+        t = tie[rows]
+        chosen[rows] = above[rows] | (t & (t.cumsum(-1) <= need[rows][:, None]))
+    return _packed(scores, k_pos, chosen, chosen.count_nonzero(-1), kk)
+
+
+def _packed(scores: Tensor, k_pos: Tensor, chosen: Tensor, counts: Tensor, m: int) -> Tensor:
+    """Keys (B, Q, m) of the `chosen` (B, Q, K) entries of each row (counts (B, Q) of them, at most m),
+    padded with HIDDEN."""
+    B, Q, _ = scores.shape
+    out = torch.full((B, Q, max(m, 1)), HIDDEN, dtype=torch.int64, device=scores.device)
+    b, q, col = chosen.nonzero(as_tuple=True)  # row-major: each row's entries together, in column order
+    if col.numel():
+        row = b * Q + q
+        first = torch.cumsum(counts.flatten(), 0) - counts.flatten()
+        slot = torch.arange(col.numel(), device=col.device) - first[row]
+        keys = order_keys(scores[b, q, col], k_pos[col], torch.ones_like(col, dtype=torch.bool))
+        keys = torch.where(torch.isneginf(scores[b, q, col]), torch.full_like(keys, HIDDEN), keys)
+        out.view(B * Q, -1)[row, slot] = keys
+    return out
 
 
 def merge_topk(best: Tensor | None, keys: Tensor, k: int) -> Tensor:
