@@ -38,6 +38,18 @@ def test_rules_are_the_recipe_choices_and_documented():
         load_config(RECIPE, ["train.optimizer=sgd", "train.sgd_momentum=1.0"])
 
 
+def test_rules_sit_below_zero_and_import_no_layout():
+    """A rule is math on tensors: moe_lc.optim imports nothing of the package but itself (ZeRO, in
+    moe_lc.parallel, imports the rules, never the other way)."""
+    from tests.test_package_layout import import_graph
+
+    graph = import_graph()
+    rules = {m: deps for m, deps in graph.items() if m.startswith("moe_lc.optim")}
+    assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd"}
+    assert all(d.startswith("moe_lc.optim") for deps in rules.values() for d in deps), rules
+    assert "moe_lc.optim.rule" in graph["moe_lc.parallel.zero"]
+
+
 # -- the math, on one process -----------------------------------------------------------------------
 def _one_rank(name: str) -> Group:
     return Group(name, [0], 0)
