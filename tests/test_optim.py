@@ -36,6 +36,11 @@ def test_rules_are_the_recipe_choices_and_documented():
         load_config(RECIPE, ["train.optimizer=lion"])
     with pytest.raises(ConfigError, match=r"train.sgd_momentum=1.0 must lie in \[0, 1\)"):
         load_config(RECIPE, ["train.optimizer=sgd", "train.sgd_momentum=1.0"])
+    warned: list[str] = []
+    load_config(RECIPE, ["train.optimizer=sgd", "precision.adam_moments=bf16"], warnings=warned)
+    load_config(RECIPE, ["train.sgd_momentum=0.5"], warnings=warned)
+    assert warned == ["precision.adam_moments='bf16' sets AdamW's moments; train.optimizer='sgd' keeps its state "
+                      "in fp32", "train.sgd_momentum=0.5 is set, but train.optimizer='adamw' does not read it"]
 
 
 def test_rules_sit_below_zero_and_import_no_layout():

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig
+from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -230,7 +230,7 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
     if "precision.adam_moments" in given and cfg.precision.adam_moments != "fp32" and t.optimizer != "adamw":
         w.append(f"precision.adam_moments={cfg.precision.adam_moments!r} sets AdamW's moments; train.optimizer="
                  f"{t.optimizer!r} keeps its state in fp32")
-    if "train.sgd_momentum" in given and t.optimizer != "sgd":
+    if "train.sgd_momentum" in given and t.sgd_momentum != TrainConfig().sgd_momentum and t.optimizer != "sgd":
         w.append(f"train.sgd_momentum={t.sgd_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "

@@ -129,8 +129,8 @@ class TrainConfig:
     warmup_steps: int = f(20, "linear warmup steps")
     lr_schedule: LrSchedule = f("cosine", "cosine, warmup-stable-decay, or constant after warmup")
     wsd_decay_fraction: float = f(0.2, "wsd: fraction of steps spent in the final decay")
-    optimizer: Optimizer = f("adamw", "update rule on ZeRO-1's fp32 master shards (moe_lc/optim/): adamw, or sgd "
-                                      "with sgd_momentum")
+    optimizer: Optimizer = f("adamw", "update rule on ZeRO-1's fp32 master shards (moe_lc/optim/); sgd reads "
+                                      "sgd_momentum")
     weight_decay: float = f(0.1, "decoupled weight decay of either rule (not applied to norms, biases, embeddings)")
     beta1: float = f(0.9, "adamw: beta1, the first moment's decay")
     beta2: float = f(0.95, "adamw: beta2, the second moment's decay")
