@@ -289,7 +289,8 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
     out = [f"moe_lc plan: {p.recipe} | world={d['world']} pp={d['pp']} dp={d['dp']} cp={d['cp']} tp={d['tp']} "
            f"ep={d['ep']} edp={d['edp']}" + (" (dualpipe mirrors)" if d["mirror"] else ""),
            f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
-           f"{cfg.precision.recipe}, Adam moments {cfg.precision.adam_moments} | micro-batch "
+           f"{cfg.precision.recipe}, optimizer {cfg.train.optimizer}"
+           + (f" (moments {cfg.precision.adam_moments})" if cfg.train.optimizer == "adamw" else "") + " | micro-batch "
            f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {cfg.train.microbatches(d['dp'])} per step | "
            f"recompute {p.policy}", ""]
     legend = ", ".join(f"{k} {v}" for k, v in MODES.items())
