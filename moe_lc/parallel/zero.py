@@ -77,7 +77,7 @@ def _bucket_layout(numels: list[int], bucket_elems: int, n: int,
         if is_whole:
             out.append(_pack_whole(mine, n, loads))
         else:
-            offsets = list(itertools.accumulate(mine[:-1], initial=0))
+            offsets = list(itertools.accumulate(mine[:-1], initial=0))[:count]
             out.append((-(-sum(mine) // n) * n, offsets))
     return out
 
