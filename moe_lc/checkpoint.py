@@ -354,10 +354,17 @@ class Checkpointer:
         path = path or latest_checkpoint(self.root)
         if path is None:
             return None, train_template
+        from moe_lc.parallel.checkpoint_state import rule_resume_error
+
         keys = checkpoint_keys(path)
+        saved_rule = load_checkpoint(path, {"optim": {"rule": ""}})["optim"]["rule"] if "optim.rule" in keys else None
+        error = rule_resume_error(path, keys, saved_rule, optimizer)
+        if error:
+            raise CheckpointError(error)
         train = load_checkpoint(path, {"train": dict(train_template, world=0)})["train"]
         state = self.state(parallel, optimizer, train_template)
         state.pop("train")
+        state["optim"].pop("rule")  # checked above (and absent from older checkpoints)
         if train["world"] != self.dims.world or f"rng.rank{self.dims.rank}.torch" not in keys:
             state.pop("rng")  # another layout: generator states do not map rank to rank
         fresh_ema = optimizer.ema is not None and not any(k.endswith(".ema") for k in keys)

@@ -29,13 +29,14 @@ from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
+from moe_lc.optim import build_rule
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.compile import apply_compile, running
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
-from moe_lc.parallel.zero import ZeroAdamW
+from moe_lc.parallel.zero import ZeroOptimizer
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.recipe_error_exit import exit_on_recipe_error
 from moe_lc.step_timeline import traced_step
@@ -93,11 +94,9 @@ class Trainer:
                                            self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
                                            p.compute_dtype, self.device, overlap=self.dims.overlap,
                                            store=self.parallel.wgrad_store)
-        self.optimizer = ZeroAdamW(
-            zero_param_groups(self.parallel, self.dims), self.dims["world"], beta1=t.beta1, beta2=t.beta2,
-            eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
-            moments_dtype=torch.bfloat16 if p.adam_moments == "bf16" else torch.float32,
-            no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
+        self.optimizer = ZeroOptimizer(
+            zero_param_groups(self.parallel, self.dims), self.dims["world"], build_rule(t, p), grad_clip=t.grad_clip,
+            bucket_mb=cfg.parallel.zero_bucket_mb, no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
         self.step = 0
         self.nonfinite_skipped = 0
         self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,

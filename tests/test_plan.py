@@ -26,7 +26,8 @@ from moe_lc.parallel.comm import Group
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.parallel.parallelize import prepare_batch
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero import ZeroAdamW
+from moe_lc.optim import AdamW
+from moe_lc.parallel.zero import ZeroOptimizer
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
 from tools.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
 from tools.block_trace import block_kind, forget_traces, trace_parts
@@ -76,8 +77,9 @@ def test_zero_layout_matches_the_optimizer_built_in_process(n, bucket_mb, moment
     groups = {"dp_cp": [], "edp": []}
     for name, p in model.named_parameters():
         groups["edp" if ".experts." in name else "dp_cp"].append((name, p, ParamPlacement()))
-    opt = ZeroAdamW([(g, ps, _fake_group(g, n)) for g, ps in groups.items()], _fake_group("world", n),
-                    bucket_mb=bucket_mb, moments_dtype=torch.bfloat16 if moments == "bf16" else torch.float32)
+    rule = AdamW(moments_dtype=torch.bfloat16 if moments == "bf16" else torch.float32)
+    opt = ZeroOptimizer([(g, ps, _fake_group(g, n)) for g, ps in groups.items()], _fake_group("world", n), rule,
+                        bucket_mb=bucket_mb)
     rank = plan(cfg, n).ranks[0]
     assert {s.name: [b.size for b in s.buckets] for s in opt.shards} == rank.buckets
     assert opt.state_bytes() == rank.optimizer_state_bytes()

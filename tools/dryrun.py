@@ -135,7 +135,7 @@ def _label_states(trainer, tracer: StepTracer) -> dict:
     out = dict.fromkeys(EXACT, 0)
     for s in trainer.optimizer.shards:
         for category, tensors in (("params", [s.param_buffer]), ("grads", [s.grad_buffer, s.grad_shard]),
-                                  ("optimizer", [s.master, s.exp_avg, s.exp_avg_sq])):
+                                  ("optimizer", [s.master, *s.state.values()])):  # the rule's declared state
             for t in tensors:
                 mem.label(t, category)
                 out[category] += t.untyped_storage().nbytes()

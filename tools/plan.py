@@ -35,6 +35,8 @@ from .block_trace import trace_parts
 from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
+from moe_lc.optim import build_rule
+from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
@@ -113,9 +115,23 @@ def compute_bytes(cfg: Config) -> int:
     return 4 if cfg.precision.recipe == "fp32" else 2
 
 
+def _optimizer_row(rule) -> tuple[int, str, str]:
+    """(bytes per element, dtype, note) of the optimizer row: ZeRO's fp32 master and the state the update
+    rule declares."""
+    specs = rule.states()
+    counts: dict[str, int] = {}
+    for spec in specs:
+        counts[spec.dtype_name] = counts.get(spec.dtype_name, 0) + 1
+    dtype = "fp32 master" + "".join(f" + {k} {name}" for name, k in counts.items())
+    note = f"{rule.name}: " + (", ".join(spec.name for spec in specs) if specs else "no state beside the master")
+    return 4 + sum(spec.bytes_per_element for spec in specs), dtype, note
+
+
 def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], dict[str, list[int]]]:
-    """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out."""
-    c, moments, dims = compute_bytes(cfg), cfg.precision.adam_moments, layout.dims
+    """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out; the
+    optimizer's bytes are the master's and what the update rule declares (moe_lc/optim)."""
+    c, dims = compute_bytes(cfg), layout.dims
+    opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision))
     pdtype = "fp32" if c == 4 else "bf16"
     rows, buckets = [], layout.zero_buckets(cfg)
     for group, params in sorted(layout.local_params().items()):
@@ -137,8 +153,8 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
                                 "full-size main-grad buffer, reduce-scattered per bucket"),
                 StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
                                 "this rank's reduced 1/N of the main grads (the reduce-scatter's output)"),
-                 StatePlacement("optimizer", part, numel, 4 + 2 * (4 if moments == "fp32" else 2),
-                                f"fp32 master + 2 {moments} moments", {**model_dims, group: (n, "S")})]
+                 StatePlacement("optimizer", part, numel, opt_bytes, opt_dtype, {**model_dims, group: (n, "S")},
+                                opt_note)]
     return rows, buckets
 
 
@@ -182,8 +198,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          end of each last-stage forward and the output gradients a split backward
                          leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
       optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
-                         (16 B/element), or AdamW's fp32 temporaries (sqrt and denominator, the
-                         no-decay copy of the master, and fp32 copies of bf16 moments)
+                         (16 B/element, zero.py), or the update rule's temporaries as it declares them
+                         (AdamW: sqrt and denominator, the no-decay copy of the master, and fp32 copies
+                         of bf16 moments)
     """
     t, m, c = cfg.train, cfg.model, compute_bytes(cfg)
     out = {"recompute replay": max(e.recompute_working for e in per_stage)}
@@ -208,7 +225,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    per_elem = max(16, 12 + (8 if cfg.precision.adam_moments == "bf16" else 0))
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision).update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[g].size for g, b in buckets.items())
     return out
 
@@ -272,7 +289,8 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
     out = [f"moe_lc plan: {p.recipe} | world={d['world']} pp={d['pp']} dp={d['dp']} cp={d['cp']} tp={d['tp']} "
            f"ep={d['ep']} edp={d['edp']}" + (" (dualpipe mirrors)" if d["mirror"] else ""),
            f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
-           f"{cfg.precision.recipe}, Adam moments {cfg.precision.adam_moments} | micro-batch "
+           f"{cfg.precision.recipe}, optimizer {cfg.train.optimizer}"
+           + (f" (moments {cfg.precision.adam_moments})" if cfg.train.optimizer == "adamw" else "") + " | micro-batch "
            f"{cfg.train.micro_batch} x {cfg.train.seq_len} tokens, {cfg.train.microbatches(d['dp'])} per step | "
            f"recompute {p.policy}", ""]
     legend = ", ".join(f"{k} {v}" for k, v in MODES.items())

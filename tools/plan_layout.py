@@ -11,7 +11,8 @@ the counted bytes and optimizer state of real runs):
   parameters   compute dtype, one flat buffer per ZeRO group ("dp_cp" dense, "edp" experts, and
                "dp_cp_tp" for tp-replicated ones), padded per bucket to a multiple of the group size
   gradients    fp32, a full-size padded buffer per group (main grads, accumulated over micro-batches)
-  optimizer    fp32 master + two moments (fp32, or bf16 with precision.adam_moments = "bf16"), 1/N
+  optimizer    fp32 master + the state the update rule declares (moe_lc/optim; AdamW: two moments, fp32 or
+               bf16 with precision.adam_moments = "bf16"), 1/N
   per step     reduce-scatter of each bucket's fp32 gradients, all-gather of each bucket's parameters,
                and small fp64/fp32 all-reduces: token count over dp (masked data only), loss, grad
                norm (and MTP loss sums) over world, expert loads over dp_cp_tp
@@ -34,6 +35,7 @@ from moe_lc.model.balance_losses import stat_columns
 from moe_lc.model.capacity import expert_capacity
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.ops.fp8_storage import fp8_row_bytes
+from moe_lc.optim import build_rule
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
@@ -70,9 +72,13 @@ class RankLayout:
         return groups
 
     def zero_buckets(self, cfg: Config) -> dict[str, list[int]]:
-        """{ZeRO group: padded bucket sizes}, as moe_lc.parallel.zero allocates them."""
-        return {g: bucket_sizes([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb), self.dims[g].size)
-                for g, params in sorted(self.local_params().items())}
+        """{ZeRO group: padded bucket sizes}, as moe_lc.parallel.zero allocates them for the recipe's update
+        rule (the parameters it wants whole are packed into per-rank bins)."""
+        rule, whole = build_rule(cfg.train, cfg.precision), {}
+        for name, p, place in self.model.named_parameters():
+            whole.setdefault(place.grad_group, []).append(rule.whole(name, p.shape))
+        return {g: bucket_sizes([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb), self.dims[g].size,
+                                whole[g]) for g, params in sorted(self.local_params().items())}
 
 
 def rank_layouts(cfg: Config, world: int | None = None) -> list[RankLayout]:

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig
+from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -227,6 +227,11 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"train.seq_len={t.seq_len} is beyond what {name} is scaled for: model.rope.original_seq_len x "
                  f"factor = {rope.original_seq_len} x {rope.factor:g} = {reach:g}; positions past it extrapolate "
                  f"(raise model.rope.factor to {t.seq_len / rope.original_seq_len:g})")
+    if "precision.adam_moments" in given and cfg.precision.adam_moments != "fp32" and t.optimizer != "adamw":
+        w.append(f"precision.adam_moments={cfg.precision.adam_moments!r} sets AdamW's moments; train.optimizer="
+                 f"{t.optimizer!r} keeps its state in fp32")
+    if "train.sgd_momentum" in given and t.sgd_momentum != TrainConfig().sgd_momentum and t.optimizer != "sgd":
+        w.append(f"train.sgd_momentum={t.sgd_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")

@@ -2,7 +2,8 @@
 
 A rank holds pieces of each full tensor: its tensor/expert-parallel slice of a parameter (from the
 parameter's placement), and its ZeRO-1 slice of the flat optimizer buffers (a contiguous flat range
-that crosses parameter and row boundaries). Both are described as rectangular boxes in the full
+that crosses parameter and row boundaries, or whole parameters where the update rule asks for them):
+the fp32 master and each state tensor the rule declares (moe_lc/optim/rule.py). Both are described as rectangular boxes in the full
 tensor's coordinates and handed to torch.distributed.checkpoint (DCP) as `Chunks`: DCP saves each
 box once (identical boxes of replicas are deduplicated) and, at load, reads whatever saved boxes
 overlap the boxes the *current* layout asks for. So a checkpoint saved under one layout (pp, dp, tp,
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Shard
-from moe_lc.parallel.zero import ZeroAdamW
+from moe_lc.parallel.zero import ZeroOptimizer
 
 Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the full tensor, the piece)
 
@@ -149,15 +150,16 @@ def model_state(result: Parallelized, dims: ParallelDims) -> dict:
     return out
 
 
-def optimizer_state(opt: ZeroAdamW, result: Parallelized, dims: ParallelDims) -> dict:
-    """{"step": n, "params": {name: {"master" | "exp_avg" | "exp_avg_sq" [| "ema"]: Chunks}}}: each rank's
-    ZeRO-1 slices, as boxes of the full parameters."""
+def optimizer_state(opt: ZeroOptimizer, result: Parallelized, dims: ParallelDims) -> dict:
+    """{"step": n, "rule": name, "params": {name: {"master" | <the rule's state names> [| "ema"]: Chunks}}}:
+    each rank's ZeRO-1 slices, as boxes of the full parameters. The state names are the ones the rule
+    declares (`UpdateRule.states`: AdamW's exp_avg and exp_avg_sq, as in every earlier checkpoint)."""
     names = {id(p): (n, place) for n, p, place in result.named_parameters()}
     states: dict[str, dict] = {}
     if opt.ema is not None:
         opt.ema.wait()
     for i, shard in enumerate(opt.shards):
-        bufs = [("master", shard.master), ("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq)]
+        bufs = [("master", shard.master), *shard.state.items()]
         if opt.ema is not None:  # the CPU EMA shard, boxed like the master it mirrors
             bufs.append(("ema", opt.ema.shards[i]))
         for key, buf in bufs:
@@ -166,7 +168,22 @@ def optimizer_state(opt: ZeroAdamW, result: Parallelized, dims: ParallelDims) ->
                 states.setdefault(name, {})[key] = Chunks(place.full_shape(p.shape, dims.groups), boxes, buf.dtype)
     # parameters whose ZeRO slice on this rank is empty still need an entry on some rank: DCP only
     # needs every box on one rank, and every element of every parameter is owned by one ZeRO rank.
-    return {"step": opt.step_count, "params": states}
+    return {"step": opt.step_count, "rule": opt.rule.name, "params": states}
+
+
+def rule_resume_error(path, keys: set[str], saved_rule: str | None, opt: ZeroOptimizer) -> str | None:
+    """Why the checkpoint at `path` (its `keys`; `saved_rule` its optim.rule, None in checkpoints written
+    before rules were named: AdamW's) cannot resume this run's rule; None if it can."""
+    saved_rule = saved_rule or "adamw"
+    if saved_rule != opt.rule.name:
+        return (f"{path} holds the optimizer state of train.optimizer={saved_rule!r}, not {opt.rule.name!r}: "
+                f"resume with train.optimizer={saved_rule!r}, or start from its weights (checkpoint.init_from)")
+    saved = {k.rsplit(".", 1)[-1] for k in keys if k.startswith("optim.params.")}
+    missing = [s.name for s in opt.rule.states() if s.name not in saved]
+    if missing:
+        return (f"{path} holds no {', '.join(missing)} for train.optimizer={saved_rule!r} (saved with other "
+                "settings of the rule); start from its weights (checkpoint.init_from)")
+    return None
 
 
 def _zero_boxes(shard, buf: torch.Tensor, dims: ParallelDims, names: dict) -> dict:

@@ -143,7 +143,7 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
 
 
 def zero_param_groups(result: Parallelized, dims: ParallelDims):
-    """[(group name, [(param name, param, placement)], Group)] for ZeroAdamW, one per gradient group, each
+    """[(group name, [(param name, param, placement)], Group)] for ZeroOptimizer, one per gradient group, each
     in single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
     by_group: dict[str, list] = {}
     for name, p, place in result.named_parameters():

@@ -1,19 +1,25 @@
-"""ZeRO-1 AdamW: FP32 master weights and Adam moments sharded over data-parallel ranks.
+"""ZeRO-1: FP32 master weights and optimizer state sharded over data-parallel ranks; the update rule apart.
 
-Each `ShardedParams` holds the parameters whose gradients are summed over one group (dense
-parameters over dp x cp [x tp for tp-replicated ones], expert parameters over edp). Its layout:
+Each `ShardedParams` holds the parameters whose gradients are summed over one group (dense parameters over
+dp x cp [x tp for tp-replicated ones], expert parameters over edp). Its layout:
 
     param_buffer (P,) compute dtype  -- the model's parameters are views into it
     grad_buffer  (P,) fp32           -- each parameter's fp32 gradient, accumulated over micro-steps
     buckets      consecutive slices of both buffers, each padded to a multiple of N = group size;
                  rank r owns elements [r*size/N, (r+1)*size/N) of every bucket
-    master, exp_avg, exp_avg_sq, grad_shard  (sum of bucket sizes / N,) -- this rank's shards
+    master, grad_shard, state[...]  (sum of bucket sizes / N,) -- this rank's shards; `state` holds the
+                 tensors the update rule declares (moe_lc/optim/rule.py: AdamW's exp_avg, exp_avg_sq)
 
-Parameters are laid out in reverse registration order so buckets fill in backward order. When a
-bucket's last gradient of the step arrives (post-accumulate-grad hook), its reduce-scatter is
-launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
-After the update, each bucket's parameter shard is all-gathered back into param_buffer.
-On one device (N = 1) the same code is a mixed-precision AdamW with no communication.
+Parameters are laid out in reverse registration order so buckets fill in backward order. A bucket cuts
+its parameters at any element offset, except where the rule asks for a parameter whole (`rule.whole`):
+such parameters form buckets of their own, packed into N bins of equal width, one per rank (largest first
+onto the emptiest bin), so each sits whole in its owner's 1/N and the rule sees it with its shape; the
+bins are padded to the bucket's fullest. When a bucket's last gradient of the step arrives
+(post-accumulate-grad hook), its reduce-scatter is launched asynchronously and overlaps the rest of
+backward; earlier micro-steps only accumulate. `ZeroOptimizer.step` sums the squared grad norm over the
+world, clips, lets the rule update each master shard, and all-gathers each bucket's parameter shard back
+into param_buffer. On one device (N = 1) the same code is a mixed-precision optimizer with no
+communication.
 """
 
 from __future__ import annotations
@@ -24,28 +30,64 @@ import math
 import torch
 from torch import nn
 
+from moe_lc.optim.adamw import AdamW
+from moe_lc.optim.rule import OwnedParam, ShardView, UpdateRule
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
 
-
-def _bucket_layout(numels: list[int], bucket_elems: int, n: int) -> list[tuple[int, int]]:
-    """(padded size, parameters) of each bucket over parameters of `numels` elements in buffer order:
-    greedy, a parameter never straddles two buckets, each bucket padded to a multiple of n."""
-    out, cur, count = [], 0, 0
-    for k in numels:
-        if count and cur + k > bucket_elems:
-            out.append((-(-cur // n) * n, count))
-            cur, count = 0, 0
-        cur, count = cur + k, count + 1
-    return out + [(-(-cur // n) * n, count)]
+GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
 
 
-def bucket_sizes(numels: list[int], bucket_elems: int, n: int) -> list[int]:
+def _runs(numels: list[int], whole: list[bool], bucket_elems: int) -> list[tuple[int, int, bool]]:
+    """(first parameter, count, whole) of each bucket: greedy over buffer order, a parameter never
+    straddles two buckets, and whole and cut parameters never share one."""
+    out, cur, first = [], 0, 0
+    for i, k in enumerate(numels):
+        if i > first and (cur + k > bucket_elems or whole[i] != whole[first]):
+            out.append((first, i - first, whole[first]))
+            cur, first = 0, i
+        cur += k
+    return out + [(first, len(numels) - first, whole[first] if numels else False)]
+
+
+def _pack_whole(numels: list[int], n: int, loads: list[int]) -> tuple[int, list[int]]:
+    """Whole parameters into n bins, one per rank: largest first onto the emptiest bin (ties: the rank
+    with the fewest elements over earlier buckets, `loads`, updated). -> (bucket size = n x the fullest
+    bin, each parameter's offset from the bucket's start)."""
+    fill, place = [0] * n, {}
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        r = min(range(n), key=lambda r: (fill[r], loads[r], r))
+        place[i] = (r, fill[r])
+        fill[r] += numels[i]
+    width = max(fill)
+    for r in range(n):
+        loads[r] += fill[r]
+    return n * width, [r * width + at for r, at in (place[i] for i in range(len(numels)))]
+
+
+def _bucket_layout(numels: list[int], bucket_elems: int, n: int,
+                   whole: list[bool] | None = None) -> list[tuple[int, list[int]]]:
+    """(padded size, each parameter's offset from the bucket's start) of each bucket over parameters of
+    `numels` elements in buffer order; a cut bucket is padded to a multiple of n, a whole one packed."""
+    whole = whole or [False] * len(numels)
+    out, loads = [], [0] * n
+    for first, count, is_whole in _runs(numels, whole, bucket_elems):
+        mine = numels[first:first + count]
+        if is_whole:
+            out.append(_pack_whole(mine, n, loads))
+        else:
+            offsets = list(itertools.accumulate(mine[:-1], initial=0))[:count]
+            out.append((-(-sum(mine) // n) * n, offsets))
+    return out
+
+
+def bucket_sizes(numels: list[int], bucket_elems: int, n: int, whole: list[bool] | None = None) -> list[int]:
     """Padded bucket sizes of one ZeRO-1 group whose parameters have `numels` elements in single-device
-    order (the buffer runs in reverse order, the order backward produces gradients): what ShardedParams
-    allocates, for the planner."""
-    return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n)]
+    order (the buffer runs in reverse order, the order backward produces gradients) and, where given,
+    `whole` flags (the rule's `whole`): what ShardedParams allocates, for the planner."""
+    rev = list(reversed(whole)) if whole is not None else None
+    return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev)]
 
 
 def bucket_elems(bucket_mb: float) -> int:
@@ -66,20 +108,21 @@ class ShardedParams:
     """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
-                 bucket_elems: int, no_decay: set[str], moments_dtype: torch.dtype):
+                 bucket_elems: int, no_decay: set[str], rule: UpdateRule):
         self.name, self.group = name, group
         self.names = {id(p): n for n, p, _ in named_params}
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
+        whole = [rule.whole(n, p.shape) for n, p, _ in reversed(named_params)]
         device, dtype = params[0].device, params[0].dtype
         N = group.size
         self.buckets: list[_Bucket] = []
         start, shard_start, i = 0, 0, 0
-        for size, count in _bucket_layout([p.numel() for p in params], bucket_elems, N):
-            mine = params[i:i + count]
-            offsets = itertools.accumulate((p.numel() for p in mine[:-1]), initial=start)
-            self.buckets.append(_Bucket(start, size, list(zip(mine, offsets)), shard_start, N))
-            start, shard_start, i = start + size, shard_start + size // N, i + count
+        for size, offsets in _bucket_layout([p.numel() for p in params], bucket_elems, N, whole):
+            mine = params[i:i + len(offsets)]
+            self.buckets.append(_Bucket(start, size, [(p, start + off) for p, off in zip(mine, offsets)],
+                                        shard_start, N))
+            start, shard_start, i = start + size, shard_start + size // N, i + len(offsets)
         self.numel = start
         self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
         self.grad_buffer = torch.zeros(self.numel, device=device, dtype=torch.float32)
@@ -95,10 +138,12 @@ class ShardedParams:
         self.master = torch.empty(shard, device=device, dtype=torch.float32)
         for b in self.buckets:
             self._shard_slice(b, self.master).copy_(self._own(self.param_buffer, b))
-        self.exp_avg = torch.zeros(shard, device=device, dtype=moments_dtype)
-        self.exp_avg_sq = torch.zeros(shard, device=device, dtype=moments_dtype)
         self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
-        self.no_decay_ranges = self._owned_ranges(lambda p: self.names[id(p)] in no_decay)
+        self.state = {spec.name: torch.full((shard,), spec.init, device=device, dtype=spec.dtype)
+                      for spec in rule.states()}
+        owned = self._owned_params()
+        self.view = ShardView(self.master, self.grad_shard, self.state,
+                              [(o.lo, o.hi) for o in owned if o.name in no_decay], owned)
         self.norm_weight = self._norm_weight_shard(norm_weights)
         self.sync = False
 
@@ -113,16 +158,17 @@ class ShardedParams:
         """Bucket b's part of a (P/N,) shard tensor."""
         return shard[b.shard_start:b.shard_start + b.shard_size]
 
-    def _owned_ranges(self, predicate) -> list[tuple[int, int]]:
-        """(lo, hi) ranges of the local shard that belong to parameters matching predicate."""
+    def _owned_params(self) -> list[OwnedParam]:
+        """The parameters with elements in this rank's shard, bucket by bucket (module docstring)."""
         out = []
         for b in self.buckets:
             own_lo = b.start + self.group.rank * b.shard_size
             own_hi = own_lo + b.shard_size
             for p, off in b.params:
                 lo, hi = max(off, own_lo), min(off + p.numel(), own_hi)
-                if lo < hi and predicate(p):
-                    out.append((b.shard_start + lo - own_lo, b.shard_start + hi - own_lo))
+                if lo < hi:
+                    out.append(OwnedParam(self.names[id(p)], p.shape, b.shard_start + lo - own_lo,
+                                          b.shard_start + hi - own_lo, lo - off))
         return out
 
     def _norm_weight_shard(self, weights: dict[int, torch.Tensor]) -> torch.Tensor | None:
@@ -182,24 +228,11 @@ class ShardedParams:
         return (sq if self.norm_weight is None else sq * self.norm_weight).sum()
 
     @torch.no_grad()
-    def adamw_(self, lr: float, step: int, clip_coef: float, beta1: float, beta2: float, eps: float, wd: float):
-        g = self.grad_shard.mul_(clip_coef) if clip_coef != 1.0 else self.grad_shard
-        m, v = self.exp_avg, self.exp_avg_sq
-        if m.dtype == torch.float32:
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            m32, v32 = m, v
-        else:  # bf16 moments: update in fp32, store rounded
-            m32 = m.float().lerp_(g, 1 - beta1)
-            v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            m.copy_(m32), v.copy_(v32)
-        if wd:
-            keep = self.master.clone() if self.no_decay_ranges else None
-            self.master.mul_(1 - lr * wd)
-            for lo, hi in self.no_decay_ranges:
-                self.master[lo:hi] = keep[lo:hi]
-        denom = (v32.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-        self.master.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** step))
+    def update_(self, rule: UpdateRule, lr: float, step: int, clip_coef: float) -> None:
+        """Clip this rank's reduced gradients, then the rule's step on the master shard."""
+        if clip_coef != 1.0:
+            self.grad_shard.mul_(clip_coef)
+        rule.update_(self.view, lr, step)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -218,25 +251,27 @@ class ShardedParams:
         self.grad_shard.zero_()
 
     def state_bytes(self) -> int:
-        """Optimizer-state bytes on this rank: master + both moments (the 12 psi / N of ZeRO-1 in fp32)."""
-        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        """Optimizer-state bytes on this rank: the master and the rule's state (AdamW in fp32: 12 psi / N)."""
+        return sum(t.numel() * t.element_size() for t in (self.master, *self.state.values()))
 
 
-class ZeroAdamW:
-    """AdamW over several ZeRO-1 groups; global grad-norm clipping across all shards and mesh dims.
+class ZeroOptimizer:
+    """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
+    mesh dims.
 
     groups: [(name, [(param name, param, placement)], Group)] (parallelize.zero_param_groups);
     `norm_group` spans every rank that owns a distinct shard of the model (the world), over which the
-    squared norm is summed.
+    squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
+    of parameters weight decay leaves alone.
     """
 
-    def __init__(self, groups, norm_group: Group, *, beta1=0.9, beta2=0.95, eps=1e-8,
-                 weight_decay=0.0, grad_clip=0.0, bucket_mb=32.0, moments_dtype=torch.float32,
-                 no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
-        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), moments_dtype)
+    def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
+                 bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
+        self.rule = rule if rule is not None else AdamW()
+        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule)
                        for n, ps, g in groups if ps]
         self.norm_group = norm_group
-        self.beta1, self.beta2, self.eps, self.wd, self.grad_clip = beta1, beta2, eps, weight_decay, grad_clip
+        self.grad_clip = grad_clip
         self.step_count = 0
         self.ema = CpuEMA([s.master for s in self.shards], ema_decay) if ema_decay > 0 else None
 
@@ -260,7 +295,7 @@ class ZeroAdamW:
         clip = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
         self.step_count += 1
         for s in self.shards:
-            s.adamw_(lr, self.step_count, clip, self.beta1, self.beta2, self.eps, self.wd)
+            s.update_(self.rule, lr, self.step_count, clip)
             s.gather_params()
         self.zero_grad()
         if self.ema is not None:

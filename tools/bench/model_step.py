@@ -8,10 +8,10 @@ micro-batch 1, at S = 4K, 32K and 128K tokens; `--set` adds overrides (e.g. mode
 ~2.3B). Param counts (moe_lc.model.counting.param_counts) are printed and stored.
 
 The step is the trainer's own: a `moe_lc.train.Trainer` built from that config (build_model ->
-parallelize (the layer plan: recompute seams at world 1) -> ZeroAdamW, the same code a run executes),
-timed over `Trainer.train_step()` (forward, backward, ZeroAdamW step, router bias update, and the
+parallelize (the layer plan: recompute seams at world 1) -> ZeroOptimizer, the same code a run executes),
+timed over `Trainer.train_step()` (forward, backward, ZeroOptimizer step (AdamW), router bias update, and the
 host syncs the trainer does). Only its data loader is replaced, by fixed random tokens, so that
-sample generation is not timed. `optimizer_ms` times ZeroAdamW.step alone inside those steps.
+sample generation is not timed. `optimizer_ms` times ZeroOptimizer.step alone inside those steps.
 
 FLOPs per step (B = 1 sequence of S tokens, L blocks, H query heads, Dqk/Dv head dims):
   model    = counting.train_flops_per_token(cfg, S) * B * S        (what the trainer's MFU uses)
