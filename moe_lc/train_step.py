@@ -72,6 +72,27 @@ def source_losses(stats: ForwardStats, names: list[str], dims: ParallelDims, dev
     return {f"data/loss/{name}": s / n for name, s, n in zip(names, sums, counts) if n > 0}
 
 
+def dsa_metrics(stats: ForwardStats, stage: str | None, dims: ParallelDims, device: torch.device) -> dict:
+    """DeepSeek Sparse Attention's indexer this step ({} without it: stage None): dsa/indexer_kl, the KL of
+    the indexer's distribution from the attention's per query token and layer (over the selection in the
+    sparse stage, every visible key in the warm-up); in the warm-up also dsa/topk_mass, the share of the
+    dense attention's mass on the indexer's top-k (what the sparse stage would keep). From the step's
+    `ForwardStats.dsa` summed over the world (tp ranks booked 1/tp each)."""
+    if stage is None:
+        return {}
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    if stats.dsa is not None:
+        sums += stats.dsa.to(device)
+    comm.all_reduce(sums, dims["world"])
+    kl, mass, count = sums.tolist()
+    if count <= 0:
+        return {}
+    out = {"dsa/indexer_kl": kl / count}
+    if stage == "warmup":
+        out["dsa/topk_mass"] = mass / count
+    return out
+
+
 @torch.no_grad()
 def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: torch.device) -> dict:
     """Attention work under packed documents (batches' "docs"; {} when attention is not masked):

@@ -202,3 +202,14 @@ def _sparse_attention(attn: DSAttention, sel, q, kv):
                                          attn.sparse_core.ring)
     _, w_uv = attn.absorbed_weights()
     return torch.einsum("bshc,hvc->bshv", out, w_uv.to(out.dtype)), lse
+
+
+def dsa_lr_scale(m: ModelConfig, lr: float):
+    """name -> the learning-rate scale of that parameter under [model.dsa] (None when DSA is off): in the
+    warm-up stage everything but the indexers is frozen (0); the indexers train at model.dsa.indexer_lr
+    (train.lr when 0) in both stages."""
+    if not m.dsa.enabled:
+        return None
+    indexer = m.dsa.indexer_lr / lr if m.dsa.indexer_lr and lr else 1.0
+    rest = 0.0 if m.dsa.stage == "warmup" else 1.0
+    return lambda name: indexer if ".indexer." in f".{name}" else rest
