@@ -9,9 +9,8 @@ What a layer caches, and how it attends over its cache, is its attention kind's 
 (moe_lc/config/attention_kinds.py):
   GQA  k, v (B, T, J, Dh): the roped keys and the values, as the core saw them (model/attention.py
        `GQADecode`).
-  MLA  c (B, T, C): kv_norm(c_kv), the normalized latent; k_r (B, T, Dr): the shared key's RoPE part,
-       roped. C + Dr values per token (DeepSeek-V3: 576) instead of H (Dn + Dr + Dv) (40,960). A step
-       attends over the latents in DeepSeek-V3's "absorbed" form (model/mla.py `MLADecode`).
+  MLA  c (B, T, C): the normalized latent; k_r (B, T, Dr): the shared key's RoPE part, roped; a step
+       attends over them in DeepSeek-V3's "absorbed" form (model/mla.py `MLADecode`).
 
 Every piece of the model's math is the module's own: embedding, norms, projections, the rope tables
 (`model.rope`), `out_proj`, the FFN / MoE modules and the head. Only the attention over the cache is

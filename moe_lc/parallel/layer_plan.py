@@ -112,7 +112,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
                        device: torch.device | None = None, pipelined: bool = False, route=None) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
-    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring); placements: where parameter shards are recorded (a fresh table
+    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
+    takes an attention kind's `expanded_ring`); placements: where parameter shards are recorded (a fresh table
     when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
     route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
     FP8 kernels will run (checked up front)."""
@@ -178,8 +179,8 @@ def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Modu
     return dict(zip(eligible, fp8_gemms(len(eligible), precision.fp8_scaling, precision.fp8_backend, device)))
 
 
-def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], cp: int = 1,
-           mla_ring: str = "latent") -> None:
+def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], cp: int,
+           mla_ring: str) -> None:
     """Recomputation (policy, selective items) and FP8 activation caching (`cache` items) at the model's
     seams (moe_lc/model/seams.py). A SwiGLU's output is kept by neither when "swiglu" is cached in FP8
     (that copy replaces the selective replay's compute-dtype one). An attention module takes its kind's
