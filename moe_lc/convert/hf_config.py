@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from moe_lc.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.convert.hf_fields import ConvertError, common, refuse, rope_to_hf
 from moe_lc.convert.hf_moe_config import MOE_FAMILIES, from_hf_moe, moe_family_of, to_hf_moe
 
@@ -126,24 +127,32 @@ def from_hf_config(hf: dict, mtp_layers: int = 0) -> tuple[ModelConfig, str]:
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The transformers family that computes exactly what `cfg` does, or ConvertError saying why none."""
+    """The transformers family that computes exactly what `cfg` does, or ConvertError saying why none: its
+    attention kind's `hf_family` (moe_lc/config/attention_kinds.py)."""
+    return load(attention_kind(cfg).hf_family)(cfg)
+
+
+def gqa_family(cfg: ModelConfig) -> str:
+    """`family_of` a GQA model: a dense Llama / Qwen2 / Qwen3, or one of the GQA MoE families."""
+    if cfg.has_moe:
+        return moe_family_of(cfg)
+    qk, out_bias = cfg.qk_norm, cfg.attn_out_bias
+    if cfg.rope.partial_rotary_factor != 1.0:
+        raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 has no dense family here (glm4_moe is MoE)")
+    if out_bias and not cfg.qkv_bias:
+        raise ConvertError("to-hf: model.attn_out_bias without model.qkv_bias: no transformers family biases o only")
+    if qk == "head" and cfg.qkv_bias == out_bias:
+        return "qwen3"
+    if qk != "none":
+        raise ConvertError(f"to-hf: a dense GQA model with model.qk_norm={qk!r} and q/k/v biases but none on wo "
+                           "has no transformers family here (qwen3: per-head q/k norm, biases on all four or none)")
+    return "qwen2" if cfg.qkv_bias and not out_bias else "llama"
+
+
+def mla_family(cfg: ModelConfig) -> str:
+    """`family_of` an MLA model: DeepSeek-V3 or V2, told apart by their routing."""
     m = cfg.moe
-    dense = m.n_routed_experts == 0 or m.n_dense_layers >= cfg.n_layers
-    if cfg.attention == "gqa":
-        if not dense:
-            return moe_family_of(cfg)
-        qk, out_bias = cfg.qk_norm, cfg.attn_out_bias
-        if cfg.rope.partial_rotary_factor != 1.0:
-            raise ConvertError("to-hf: model.rope.partial_rotary_factor != 1 has no dense family here (glm4_moe is MoE)")
-        if out_bias and not cfg.qkv_bias:
-            raise ConvertError("to-hf: model.attn_out_bias without model.qkv_bias: no transformers family biases o only")
-        if qk == "head" and cfg.qkv_bias == out_bias:
-            return "qwen3"
-        if qk != "none":
-            raise ConvertError(f"to-hf: a dense GQA model with model.qk_norm={qk!r} and q/k/v biases but none on wo "
-                               "has no transformers family here (qwen3: per-head q/k norm, biases on all four or none)")
-        return "qwen2" if cfg.qkv_bias and not out_bias else "llama"
-    if dense:
+    if not cfg.has_moe:
         raise ConvertError("to-hf: a dense MLA model has no transformers family here (DeepSeek-V2/V3 are MoE)")
     if m.score_func == "sigmoid" and m.group_score == "top2_sum":
         return "deepseek_v3"
