@@ -1,6 +1,6 @@
 """Model sections of a recipe: [model] holds the shape every block shares; its components read their
 own sub-tables: [model.moe] (router and experts), [model.rope] (RoPE / YaRN), [model.mla] (latent
-attention) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
+attention), [model.dsa] (its sparse variant) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
 the field helpers are in `fields.py`.
 """
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_lc.config.choices import AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, RopeScaling, ScoreFunc
+from moe_lc.config.attention_kinds import attention_kind
+from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, RopeScaling, ScoreFunc,
+                                   names)
 from moe_lc.config.fields import f, non_negative, positive
 
 # --------------------------------------------------------------------------------------------- model
@@ -220,19 +222,17 @@ class ModelConfig:
 
     @property
     def qk_head_dim(self) -> int:
-        """Query/key width per head (MLA: nope + rope dims)."""
-        return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_size
+        """Query/key width per head (MLA: nope + rope dims); the attention kind's (config/attention_kinds.py)."""
+        return attention_kind(self).head_dims(self)[0]
 
     @property
     def value_head_dim(self) -> int:
-        return self.mla.v_head_dim if self.attention == "mla" else self.head_size
+        return attention_kind(self).head_dims(self)[1]
 
     @property
     def rope_dim(self) -> int:
         """Rotated dims per head (MLA rotates only its decoupled part; GQA its first partial_rotary_factor)."""
-        if self.attention == "mla":
-            return self.mla.qk_rope_head_dim
-        return int(self.head_size * self.rope.partial_rotary_factor)  # transformers' int(head_dim * factor)
+        return attention_kind(self).head_dims(self)[2]
 
     @property
     def has_moe(self) -> bool:
@@ -249,31 +249,6 @@ class ModelConfig:
         e = []
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "init_std"):
             positive(e, f"model.{name}", getattr(self, name))
-        if self.dsa.enabled and self.attention != "mla":
-            e.append(f"model.dsa.enabled = true needs model.attention = 'mla' (got {self.attention!r}): the indexer's "
-                     "queries come from MLA's query latent")
-        if self.attention == "mla":
-            e += self.mla.errors() + self.dsa.errors(self.mla)
-            if self.qkv_bias:
-                e.append("model.qkv_bias = true needs model.attention = 'gqa' (MLA has no q/k/v projections)")
-            if self.attn_out_bias:
-                e.append("model.attn_out_bias = true needs model.attention = 'gqa' (not built for MLA's wo)")
-            if self.qk_norm != "none":
-                e.append(f"model.qk_norm={self.qk_norm!r} needs model.attention = 'gqa' (MLA normalizes its latents)")
-            if self.rope.partial_rotary_factor != 1.0:
-                e.append(f"model.rope.partial_rotary_factor={self.rope.partial_rotary_factor} needs model.attention = "
-                         "'gqa' (MLA sets its rotated dims with mla.qk_rope_head_dim)")
-        elif self.n_heads > 0 and self.n_kv_heads > 0 and self.dim > 0:
-            if self.n_heads % self.n_kv_heads:
-                e.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-            if self.head_dim < 0:
-                e.append(f"model.head_dim={self.head_dim} must be >= 0 (0 = dim // n_heads)")
-            elif self.head_dim == 0 and self.dim % self.n_heads:
-                e.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim} when head_dim = 0")
-            elif self.head_size % 2:
-                e.append(f"model head size {self.head_size} must be even for RoPE")
-            elif 0 < self.rope.partial_rotary_factor <= 1 and (self.rope_dim < 2 or self.rope_dim % 2):
-                e.append(f"model.rope.partial_rotary_factor={self.rope.partial_rotary_factor} rotates "
-                         f"int({self.head_size} * {self.rope.partial_rotary_factor}) = {self.rope_dim} dims per head: "
-                         "must be even and >= 2")
+        if self.attention in names(AttentionKind):  # else the choice rule names it
+            e += attention_kind(self).errors(self)
         return e + self.moe.errors(self.n_layers) + self.rope.errors() + self.mtp.errors()

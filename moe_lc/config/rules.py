@@ -10,6 +10,8 @@ import dataclasses
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
+from moe_lc.config.attention_kinds import ATTENTION_KINDS, attention_kind
+from moe_lc.config.choices import AttentionKind, names
 from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig, TrainConfig
 
 
@@ -115,8 +117,8 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
             e.append(f"model.moe.n_groups={m.moe.n_groups} must be a multiple of the {p.ep // rpn} nodes that "
                      f"parallel.ep={p.ep} spans (groups map to nodes for node-limited routing)")
     r = cfg.recompute
-    if r.policy == "selective" and "mla_up" in r.selective and m.attention != "mla":
-        e.append(f"recompute.selective item 'mla_up' recomputes MLA's up-projections; model.attention={m.attention!r}")
+    if r.policy == "selective" and m.attention in names(AttentionKind):
+        e += _up_item_errors(r.selective, m)
     if cfg.precision.fp8_dispatch and p.expert_dispatch != "flat":
         e.append(f"precision.fp8_dispatch with parallel.expert_dispatch={p.expert_dispatch!r} is not built: FP8 "
                  "tokens cross the flat dispatcher's all-to-all only")
@@ -138,6 +140,14 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
     return e
 
 
+def _up_item_errors(selective: list[str], m) -> list[str]:
+    """A selective-recompute item that replays some attention kind's up-projections ("mla_up") needs that kind."""
+    owners = {k.up_item: k for k in ATTENTION_KINDS.values() if k.up_item is not None}
+    mine = attention_kind(m).up_item
+    return [f"recompute.selective item {item!r} recomputes {owners[item].label}'s up-projections; "
+            f"model.attention={m.attention!r}" for item in selective if item in owners and item != mine]
+
+
 def tensor_parallel_errors(cfg: Config) -> list[str]:
     """What TP (with sequence parallelism) cannot split."""
     m, tp, e = cfg.model, cfg.parallel.tp, []
@@ -145,8 +155,8 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
         return e
     if m.n_heads % tp:
         e.append(f"parallel.tp={tp} must divide model.n_heads={m.n_heads}")
-    if m.attention == "gqa" and m.n_kv_heads > 0 and m.n_kv_heads % tp and tp % m.n_kv_heads:
-        e.append(f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other")
+    if m.attention in names(AttentionKind):  # else the choice rule names it
+        e += attention_kind(m).tp_errors(m, tp)
     sizes = [("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)]
     sizes += [("model.moe.ffn_dim", m.moe.ffn_dim)] if m.has_moe else []
     if m.has_moe and m.moe.shared_ffn_dim:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_lc.config import ModelConfig
+from moe_lc.config.attention_kinds import attention_kind, load
 
 
 @dataclass(frozen=True)
@@ -89,22 +90,28 @@ def _swiglu(ours: str, theirs: str, hidden: int, dim: int) -> list[Piece]:
             + [Piece(f"{ours}.w2.weight", (0, 0), f"{theirs}.down_proj.weight", (dim, hidden))])
 
 
-def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
+def gqa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
+    """GQA's attention (the "gqa" kind's `hf_pieces`): q|k|v rows of wqkv (and its bias), q/k norms, o."""
     D, H = cfg.dim, cfg.n_heads
-    if cfg.attention == "gqa":
-        hd, kv = cfg.head_size, cfg.n_kv_heads
-        qkv = [(f"{theirs}.{n}_proj.weight", (h * hd, D)) for n, h in (("q", H), ("k", kv), ("v", kv))]
-        out = _rows(f"{ours}.wqkv.weight", qkv)
-        if cfg.qkv_bias:
-            out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
-                                               (("q", H), ("k", kv), ("v", kv))])
-        if cfg.qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
-            q, k = (hd, hd) if cfg.qk_norm == "head" else (H * hd, kv * hd)
-            out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
-                    Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
-        if cfg.attn_out_bias:
-            out.append(Piece(f"{ours}.wo.bias", (0,), f"{theirs}.o_proj.bias", (D,)))
-        return out + [Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * hd))]
+    hd, kv = cfg.head_size, cfg.n_kv_heads
+    qkv = [(f"{theirs}.{n}_proj.weight", (h * hd, D)) for n, h in (("q", H), ("k", kv), ("v", kv))]
+    out = _rows(f"{ours}.wqkv.weight", qkv)
+    if cfg.qkv_bias:
+        out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
+                                           (("q", H), ("k", kv), ("v", kv))])
+    if cfg.qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
+        q, k = (hd, hd) if cfg.qk_norm == "head" else (H * hd, kv * hd)
+        out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (q,)),
+                Piece(f"{ours}.k_norm.weight", (0,), f"{theirs}.k_norm.weight", (k,))]
+    if cfg.attn_out_bias:
+        out.append(Piece(f"{ours}.wo.bias", (0,), f"{theirs}.o_proj.bias", (D,)))
+    return out + [Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * hd))]
+
+
+def mla_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
+    """MLA's attention (the "mla" kind's `hf_pieces`): the latent projections as rows of wa, the latent norms,
+    the up-projections (rope rows de-interleaved when `interleaved`) and o."""
+    D, H = cfg.dim, cfg.n_heads
     a = cfg.mla
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
     rope_q = {"rope": (qk, a.qk_nope_head_dim)} if interleaved else {}
@@ -126,6 +133,21 @@ def _attention(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * a.v_head_dim))]
 
 
+def dsa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
+    """DeepSeek Sparse Attention (the "dsa" kind's `hf_pieces`): MLA's pieces and the indexer's (transformers'
+    DeepseekV32Indexer: wq_b, wk, k_norm weight and bias, weights_proj). Its RoPE is half-split like ours, so
+    no row is permuted."""
+    d, a = cfg.dsa, cfg.mla
+    G, E, D = d.index_n_heads, d.index_head_dim, cfg.dim
+    x, y = f"{ours}.indexer", f"{theirs}.indexer"
+    return mla_pieces(cfg, ours, theirs, interleaved) + [
+        Piece(f"{x}.wq.weight", (0, 0), f"{y}.wq_b.weight", (G * E, a.q_lora_rank)),
+        Piece(f"{x}.wk.weight", (0, 0), f"{y}.wk.weight", (E, D)),
+        Piece(f"{x}.k_norm.weight", (0,), f"{y}.k_norm.weight", (E,)),
+        Piece(f"{x}.k_norm.bias", (0,), f"{y}.k_norm.bias", (E,)),
+        Piece(f"{x}.weights_proj.weight", (0, 0), f"{y}.weights_proj.weight", (G, D))]
+
+
 # a family's MoE block: its module name, and each expert's gate / up / down weight names
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -135,14 +157,14 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
     D, m = cfg.dim, cfg.moe
     out = [Piece(f"{ours}.attn_norm.weight", (0,), f"{theirs}.input_layernorm.weight", (D,)),
            Piece(f"{ours}.ffn_norm.weight", (0,), f"{theirs}.post_attention_layernorm.weight", (D,))]
-    out += _attention(cfg, f"{ours}.attn", f"{theirs}.self_attn", interleaved)
+    out += load(attention_kind(cfg).hf_pieces)(cfg, f"{ours}.attn", f"{theirs}.self_attn", interleaved)
     if layer < m.n_dense_layers or m.n_routed_experts == 0:
         return out + _swiglu(f"{ours}.ffn", f"{theirs}.mlp", cfg.ffn_dim, D)
     E, F = m.n_routed_experts, m.ffn_dim
     module, (gate, up, down) = _MOE_NAMES.get(family, ("mlp", _SWIGLU_NAMES))
     moe = f"{theirs}.{module}"
     out.append(Piece(f"{ours}.ffn.router.gate.weight", (0, 0), f"{moe}.gate.weight", (E, D)))
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family in ("deepseek_v3", "deepseek_v32", "glm4_moe"):
         out.append(Piece(f"{ours}.ffn.router.expert_bias", (0,), f"{moe}.gate.e_score_correction_bias", (E,)))
     for e in range(E):
         x = f"{moe}.experts.{e}"

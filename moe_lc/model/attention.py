@@ -9,6 +9,9 @@ moe_lc/model/seams.py): `core`, `replay` around RoPE + core (selective recomputa
 Optional: q/k normalization before RoPE (`model.qk_norm`, moe_lc/model/qk_norm.py), RoPE on the first
 rot_dim dims of a head only (`model.rope.partial_rotary_factor`: the cos/sin tables are that narrow),
 biases on q|k|v (`model.qkv_bias`) and on wo (`model.attn_out_bias`).
+
+The "gqa" attention kind (moe_lc/config/attention_kinds.py): besides the module, this file holds its
+counts from the config (`gqa_params`, ...) and its decode cache (`GQADecode`, for moe_lc/model/decode.py).
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ class Attention(nn.Module):
         self.out_proj = project_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Documents | None = None) -> torch.Tensor:
-        """docs: the micro-batch's packed documents when attention stays inside each (else None)."""
+                docs: Documents | None = None, stats=None) -> torch.Tensor:
+        """docs: the micro-batch's packed documents when attention stays inside each (else None); stats: the
+        step's ForwardStats (a kind with a loss of its own books there; GQA has none)."""
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
         return self.out_proj(self.wo, lambda: self.replay(self._rope_and_core, qkv, cos, sin, docs))
 
@@ -84,3 +88,66 @@ class Attention(nn.Module):
         if self.qk_norm == "head":  # one (Dh,) weight for every head (Qwen3, GLM-4.5)
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+# --------------------------------------------------------------------------- counts from the config alone
+
+
+def gqa_vector_params(cfg: ModelConfig) -> int:
+    """Parameters no matmul reads: the q/k norm weights (model.qk_norm) and biases (qkv_bias, attn_out_bias)."""
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+    norms = {"none": 0, "head": 2 * Dh, "full": (H + K) * Dh}[cfg.qk_norm]
+    return norms + (H + 2 * K) * Dh * cfg.qkv_bias + cfg.dim * cfg.attn_out_bias
+
+
+def gqa_params(cfg: ModelConfig) -> int:
+    """Parameters of one module: fused qkv, output, and `gqa_vector_params`."""
+    D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_size
+    return D * (H + 2 * cfg.n_kv_heads) * Dh + H * Dh * D + gqa_vector_params(cfg)
+
+
+def gqa_saved_bytes(cfg: ModelConfig, c: int, cp: int = 1) -> int:
+    """Bytes per token its backward surely keeps besides wo's input (moe_lc/model/memory_floor.py): q|k|v
+    in the compute dtype (c bytes), or under ring attention (cp > 1) v's contiguous copy."""
+    return c * (cfg.n_kv_heads if cp > 1 else cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_size
+
+
+# --------------------------------------------------------------------------- decode cache
+
+
+def new_queries_mask(n: int, T: int, device) -> torch.Tensor:
+    """(n, T) bool: new query i (position T - n + i) sees cached keys 0 .. T - n + i."""
+    return torch.arange(T, device=device)[None, :] <= torch.arange(T - n, T, device=device)[:, None]
+
+
+def cached_gqa_attention(q_BnHD, k_BTJD, v_BTJD, scale: float) -> torch.Tensor:
+    """softmax(scale q k^T, causal for the last n of T positions) v in fp32 -> (B, n, H, Dh); J kv heads."""
+    J, n, T = k_BTJD.shape[2], q_BnHD.shape[1], k_BTJD.shape[1]
+    q = rearrange(q_BnHD.float(), "b n (j g) d -> b j g n d", j=J)
+    scores = torch.einsum("bjgnd,btjd->bjgnt", q, k_BTJD.float()) * scale
+    p = scores.masked_fill(~new_queries_mask(n, T, q.device), float("-inf")).softmax(-1)
+    out = torch.einsum("bjgnt,btjd->bjgnd", p, v_BTJD.float())
+    return rearrange(out, "b j g n d -> b n (j g) d").to(q_BnHD.dtype)
+
+
+class GQADecode:
+    """GQA's cache (moe_lc/model/decode.py): k, v (B, T, J, Dh), the roped keys and the values as the core
+    saw them; n new tokens' q, k, v come from the module's own `wqkv` and `heads`."""
+
+    @staticmethod
+    def shapes(attn: Attention) -> dict[str, tuple[int, ...]]:
+        return {"k": (attn.n_kv_heads, attn.head_dim), "v": (attn.n_kv_heads, attn.head_dim)}
+
+    @staticmethod
+    def prefill(attn: Attention, x_BSD, cos, sin):
+        """The prompt through the module's core seam (the ring under CP) -> (out (B, S, D), {"k", "v"})."""
+        q, k, v = attn.heads(attn.wqkv(x_BSD), cos, sin)
+        return attn.out_proj(attn.wo, lambda: attn.core(q, k, v, attn.softmax_scale)), {"k": k, "v": v}
+
+    @staticmethod
+    def step(attn: Attention, x_BnD, cos, sin, cache, start: int) -> torch.Tensor:
+        """n new tokens at positions start .. start+n-1 against the cache, which they are written into."""
+        q, k, v = attn.heads(attn.wqkv(x_BnD), cos, sin)
+        cache.write(start, k=k, v=v)
+        held = cache.read(start + x_BnD.shape[1])
+        return attn.out_proj(attn.wo, lambda: cached_gqa_attention(q, held["k"], held["v"], attn.softmax_scale))

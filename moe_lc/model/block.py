@@ -9,24 +9,24 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.attention import Attention
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.forward_stats import ForwardStats
-from moe_lc.model.mla import MLAttention
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.seams import run_now, through
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is dense SwiGLU or MoE.
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); attn is the attention kind's module, ffn dense
+    SwiGLU or MoE.
     Seam `replay` runs the whole block, or each of its phases (moe_lc/model/seams.py)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attn = load(attention_kind(cfg).module)(cfg)  # the kind's module (moe_lc/config/attention_kinds.py)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
         self.replay = run_now
@@ -48,7 +48,7 @@ class Block(nn.Module):
     def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
 
         def attention(h):
-            return (h + self.attn(self.attn_norm(h), cos, sin, docs),)
+            return (h + self.attn(self.attn_norm(h), cos, sin, docs, stats),)
 
         def ffn(h):
             return (h + self.ffn(self.ffn_norm(h)),)

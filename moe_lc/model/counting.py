@@ -6,34 +6,32 @@ Tests check these against a model built on the meta device, so they cannot drift
 from __future__ import annotations
 
 from moe_lc.config import ModelConfig
+from moe_lc.config.attention_kinds import attention_kind, load
 
 
 def attention_vector_params(cfg: ModelConfig) -> int:
-    """Parameters of one attention module that no matmul reads: GQA's q/k norm weights (model.qk_norm)
-    and biases (qkv_bias, attn_out_bias); MLA's latent norm weights."""
-    if cfg.attention == "mla":
-        return cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank
-    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
-    norms = {"none": 0, "head": 2 * Dh, "full": (H + K) * Dh}[cfg.qk_norm]
-    return norms + (H + 2 * K) * Dh * cfg.qkv_bias + cfg.dim * cfg.attn_out_bias
+    """Parameters of one attention module that no matmul reads (GQA's q/k norm weights and biases, MLA's
+    latent norm weights): the attention kind's count (moe_lc/config/attention_kinds.py)."""
+    return load(attention_kind(cfg).vector_params)(cfg)
 
 
 def attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one attention module (GQA: fused qkv + output, and `attention_vector_params`; MLA:
-    latents, norms, up and output projections)."""
-    D, H = cfg.dim, cfg.n_heads
-    if cfg.attention == "gqa":
-        return D * (H + 2 * cfg.n_kv_heads) * cfg.head_size + H * cfg.head_size * D + attention_vector_params(cfg)
-    qk, q_rank, kv_rank = cfg.qk_head_dim, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
-    down = D * (q_rank + kv_rank + cfg.mla.qk_rope_head_dim)
-    q_up = q_rank * H * qk + q_rank if q_rank else D * H * qk  # (+ q_norm weight)
-    kv_up = kv_rank * H * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim) + kv_rank  # (+ kv_norm weight)
-    return down + q_up + kv_up + H * cfg.mla.v_head_dim * D
+    """Parameters of one attention module, `attention_vector_params` included: the attention kind's count."""
+    return load(attention_kind(cfg).params)(cfg)
 
 
 def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of one causal attention core: a query sees S/2 keys on average,
-    QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head."""
+    QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head; a kind with its own count (DSA's top-k
+    attention and indexer) gives it (moe_lc/config/attention_kinds.py)."""
+    own = attention_kind(cfg).core_flops
+    if own is not None:
+        return load(own)(cfg, seq_len)
+    return dense_core_flops(cfg, seq_len)
+
+
+def dense_core_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Causal dense attention's forward FLOPs per token (`attention_core_flops`' default)."""
     return cfg.n_heads * (seq_len / 2) * 2 * (cfg.qk_head_dim + cfg.value_head_dim)
 
 
@@ -101,9 +99,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     QK^T costs 2*(S/2)*Dh and PV 2*(S/2)*Dh per head per token.
     """
     c = param_counts(cfg)
-    matmul_params = c["activated"] - c["norms"]
-    if cfg.attention == "gqa":  # its q/k norm weights and biases (MLA's latent norms stay counted, as before)
-        matmul_params -= cfg.n_layers * attention_vector_params(cfg)
+    matmul_params = c["activated"] - c["norms"] - cfg.n_layers * attention_vector_params(cfg)
     return 3 * (2 * matmul_params + cfg.n_layers * attention_core_flops(cfg, seq_len))
 
 

@@ -5,21 +5,17 @@ Legend: B batch, S prompt length, T tokens cached so far, n tokens fed in one ca
 key/value heads (G = H // J queries per kv head), Dh GQA head dim, C kv_lora_rank (MLA's latent), Dn /
 Dr / Dv MLA's nope / rope / value head dims, D model dim, V vocabulary.
 
-What is cached, per layer:
-  GQA  k, v (B, T, J, Dh): the roped keys and the values, as the core saw them.
-  MLA  c (B, T, C): kv_norm(c_kv), the normalized latent; k_r (B, T, Dr): the shared key's RoPE part,
-       roped. C + Dr values per token (DeepSeek-V3: 576) instead of H (Dn + Dr + Dv) (40,960).
-MLA decodes in the "absorbed" form of DeepSeek-V3's own inference code (github.com/deepseek-ai/DeepSeek-V3,
-inference/model.py, attn_impl = "absorb"): with wkv_b = [W_UK; W_UV] per head, q_nope . (W_UK c) =
-(W_UK^T q_nope) . c and sum_t p_t W_UV c_t = W_UV (sum_t p_t c_t), so a step attends over the latents
-directly and never up-projects the cache (one (C x Dn) and one (Dv x C) product per head and new token).
+What a layer caches, and how it attends over its cache, is its attention kind's `decode`
+(moe_lc/config/attention_kinds.py):
+  GQA  k, v (B, T, J, Dh): the roped keys and the values, as the core saw them (model/attention.py
+       `GQADecode`).
+  MLA  c (B, T, C): the normalized latent; k_r (B, T, Dr): the shared key's RoPE part, roped; a step
+       attends over them in DeepSeek-V3's "absorbed" form (model/mla.py `MLADecode`).
 
-Every piece of the model's math is the module's own: embedding, norms, projections (`wqkv`, `wa`, `wq`,
-`MLAttention.up_project_q`, `rope_q`, `kv_norm`, `wkv_b`'s weight), the rope tables (`model.rope`),
-`out_proj`, the FFN / MoE modules and the head. Only the attention over the cache is written here (a
-masked softmax in fp32: n new queries against T cached keys, which no backend of ops/attention.py
-takes, their causal mask being top-left aligned for S_q == S_k only), and the split of a fused
-projection into its parts (two lines each for GQA and MLA, as in their `forward`).
+Every piece of the model's math is the module's own: embedding, norms, projections, the rope tables
+(`model.rope`), `out_proj`, the FFN / MoE modules and the head. Only the attention over the cache is
+the kind's decode code (a masked softmax in fp32: n new queries against T cached keys, which no backend
+of ops/attention.py takes, their causal mask being top-left aligned for S_q == S_k only).
 
 Prefill runs each block's attention through the module's own core seam, so under context parallelism
 the prompt goes through the zig-zag ring exactly as in training (GQA's `core`, MLA's `attend`: the
@@ -39,11 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from einops import rearrange
 
-from moe_lc.model.attention import Attention
-from moe_lc.model.mla import MLAttention
-from moe_lc.model.rope import apply_rope
+from moe_lc.config.attention_kinds import kind_of_module, load
 
 
 @dataclass
@@ -103,102 +96,19 @@ def new_cache(model, batch: int, capacity: int) -> KVCache:
     p = next(model.parameters())
     layers = {}
     for name, block in model.layers.items():
-        attn = block.attn
-        if isinstance(attn, MLAttention):
-            shapes = {"c": (attn.kv_lora_rank,), "k_r": (attn.rope_dim,)}
-        elif isinstance(attn, Attention):
-            shapes = {"k": (attn.n_kv_heads, attn.head_dim), "v": (attn.n_kv_heads, attn.head_dim)}
-        else:
-            raise TypeError(f"no cache layout for attention module {type(attn).__name__}")
+        shapes = decoder(block.attn).shapes(block.attn)
         layers[name] = LayerCache({k: torch.zeros(batch, capacity, *s, dtype=p.dtype, device=p.device)
                                    for k, s in shapes.items()})
     return KVCache(layers, capacity)
 
 
-# --------------------------------------------------------------------------- projections (module math)
-
-
-def _gqa_qkv(attn: Attention, x_BnD, cos, sin):
-    """q (B, n, H, Dh), roped k, v (B, n, J, Dh): `Attention._rope_and_core` up to its core."""
-    return attn.heads(attn.wqkv(x_BnD), cos, sin)
-
-
-def _mla_latents(attn: MLAttention, x_BnD):
-    """(q_src, c_kv (B, n, C), k_r (B, n, Dr) unroped): `MLAttention.forward` up to its `attend`."""
-    a = attn.gather(attn.wa(x_BnD))
-    if attn.q_lora_rank:
-        return a.split([attn.q_lora_rank, attn.kv_lora_rank, attn.rope_dim], dim=-1)
-    c_kv, k_r = a.split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
-    return attn.wq(x_BnD), c_kv, k_r
-
-
-def _mla_cached(attn: MLAttention, c_kv, k_r, cos, sin):
-    """What MLA caches: kv_norm(c_kv) (B, n, C) and the roped shared key (B, n, Dr)."""
-    B, n, _ = k_r.shape
-    return attn.kv_norm(c_kv), apply_rope(k_r.view(B, n, 1, attn.rope_dim), cos, sin)[:, :, 0]
-
-
-# --------------------------------------------------------------------------- attention over the cache
-
-
-def _visible(n: int, T: int, device) -> torch.Tensor:
-    """(n, T) bool: new query i (position T - n + i) sees cached keys 0 .. T - n + i."""
-    return torch.arange(T, device=device)[None, :] <= torch.arange(T - n, T, device=device)[:, None]
-
-
-def cached_gqa_attention(q_BnHD, k_BTJD, v_BTJD, scale: float) -> torch.Tensor:
-    """softmax(scale q k^T, causal for the last n of T positions) v in fp32 -> (B, n, H, Dh)."""
-    J, n, T = k_BTJD.shape[2], q_BnHD.shape[1], k_BTJD.shape[1]
-    q = rearrange(q_BnHD.float(), "b n (j g) d -> b j g n d", j=J)
-    scores = torch.einsum("bjgnd,btjd->bjgnt", q, k_BTJD.float()) * scale
-    p = scores.masked_fill(~_visible(n, T, q.device), float("-inf")).softmax(-1)
-    out = torch.einsum("bjgnt,btjd->bjgnd", p, v_BTJD.float())
-    return rearrange(out, "b j g n d -> b n (j g) d").to(q_BnHD.dtype)
-
-
-def cached_mla_attention(attn: MLAttention, q_BnHE, c_BTC, kr_BTR) -> torch.Tensor:
-    """Absorbed MLA attention over the latent cache -> (B, n, H, Dv); q roped, E = Dn + Dr (module docstring)."""
-    H, n, T = attn.n_heads, q_BnHE.shape[1], c_BTC.shape[1]
-    w = attn.wkv_b.weight.float().view(H, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
-    w_uk, w_uv = w.split([attn.nope_dim, attn.v_dim], dim=1)  # (H, Dn, C), (H, Dv, C)
-    q_nope, q_r = q_BnHE.float().split([attn.nope_dim, attn.rope_dim], dim=-1)
-    q_latent = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
-    scores = (torch.einsum("bnhc,btc->bhnt", q_latent, c_BTC.float())
-              + torch.einsum("bnhr,btr->bhnt", q_r, kr_BTR.float())) * attn.softmax_scale
-    p = scores.masked_fill(~_visible(n, T, q_latent.device), float("-inf")).softmax(-1)
-    out_latent = torch.einsum("bhnt,btc->bnhc", p, c_BTC.float())
-    return torch.einsum("bnhc,hvc->bnhv", out_latent, w_uv).to(q_BnHE.dtype)
-
-
-# --------------------------------------------------------------------------- one attention layer
-
-
-def _attend_prefill(attn, x_BSD, cos, sin):
-    """The layer's attention over the (local) prompt through its own core seam (the ring under CP), and
-    what its cache keeps of it -> (output (B, S, D), {cached name: (B, S, ...)})."""
-    if isinstance(attn, MLAttention):
-        q_src, c_kv, k_r = _mla_latents(attn, x_BSD)
-        c, k_r_roped = _mla_cached(attn, c_kv, k_r, cos, sin)
-        out = attn.out_proj(attn.wo, lambda: attn.attend(attn, q_src, c_kv, k_r, cos, sin))
-        return out, {"c": c, "k_r": k_r_roped}
-    q, k, v = _gqa_qkv(attn, x_BSD, cos, sin)
-    return attn.out_proj(attn.wo, lambda: attn.core(q, k, v, attn.softmax_scale)), {"k": k, "v": v}
-
-
-def _attend_cached(attn, x_BnD, cos, sin, cache: LayerCache, start: int):
-    """The layer's attention for n new tokens at positions start .. start+n-1, writing them into `cache`."""
-    n = x_BnD.shape[1]
-    if isinstance(attn, MLAttention):
-        q_src, c_kv, k_r = _mla_latents(attn, x_BnD)
-        c, k_r_roped = _mla_cached(attn, c_kv, k_r, cos, sin)
-        cache.write(start, c=c, k_r=k_r_roped)
-        held = cache.read(start + n)
-        q = attn.rope_q(attn.up_project_q(q_src), cos, sin)
-        return attn.out_proj(attn.wo, lambda: cached_mla_attention(attn, q, held["c"], held["k_r"]))
-    q, k, v = _gqa_qkv(attn, x_BnD, cos, sin)
-    cache.write(start, k=k, v=v)
-    held = cache.read(start + n)
-    return attn.out_proj(attn.wo, lambda: cached_gqa_attention(q, held["k"], held["v"], attn.softmax_scale))
+def decoder(attn):
+    """The decode cache of `attn`'s attention kind: shapes(attn), prefill(attn, x, cos, sin) -> (out, {cached
+    name: (B, S, ...)}), step(attn, x, cos, sin, cache, start) -> out (its docstrings in the kind's file)."""
+    kind = kind_of_module(attn)
+    if kind is None:
+        raise TypeError(f"no cache layout for attention module {type(attn).__name__}")
+    return load(kind.decode)
 
 
 def _logits(model, h_BnD) -> torch.Tensor:
@@ -223,7 +133,7 @@ def prefill(model, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
     h = model.embed(local_BS)
     kept = {}
     for name, block in model.layers.items():
-        out, kept[name] = _attend_prefill(block.attn, block.attn_norm(h), cos, sin)
+        out, kept[name] = decoder(block.attn).prefill(block.attn, block.attn_norm(h), cos, sin)
         h = h + out
         h = h + block.ffn(block.ffn_norm(h))
     for name, held in kept.items():
@@ -245,7 +155,7 @@ def extend(model, tokens_Bn: torch.Tensor, cache: KVCache) -> torch.Tensor:
     cos, sin = model.rope(torch.arange(start, start + n, device=device))
     h = model.embed(tokens_Bn)
     for name, block in model.layers.items():
-        h = h + _attend_cached(block.attn, block.attn_norm(h), cos, sin, cache.layers[name], start)
+        h = h + decoder(block.attn).step(block.attn, block.attn_norm(h), cos, sin, cache.layers[name], start)
         h = h + block.ffn(block.ffn_norm(h))
     cache.length = start + n
     return _logits(model, h)

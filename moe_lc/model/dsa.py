@@ -123,11 +123,19 @@ class DSAttention(MLAttention):
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
         """stats: the step's ForwardStats (the indexer loss's sums are booked there in backward)."""
-        a = self.gather(torch.cat([self.wa(x_BSD), self.indexer.project_tokens(x_BSD.detach())], dim=-1))
-        q_src, c_kv, k_r, tok = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim,
-                                         self.indexer.token_dim], dim=-1)
+        q_src, c_kv, k_r, tok = self.dsa_latents(x_BSD)
         attend = self._warmup if self.stage == "warmup" else self._sparse
         return self.out_proj(self.wo, lambda: attend(q_src, c_kv, k_r, tok, cos, sin, docs, stats))
+
+    def dsa_latents(self, x_BSD: torch.Tensor):
+        """x -> (c_q (B, S, Cq), c_kv (B, S, Ckv), k_r (B, S, Dr) not yet roped, the indexer's per-token part
+        (B, S, E + G)), all gathered together under sequence parallelism. The indexer reads x detached."""
+        a = self.gather(torch.cat([self.wa(x_BSD), self.indexer.project_tokens(x_BSD.detach())], dim=-1))
+        return a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim, self.indexer.token_dim], dim=-1)
+
+    def latents(self, x_BSD: torch.Tensor):
+        """MLA's latents (its decode cache and seams read these)."""
+        return self.dsa_latents(x_BSD)[:3]
 
     # -- pieces ----------------------------------------------------------------------------------------
     def absorbed_weights(self):
@@ -213,3 +221,87 @@ def dsa_lr_scale(m: ModelConfig, lr: float):
     indexer = m.dsa.indexer_lr / lr if m.dsa.indexer_lr and lr else 1.0
     rest = 0.0 if m.dsa.stage == "warmup" else 1.0
     return lambda name: indexer if ".indexer." in f".{name}" else rest
+
+
+# --------------------------------------------------------------------------- counts from the config alone
+
+
+def dsa_params(m: ModelConfig) -> int:
+    """One module: MLA's, plus the indexer's wq (Cq x G E), wk (D x E), k_norm (2 E), weights_proj (D x G)."""
+    from moe_lc.model.mla import mla_params
+
+    d = m.dsa
+    G, E = d.index_n_heads, d.index_head_dim
+    return mla_params(m) + m.mla.q_lora_rank * G * E + m.dim * E + 2 * E + m.dim * G
+
+
+def dsa_vector_params(m: ModelConfig) -> int:
+    """No matmul reads: MLA's latent norm weights and the indexer's LayerNorm weight and bias."""
+    from moe_lc.model.mla import mla_vector_params
+
+    return mla_vector_params(m) + 2 * m.dsa.index_head_dim
+
+
+def dsa_core_flops(m: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of the attention core (model FLOPs, as the decompressed form counts them):
+    the indexer scores every earlier key, 2 G (E + 1) per pair over S/2 pairs on average (its S^2 term); the
+    main attention sees min(k, t + 1) keys at position t (the warm-up stage: all t + 1), 2 H (Dqk + Dv) each."""
+    d, S = m.dsa, seq_len
+    k = S / 2 if d.stage == "warmup" else (d.index_topk * (S - d.index_topk) + d.index_topk * (d.index_topk + 1) / 2) / S \
+        if S > d.index_topk else (S + 1) / 2
+    indexer = (S / 2) * 2 * d.index_n_heads * (d.index_head_dim + 1)
+    return indexer + m.n_heads * k * 2 * (m.qk_head_dim + m.value_head_dim)
+
+
+# --------------------------------------------------------------------------- decode cache
+
+
+class DSADecode:
+    """DSA's cache (moe_lc/model/decode.py): MLA's latent cache (`MLADecode`: c = kv_norm(c_kv), the roped
+    shared key k_r) plus the indexer key of every token, k_idx (B, T, E): Ckv + Dr + E values per token. A
+    step scores the cached indexer keys for its new tokens, keeps each one's top-k and attends those in the
+    absorbed form (the warm-up stage decodes densely, as MLA)."""
+
+    @staticmethod
+    def shapes(attn: DSAttention) -> dict[str, tuple[int, ...]]:
+        from moe_lc.model.mla import MLADecode
+
+        return {**MLADecode.shapes(attn), "k_idx": (attn.indexer.head_dim,)}
+
+    @staticmethod
+    def prefill(attn: DSAttention, x_BSD, cos, sin):
+        """The prompt through the module's forward (the rings under CP) -> (out, {"c", "k_r", "k_idx"})."""
+        from moe_lc.model.mla import MLADecode
+
+        q_src, c_kv, k_r, tok = attn.dsa_latents(x_BSD)
+        c, k_r_roped = MLADecode.cached(attn, c_kv, k_r, cos, sin)
+        _, k_idx, _ = attn.indexer.heads(attn.q_norm(q_src), tok, cos, sin)
+        attend = attn._warmup if attn.stage == "warmup" else attn._sparse
+        out = attn.out_proj(attn.wo, lambda: attend(q_src, c_kv, k_r, tok, cos, sin, None, None))
+        return out, {"c": c, "k_r": k_r_roped, "k_idx": k_idx}
+
+    @staticmethod
+    def step(attn: DSAttention, x_BnD, cos, sin, cache, start: int) -> torch.Tensor:
+        """n new tokens at positions start .. start+n-1 against the cache, which they are written into."""
+        from moe_lc.model.mla import MLADecode, cached_mla_attention
+        from moe_lc.ops.dsa_select import key_positions, merge_topk, tile_topk, indexer_scores, visible
+        from moe_lc.ops.sparse_attention import sparse_forward
+
+        q_src, c_kv, k_r, tok = attn.dsa_latents(x_BnD)
+        c, k_r_roped = MLADecode.cached(attn, c_kv, k_r, cos, sin)
+        q_lat = attn.q_norm(q_src)
+        q_idx, k_idx, w_idx = attn.indexer.heads(q_lat, tok, cos, sin)
+        cache.write(start, c=c, k_r=k_r_roped, k_idx=k_idx)
+        n, T = x_BnD.shape[1], start + x_BnD.shape[1]
+        held = cache.read(T)
+        q = attn.rope_q(attn.wq_b(q_lat), cos, sin)
+        if attn.stage == "warmup":
+            return attn.out_proj(attn.wo, lambda: cached_mla_attention(attn, q, held["c"], held["k_r"]))
+        k_pos = torch.arange(T, device=x_BnD.device)
+        seen = visible(torch.arange(start, T, device=x_BnD.device), k_pos)
+        scores = indexer_scores(q_idx, w_idx, held["k_idx"], attn.indexer.scale)
+        keys = merge_topk(None, tile_topk(scores, k_pos, seen, attn.indexer.topk), attn.indexer.topk)
+        kv = torch.cat([held["c"], held["k_r"]], dim=-1)
+        out, _ = sparse_forward(attn.absorbed_queries(q), kv, key_positions(keys), attn.softmax_scale, attn.kv_lora_rank)
+        _, w_uv = attn.absorbed_weights()
+        return attn.out_proj(attn.wo, lambda: torch.einsum("bshc,hvc->bshv", out, w_uv.float()).to(x_BnD.dtype))

@@ -22,6 +22,10 @@ With q_lora_rank = 0 the query comes straight from x through `wq` (DeepSeek-V2-L
 scale is (Dn + Dr)^-0.5 times m(s, rope.mscale_all_dim)^2 under YaRN, as DeepSeek-V3 applies it. Under tensor
 parallelism `wq_b`, `wkv_b` are column-parallel (heads split), `wo` row-parallel, the latent
 projections replicated, and `gather` becomes the sequence all-gather of the latents (smaller than x).
+
+The "mla" attention kind (moe_lc/config/attention_kinds.py): besides the module, this file holds its
+counts from the config (`mla_params`, ...) and its latent decode cache (`MLADecode`, for
+moe_lc/model/decode.py). Its ring under context parallelism is moe_lc/parallel/latent_ring.py.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from einops import rearrange
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.model.attention import LocalAttention
+from moe_lc.model.attention import LocalAttention, new_queries_mask
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import apply_rope, yarn_get_mscale
 from moe_lc.model.seams import project_now, run_now
@@ -66,16 +70,19 @@ class MLAttention(nn.Module):
         self.attend = attend
         self.out_proj = project_now
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
         """docs: the micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside
-        each, else None."""
+        each, else None; stats: the step's ForwardStats (unused: MLA has no loss of its own)."""
+        q_src, c_kv, k_r = self.latents(x_BSD)
+        return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin, docs))
+
+    def latents(self, x_BSD: torch.Tensor):
+        """x -> (c_q, or q itself without q_lora; c_kv (B, S, Ckv); k_r (B, S, Dr), not yet roped)."""
         a = self.gather(self.wa(x_BSD))
         if self.q_lora_rank:
-            q_src, c_kv, k_r = a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
-        else:
-            c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            q_src = self.wq(x_BSD)
-        return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin, docs))
+            return a.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_r = a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.wq(x_BSD), c_kv, k_r
 
     def up_project_q(self, q_src):
         """The query up-projection: q (B, S, H*(Dn+Dr)) from c_q (or q itself without q_lora)."""
@@ -108,3 +115,82 @@ def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Ten
     q, kv = mla.up_project(q_src, c_kv)
     k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin)  # one rotated key for every head
     return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin, docs)
+
+
+# --------------------------------------------------------------------------- counts from the config alone
+
+
+def mla_vector_params(cfg: ModelConfig) -> int:
+    """Parameters no matmul reads: the latent norm weights."""
+    return cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank
+
+
+def mla_params(cfg: ModelConfig) -> int:
+    """Parameters of one module: latent (down) projection, norms, up and output projections."""
+    D, H, a = cfg.dim, cfg.n_heads, cfg.mla
+    qk, q_rank, kv_rank = cfg.qk_head_dim, a.q_lora_rank, a.kv_lora_rank
+    down = D * (q_rank + kv_rank + a.qk_rope_head_dim)
+    q_up = q_rank * H * qk + q_rank if q_rank else D * H * qk  # (+ q_norm weight)
+    kv_up = kv_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + kv_rank  # (+ kv_norm weight)
+    return down + q_up + kv_up + H * a.v_head_dim * D
+
+
+def mla_saved_bytes(cfg: ModelConfig, c: int, cp: int = 1) -> int:
+    """Bytes per token its backward surely keeps besides wo's input (moe_lc/model/memory_floor.py): none
+    counted, since "mla_up" keeps only the latents, and a floor stays under every policy."""
+    return 0
+
+
+# --------------------------------------------------------------------------- decode cache
+
+
+class MLADecode:
+    """MLA's latent cache (moe_lc/model/decode.py): c (B, T, C) = kv_norm(c_kv), the normalized latent, and
+    k_r (B, T, Dr), the shared key's RoPE part, roped: C + Dr values per token (DeepSeek-V3: 576) instead
+    of H (Dn + Dr + Dv) (40,960). A step decodes in the "absorbed" form of DeepSeek-V3's own inference
+    code (github.com/deepseek-ai/DeepSeek-V3, inference/model.py, attn_impl = "absorb"): with wkv_b =
+    [W_UK; W_UV] per head, q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_t p_t W_UV c_t = W_UV (sum_t
+    p_t c_t), so it attends over the latents directly and never up-projects the cache (one (C x Dn) and
+    one (Dv x C) product per head and new token). Legend: C kv_lora_rank, E = Dn + Dr."""
+
+    @staticmethod
+    def shapes(attn: MLAttention) -> dict[str, tuple[int, ...]]:
+        return {"c": (attn.kv_lora_rank,), "k_r": (attn.rope_dim,)}
+
+    @staticmethod
+    def cached(attn: MLAttention, c_kv, k_r, cos, sin):
+        """What it caches of n tokens: kv_norm(c_kv) (B, n, C) and the roped shared key (B, n, Dr)."""
+        B, n, _ = k_r.shape
+        return attn.kv_norm(c_kv), apply_rope(k_r.view(B, n, 1, attn.rope_dim), cos, sin)[:, :, 0]
+
+    @staticmethod
+    def prefill(attn: MLAttention, x_BSD, cos, sin):
+        """The prompt through the module's `attend` seam (the latent ring under CP) -> (out, {"c", "k_r"})."""
+        q_src, c_kv, k_r = attn.latents(x_BSD)
+        c, k_r_roped = MLADecode.cached(attn, c_kv, k_r, cos, sin)
+        out = attn.out_proj(attn.wo, lambda: attn.attend(attn, q_src, c_kv, k_r, cos, sin))
+        return out, {"c": c, "k_r": k_r_roped}
+
+    @staticmethod
+    def step(attn: MLAttention, x_BnD, cos, sin, cache, start: int) -> torch.Tensor:
+        """n new tokens at positions start .. start+n-1 against the cache, which they are written into."""
+        q_src, c_kv, k_r = attn.latents(x_BnD)
+        c, k_r_roped = MLADecode.cached(attn, c_kv, k_r, cos, sin)
+        cache.write(start, c=c, k_r=k_r_roped)
+        held = cache.read(start + x_BnD.shape[1])
+        q = attn.rope_q(attn.up_project_q(q_src), cos, sin)
+        return attn.out_proj(attn.wo, lambda: cached_mla_attention(attn, q, held["c"], held["k_r"]))
+
+
+def cached_mla_attention(attn: MLAttention, q_BnHE, c_BTC, kr_BTR) -> torch.Tensor:
+    """Absorbed MLA attention over the latent cache -> (B, n, H, Dv); q roped (`MLADecode`)."""
+    H, n, T = attn.n_heads, q_BnHE.shape[1], c_BTC.shape[1]
+    w = attn.wkv_b.weight.float().view(H, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
+    w_uk, w_uv = w.split([attn.nope_dim, attn.v_dim], dim=1)  # (H, Dn, C), (H, Dv, C)
+    q_nope, q_r = q_BnHE.float().split([attn.nope_dim, attn.rope_dim], dim=-1)
+    q_latent = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
+    scores = (torch.einsum("bnhc,btc->bhnt", q_latent, c_BTC.float())
+              + torch.einsum("bnhr,btr->bhnt", q_r, kr_BTR.float())) * attn.softmax_scale
+    p = scores.masked_fill(~new_queries_mask(n, T, q_latent.device), float("-inf")).softmax(-1)
+    out_latent = torch.einsum("bhnt,btc->bnhc", p, c_BTC.float())
+    return torch.einsum("bnhc,hvc->bnhv", out_latent, w_uv).to(q_BnHE.dtype)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_lc.config.choices import RecomputeItem, RecomputePolicy, names
 from moe_lc.model.ffn import swiglu, swiglu_then
-from moe_lc.model.mla import MLAttention, attend
+from moe_lc.model.mla import attend
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.moe import fp32_logits
 from moe_lc.model.saved_tensors import recompute_from
@@ -84,8 +84,9 @@ def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | N
     return recompute_from((gate_up, weight), (h,), lambda g, w: (swiglu(g, w),), down, *args)
 
 
-def mla_up_replayed(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
-    """The MLA `attend` seam under selective "mla_up" (DeepSeek-V3 3.2.2: recompute RMSNorm and the MLA
+def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
+    """The `attend` seam of an MLAttention (the "mla" kind's, moe_lc/config/attention_kinds.py) on one device
+    or on the expanded ring, under selective "mla_up" (DeepSeek-V3 3.2.2: recompute RMSNorm and the MLA
     up-projections in backward): only the latents (c_q or q, c_kv, k_r) stay for backward; the
     latent norms, up-projections and RoPE are checkpointed, and the core's saved q, k, v are rebuilt
     from the latents when its backward needs them. The core's output and LSE are kept (its forward is

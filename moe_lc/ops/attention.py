@@ -1,4 +1,6 @@
-"""Attention backends that return the log-sum-exp ("Attention returns LSE", DESIGN.md).
+"""Attention backends that return the log-sum-exp of the scores beside the output, as FlashAttention's
+kernels keep it for their backward (Dao et al. 2022, arXiv:2205.14135): ring attention merges partial
+results by it (parallel/context.py).
 
 Legend (flash-attn's native "BSHD" layout; shape suffixes on names follow it):
   B batch, Q query length (S_q), K key length (S_k), H query heads, J key/value heads (H_kv),

@@ -381,12 +381,14 @@ class RingAttention(nn.Module):
 
 def context_parallel_plan(model: nn.Module, dims: ParallelDims, plan, rings: dict | None = None) -> None:
     """Plan every LocalAttention core swapped for zig-zag ring attention over the "cp" group (into the
-    layer plan, moe_lc/parallel/layer_plan.py). `rings`: {attention module type: ring core class} where
-    it is not RingAttention (MLA's latent ring, latent_ring.py, whose `attend` rule the plan matches).
+    layer plan, moe_lc/parallel/layer_plan.py). `rings`: {attention module type: ring core class}, its
+    attention kind's ring (moe_lc/config/attention_kinds.py: MLA's latent ring, latent_ring.py, whose
+    `attend` seam the plan matches); RingAttention for a core not listed.
 
     Everything else is per token and needs no change: prepare_batch shards tokens, labels, mask and
-    positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp).
-    The sequence-wise aux loss is refused by the recipe's rules (it would see zig-zag chunks only)."""
+    positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp). The
+    sequence-wise balance loss sees each sequence whole: its expert counts are summed over the cp (and
+    tp) ranks holding the sequence's chunks (parallel/balance_plan.py)."""
     group, rings = dims["cp"], rings or {}
     for module in model.modules():
         if isinstance(getattr(module, "core", None), LocalAttention):

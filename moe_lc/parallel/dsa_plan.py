@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_lc.ops.dsa_ring import RingLayout
+from moe_lc.ops.dsa_ring import OneRank, RingLayout
 from moe_lc.parallel import comm
 from moe_lc.parallel.context import P2PRing, rank_chunks
 from moe_lc.parallel.mesh import ParallelDims
@@ -35,7 +35,7 @@ class ParallelSparseCore:
     def __init__(self, dims: ParallelDims):
         self.cp_group, self.tp_group = dims["cp"], dims["tp"]
         self.cp, self.tp = dims.cp, dims.tp
-        self.ring = P2PRing(self.cp_group) if self.cp > 1 else None
+        self.ring = P2PRing(self.cp_group) if self.cp > 1 else OneRank()
 
     def layout(self, seq_local: int, docs) -> RingLayout:
         if self.cp == 1:
@@ -53,14 +53,18 @@ class ParallelSparseCore:
         return f"ParallelSparseCore(cp={self.cp}, tp={self.tp})"
 
 
-def dsa_plan(attn: nn.Module, dims: ParallelDims, plan, placements) -> None:
-    """Plan one DSAttention beyond MLA's own rules: its sparse core, and under tp its replicated indexer."""
-    if dims.cp > 1 or dims.tp > 1:
-        core = ParallelSparseCore(dims)
-        if core.ring is None:
-            from moe_lc.ops.dsa_ring import OneRank
+def dsa_layer_plan(attn: nn.Module, dims: ParallelDims | None, plan, aux_loss_scale: float) -> None:
+    """The DSA kind's own decisions on every layout (its registry entry's `extra_plan`): the indexer loss's
+    share of the step, and under cp or tp the sparse core that runs its ring passes there."""
+    plan.set(attn, aux_loss_scale=aux_loss_scale)
+    if dims is not None and (dims.cp > 1 or dims.tp > 1):
+        plan.set(attn, sparse_core=ParallelSparseCore(dims))
 
-            core.ring = OneRank()
-        plan.set(attn, sparse_core=core)
-    if dims.tp > 1:
-        placements.set_group(attn.indexer.parameters(), "dp_cp_tp")
+
+def dsa_tp_rule(attn: nn.Module, tp) -> list:
+    """MLA's tensor-parallel rule (heads split, latents gathered), and the indexer replicated on the sequence
+    shard ("dp_cp_tp": its gradients are this rank's 1/tp share, summed with the other tp ranks')."""
+    from moe_lc.parallel.tensor_plan import mla_rule
+
+    tp.placements.set_group(attn.indexer.parameters(), "dp_cp_tp")
+    return mla_rule(attn, tp) + list(attn.indexer.parameters())

@@ -1,6 +1,8 @@
 """MLA under context parallelism passes the latent: the zig-zag ring (context.py) moves each rank's
 normalized KV latent c_kv and its roped shared key k_r, and every rank up-projects a visiting block
-with its own W_UKV (`wkv_b`, heads split under TP) right before attending to it.
+with its own W_UKV (`wkv_b`, heads split under TP) right before attending to it. It is the "mla"
+attention kind's `ring` (moe_lc/config/attention_kinds.py; parallel.mla_ring = "expanded" takes
+context.py's K/V ring instead).
 
 Legend: B batch, S this rank's zig-zag shard (2 chunks), H local heads, Ckv the KV latent rank,
 Dn / Dr / Dv the nope, rope and value head dims. Per token the ring moves Ckv + Dr values instead of

@@ -10,8 +10,8 @@ attribute, so the rules can be resolved in any order and none reads what another
       a whole-row qk norm's sum of squares     WideRMSNorm.sum_squares
     expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/expert.py
       all-to-all token dispatcher              MoE.dispatcher
-    context parallelism: the attention core    .core (zig-zag ring attention;    parallel/context.py
-                                                 MLA's latent ring)
+    context parallelism: the attention core    .core (zig-zag ring attention;    parallel/context.py, the
+                                                 MLA's latent ring)                attention kind's ring
     GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
     recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
                                                .attend, .out_proj                  model/fp8_cache.py)
@@ -35,15 +35,13 @@ import torch
 from torch import nn
 
 from moe_lc.config import PrecisionConfig, RecomputeConfig
-from moe_lc.model.attention import Attention
+from moe_lc.config.attention_kinds import load, module_kinds
 from moe_lc.model.block import Block
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.fp8_cache import attn_out_fp8_cached, swiglu_fp8_cached
-from moe_lc.model.mla import MLAttention, attend
 from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, fp32_logits
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, mla_up_replayed,
-                                    swiglu_replayed)
+from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, swiglu_replayed
 from moe_lc.model.seams import run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
@@ -55,7 +53,7 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards"})
+                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core"})
 
 
 @dataclass
@@ -114,7 +112,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
                        device: torch.device | None = None, pipelined: bool = False, route=None) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
-    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring); placements: where parameter shards are recorded (a fresh table
+    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
+    takes an attention kind's `expanded_ring`); placements: where parameter shards are recorded (a fresh table
     when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
     route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
     FP8 kernels will run (checked up front)."""
@@ -148,14 +147,17 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
     if cp > 1:
         from moe_lc.parallel.context import context_parallel_plan
 
-        from moe_lc.parallel.latent_ring import LatentRingAttention
-
-        context_parallel_plan(model, dims, plan, {MLAttention: LatentRingAttention} if mla_ring == "latent" else {})
+        rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
+        context_parallel_plan(model, dims, plan, {t: load(core) for t, core in rings.items() if core is not None})
+    for module in model.modules():  # what only some attention kinds decide (DSA's sparse core and loss share)
+        kind = module_kinds().get(type(module))
+        if kind is not None and kind.extra_plan is not None:
+            load(kind.extra_plan)(module, dims, plan, aux_loss_scale)
     gemms = _gemms(model, precision, device)
     for linear, g in gemms.items():
         plan.set(linear, gemms=g)
     recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
-    _seams(model, plan, recompute, cache, latent_ring=cp > 1 and mla_ring == "latent")
+    _seams(model, plan, recompute, cache, cp, mla_ring)
     if "linear" in cache:
         _keep_inputs(model, plan, list(gemms), recompute, cache)
     if pipelined:
@@ -181,14 +183,19 @@ def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Modu
     return dict(zip(eligible, fp8_gemms(len(eligible), precision.fp8_scaling, precision.fp8_backend, device)))
 
 
-def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], latent_ring: bool) -> None:
+def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], cp: int,
+           mla_ring: str) -> None:
     """Recomputation (policy, selective items) and FP8 activation caching (`cache` items) at the model's
     seams (moe_lc/model/seams.py). A SwiGLU's output is kept by neither when "swiglu" is cached in FP8
-    (that copy replaces the selective replay's compute-dtype one). MLA attends through its latent ring
-    under context parallelism (`latent_ring`, parallel/latent_ring.py), "mla_up" keeping the latents."""
+    (that copy replaces the selective replay's compute-dtype one). An attention module takes its kind's
+    `attend` seam for this cp degree and ring (MLA's latent ring under context parallelism,
+    parallel/latent_ring.py: moe_lc/config/attention_kinds.py), its replaying one under the kind's
+    selective item ("mla_up", which keeps the latents and does not replay the core)."""
     policy, items = recompute.policy, set(recompute.selective) if recompute.policy == "selective" else set()
     assert policy in POLICIES and items <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
+    kinds = module_kinds()
     for module in model.modules():
+        kind = kinds.get(type(module))
         if isinstance(module, Block):
             plan.set(module, replay=partial(checkpointed, owner=module) if policy == "full" else run_now)
         elif isinstance(module, RMSNorm):
@@ -198,21 +205,14 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
                      swiglu_replayed if "swiglu" in items else swiglu_then)
-        elif isinstance(module, (Attention, MLAttention)):
-            mla_up = isinstance(module, MLAttention) and "mla_up" in items  # keeps the latents, no core replay
-            plan.set(module, replay=checkpointed if "attention" in items and not mla_up else run_now)
-            if isinstance(module, MLAttention):
-                plan.set(module, attend=_mla_attend(mla_up, latent_ring))
+        elif kind is not None:
+            up = kind.up_item is not None and kind.up_item in items  # keeps the latents, no core replay
+            plan.set(module, replay=checkpointed if "attention" in items and not up else run_now)
+            seams = kind.seams(cp, mla_ring)
+            if seams.attend is not None:
+                plan.set(module, attend=load(seams.attend_up if up else seams.attend))
             if "attn_out" in cache:
                 plan.set(module, out_proj=attn_out_fp8_cached)
-
-
-def _mla_attend(mla_up: bool, latent_ring: bool):
-    from moe_lc.parallel.latent_ring import latent_attend, latent_attend_mla_up
-
-    if latent_ring:
-        return latent_attend_mla_up if mla_up else latent_attend
-    return mla_up_replayed if mla_up else attend
 
 
 def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: list, recompute: RecomputeConfig,
@@ -224,9 +224,9 @@ def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: list, recompute
     keeps their common input."""
     items = set(recompute.selective) if recompute.policy == "selective" else set()
     swiglu_rebuilt = "swiglu" in items or "swiglu" in cache
-    elsewhere = set()
+    elsewhere, attention = set(), tuple(module_kinds())
     for module in model.modules():
-        if isinstance(module, (Attention, MLAttention)):
+        if type(module) in attention:
             elsewhere.add(module.wo)
         elif isinstance(module, (SwiGLU, RoutedExperts)) and swiglu_rebuilt:
             elsewhere.add(module.w2)

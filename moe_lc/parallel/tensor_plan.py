@@ -2,12 +2,15 @@
 and which TP role its Linears take (the layout is described in tensor.py). `tensor_parallel_plan` walks
 the model and records each module type's entry: shards in the placements (which the optimizer,
 checkpoints and the planner read), roles and local head counts in the layer plan (layer_plan.py).
+An attention module's rule is its kind's `tp_rule` (moe_lc/config/attention_kinds.py): GQA's and MLA's
+are here.
 
-    Attention      wqkv column-parallel by heads (q | k | v sections; kv heads replicated when K < N),
-                   wo row-parallel (its bias replicated, added after the sum); qk_norm "head": RMSNorm
-                   rule; "full": weights cut like the q / k rows, the row's sum of squares all-reduced
-    MLAttention    latent projection wa replicated on the sequence shard ("dp_cp_tp") with one gather of
-                   the latents; up-projections split by heads; wo row-parallel
+    Attention      `gqa_rule`: wqkv column-parallel by heads (q | k | v sections; kv heads replicated
+                   when K < N), wo row-parallel (its bias replicated, added after the sum); qk_norm
+                   "head": RMSNorm rule; "full": weights cut like the q / k rows, the row's sum of
+                   squares all-reduced
+    MLAttention    `mla_rule`: latent projection wa replicated on the sequence shard ("dp_cp_tp") with
+                   one gather of the latents; up-projections split by heads; wo row-parallel
     SwiGLU         w13 column-parallel ([gate | up], each half split), w2 row-parallel
     MoE            its shared-expert gate (Qwen2-MoE) replicated on the sequence shard ("dp_cp_tp"), like
                    the router; the shared experts are a SwiGLU
@@ -26,9 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from moe_lc.model.attention import Attention
+from moe_lc.config.attention_kinds import attention_kind, load, module_kinds
 from moe_lc.model.ffn import SwiGLU
-from moe_lc.model.mla import MLAttention
 from moe_lc.model.moe import MoE, RoutedExperts, Router
 from moe_lc.model.mtp import MTPModule
 from moe_lc.model.norm import RMSNorm
@@ -63,7 +65,8 @@ class _TP:
         self.plan.set(linear, tp=role)
 
 
-def _attention(attn: Attention, tp: _TP) -> list:
+def gqa_rule(attn: nn.Module, tp: _TP) -> list:
+    """An Attention (moe_lc/model/attention.py): the module docstring's first row."""
     H, K, Dh, N = attn.n_heads, attn.n_kv_heads, attn.head_dim, tp.n
     kv_pieces = min(K, N)  # K < N: each kv head replicated on N/K ranks
     tp.linear(attn.wqkv, Shard("tp", 0, ((H * Dh, N), (K * Dh, kv_pieces), (K * Dh, kv_pieces))), tp.column)
@@ -86,7 +89,8 @@ def _attention(attn: Attention, tp: _TP) -> list:
     return list(attn.parameters())
 
 
-def _mla(attn: MLAttention, tp: _TP) -> list:
+def mla_rule(attn: nn.Module, tp: _TP) -> list:
+    """An MLAttention (moe_lc/model/mla.py): the module docstring's second row."""
     tp.placements.set_group(attn.wa.parameters(), "dp_cp_tp")
     tp.plan.set(attn, gather=SequenceGather(tp.group))
     if attn.wq_b is not None:
@@ -125,7 +129,13 @@ def _mtp_projection(module: MTPModule, tp: _TP) -> list:
     return [module.eh_proj.weight]
 
 
-TP_PLAN = {Attention: _attention, MLAttention: _mla, SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated,
+def gqa_kv_groups(cfg, dims: ParallelDims) -> None:
+    """The groups of tp ranks sharing a kv head when model.n_kv_heads < tp (`gqa_rule` sums over them)."""
+    if cfg.n_kv_heads < dims.tp:
+        kv_share_group(dims, cfg.n_kv_heads)
+
+
+TP_PLAN = {SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated,
            RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection, MoE: _moe}
 
 
@@ -134,11 +144,13 @@ def tensor_parallel_plan(model: nn.Module, dims: ParallelDims, placements: Place
     every shard into `placements`, every module's role into `plan` (nothing on the model changes here)."""
     assert model.cfg.n_heads % dims.tp == 0 and model.cfg.vocab_size % dims.tp == 0, "checked by the recipe's rules"
     tp = _TP(dims, placements, plan)
-    if model.cfg.attention == "gqa" and model.cfg.n_kv_heads < dims.tp:
-        kv_share_group(dims, model.cfg.n_kv_heads)  # every stage creates it, attention or not
+    groups = attention_kind(model.cfg).tp_groups
+    if groups is not None:
+        load(groups)(model.cfg, dims)  # every stage creates them, attention or not
+    rules = {**TP_PLAN, **{module_type: load(kind.tp_rule) for module_type, kind in module_kinds().items()}}
     handled = set()
     for module in list(model.modules()):
-        rule = TP_PLAN.get(type(module))
+        rule = rules.get(type(module))
         if rule is not None:
             handled |= {id(p) for p in rule(module, tp)}
     if getattr(model, "embed", None) is not None:

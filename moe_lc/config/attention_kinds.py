@@ -1,0 +1,226 @@
+"""The attention registry: one table from an attention kind to everything that differs by kind.
+
+Everything else asks this table (`attention_kind(model_cfg)`, or `kind_of_module(module)` where only a
+built module is at hand) instead of comparing `model.attention` (tests/test_attention_kinds.py scans the
+package, tools/ and eval/ for such comparisons). An entry names, per layer of the package:
+
+    config    head dims (qk, v, rope) per head, the kind's [model] rules, its tensor-parallel rules,
+              the selective-recompute item it owns ("mla_up")                       callables, here
+    model     its module class, parameter counts, what its backward surely keeps
+              (model/memory_floor.py), its decode cache (model/decode.py)           "module:name"
+    parallel  its tensor-parallel rule (and the process groups that rule needs), the
+              core and `attend` seams on one device and on each context-parallel ring,
+              under recomputation (parallel/layer_plan.py)                          "module:name"
+    convert   its Hugging Face weight pieces and the transformers family of a config  "module:name"
+
+The table sits in config, the leaf every layer may import, because the recipe's rules and the config's
+head dims read it too. Pieces of higher layers are "package.module:name" strings, so that importing this
+file imports nothing else; the layer that reads a field resolves it with `load` when it needs it, and a
+field's references only ever point at or below the layer that reads it (the model resolves model pieces,
+parallel parallel or model pieces, convert convert pieces: the import arrows keep pointing one way;
+tests/test_attention_kinds.py resolves every reference and checks its layer). This is Megatron-Core's
+`ModuleSpec` (megatron/core/transformer/spec_utils.py) cut to what differs between kinds here.
+
+Adding a kind: its module in one new file of moe_lc/model/ (the module class with the attributes the
+layer plan sets: `core`, `replay`, `out_proj`, `wo`, and `attend` where it has one; its counts and
+decode cache beside it), plus one entry below. A kind that needs its own tensor-parallel rule, ring or
+HF names writes them in parallel/ and convert/ (the model never imports parallel) and names them in its
+entry; nothing else changes. A variant of a kind (DeepSeek Sparse Attention: `model.attention = "mla"`
+with `[model.dsa] enabled = true`) is an entry with the same `attention` and a `variant` test on the
+config; its module may subclass the base kind's, and its entry may reuse the base's pieces
+(`dataclasses.replace(ATTENTION_KINDS["mla"], ...)`). Initialization (model/init.py) goes by parameter
+name and module type and is the same for every kind today.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from typing import Callable
+
+
+def load(ref: str):
+    """The object "package.module:name" names, importing its module now. Call it only from a layer at or
+    above the reference's (module docstring)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class CoreSeams:
+    """What the layer plan plugs into a kind's module on one device, or on one context-parallel ring."""
+
+    core: str | None = None       # the core class under cp, built as (cp group, backend); None: LocalAttention stays
+    attend: str | None = None     # the module's `attend` seam; None: the module has no such seam
+    attend_up: str | None = None  # the `attend` seam under the kind's selective `up_item`
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention kind (module docstring). `m` below is the [model] section (ModelConfig)."""
+
+    name: str
+    label: str                    # how messages name it
+    attention: str                # the model.attention value it is configured under
+    variant: Callable | None      # m -> bool: this variant of `attention`'s base kind is on; None for a base kind
+    # config (this layer)
+    head_dims: Callable           # m -> (query/key, value, rotated) dims per head
+    errors: Callable              # m -> its [model] rules, one line each
+    tp_errors: Callable           # (m, tp) -> what tensor parallelism cannot split
+    up_item: str | None           # its selective-recompute item replaying its up-projections (RecomputeItem)
+    # model ("module:name")
+    module: str                   # the nn.Module class: cfg -> x (B, S, D) -> (B, S, D)
+    params: str                   # m -> parameters of one module
+    vector_params: str            # m -> those no matmul reads (norm weights, biases)
+    saved_bytes: str              # (m, c, cp) -> bytes per token its backward surely keeps besides wo's input
+    decode: str                   # its cache: shapes, prefill, step (model/decode.py `decoder`)
+    # parallel ("module:name")
+    tp_rule: str                  # (module, tp) -> its parameters, placed (parallel/tensor_plan.py)
+    tp_groups: str | None         # (m, dims) -> None: process groups its TP rule uses, made on every rank up front
+    local: CoreSeams              # one device (cp = 1)
+    ring: CoreSeams               # under cp
+    expanded_ring: CoreSeams | None  # under cp with parallel.mla_ring = "expanded", where `ring` moves something else
+    # convert ("module:name")
+    hf_pieces: str                # (m, ours, theirs, interleaved) -> its weight pieces (convert/hf_names.py)
+    hf_family: str                # m -> the transformers family computing exactly this model (convert/hf_config.py)
+    # optional ("module:name")
+    core_flops: str | None = None  # (m, seq_len) -> forward FLOPs per token of its attention core; None: causal
+    #                                dense attention over S/2 keys (model/counting.py)
+    extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale) -> decisions only this kind has,
+    #                                on every layout (parallel/layer_plan.py)
+
+    def seams(self, cp: int, mla_ring: str = "latent") -> CoreSeams:
+        """The seams for context-parallel degree `cp` and `parallel.mla_ring`."""
+        if cp == 1:
+            return self.local
+        return self.expanded_ring if mla_ring == "expanded" and self.expanded_ring is not None else self.ring
+
+
+# ------------------------------------------------------------------------------------- GQA's config side
+
+
+def _gqa_head_dims(m) -> tuple[int, int, int]:
+    return m.head_size, m.head_size, int(m.head_size * m.rope.partial_rotary_factor)  # transformers' int(...)
+
+
+def _gqa_errors(m) -> list[str]:
+    e = []
+    if m.dsa.enabled:
+        e.append("model.dsa.enabled = true needs model.attention = 'mla' (the indexer's queries come from MLA's "
+                 "query latent)")
+    if m.n_heads <= 0 or m.n_kv_heads <= 0 or m.dim <= 0:
+        return e  # the positivity rules name them
+    if m.n_heads % m.n_kv_heads:
+        e.append(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.head_dim < 0:
+        e.append(f"model.head_dim={m.head_dim} must be >= 0 (0 = dim // n_heads)")
+    elif m.head_dim == 0 and m.dim % m.n_heads:
+        e.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} when head_dim = 0")
+    elif m.head_size % 2:
+        e.append(f"model head size {m.head_size} must be even for RoPE")
+    elif 0 < m.rope.partial_rotary_factor <= 1 and (m.rope_dim < 2 or m.rope_dim % 2):
+        e.append(f"model.rope.partial_rotary_factor={m.rope.partial_rotary_factor} rotates "
+                 f"int({m.head_size} * {m.rope.partial_rotary_factor}) = {m.rope_dim} dims per head: "
+                 "must be even and >= 2")
+    return e
+
+
+def _gqa_tp_errors(m, tp: int) -> list[str]:
+    if m.n_kv_heads > 0 and m.n_kv_heads % tp and tp % m.n_kv_heads:
+        return [f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other"]
+    return []
+
+
+# ------------------------------------------------------------------------------------- MLA's config side
+
+
+def _mla_head_dims(m) -> tuple[int, int, int]:
+    a = m.mla
+    return a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim, a.qk_rope_head_dim
+
+
+def _mla_errors(m) -> list[str]:
+    """[model.mla]'s own rules, and the GQA-only fields refused."""
+    e = m.mla.errors()
+    if m.qkv_bias:
+        e.append("model.qkv_bias = true needs model.attention = 'gqa' (MLA has no q/k/v projections)")
+    if m.attn_out_bias:
+        e.append("model.attn_out_bias = true needs model.attention = 'gqa' (not built for MLA's wo)")
+    if m.qk_norm != "none":
+        e.append(f"model.qk_norm={m.qk_norm!r} needs model.attention = 'gqa' (MLA normalizes its latents)")
+    if m.rope.partial_rotary_factor != 1.0:
+        e.append(f"model.rope.partial_rotary_factor={m.rope.partial_rotary_factor} needs model.attention = "
+                 "'gqa' (MLA sets its rotated dims with mla.qk_rope_head_dim)")
+    return e
+
+
+def _no_tp_errors(m, tp: int) -> list[str]:
+    return []  # heads split like GQA's (parallel.tp divides model.n_heads, a rule for every kind)
+
+
+# ------------------------------------------------------------------------------------- the table
+
+_RING = "moe_lc.parallel.context:RingAttention"
+_MLA_LOCAL = CoreSeams(attend="moe_lc.model.mla:attend", attend_up="moe_lc.model.recompute:mla_up_replayed")
+
+ATTENTION_KINDS: dict[str, AttentionSpec] = {
+    "gqa": AttentionSpec(
+        name="gqa", label="GQA", attention="gqa", variant=None,
+        head_dims=_gqa_head_dims, errors=_gqa_errors, tp_errors=_gqa_tp_errors, up_item=None,
+        module="moe_lc.model.attention:Attention", params="moe_lc.model.attention:gqa_params",
+        vector_params="moe_lc.model.attention:gqa_vector_params",
+        saved_bytes="moe_lc.model.attention:gqa_saved_bytes", decode="moe_lc.model.attention:GQADecode",
+        tp_rule="moe_lc.parallel.tensor_plan:gqa_rule", tp_groups="moe_lc.parallel.tensor_plan:gqa_kv_groups",
+        local=CoreSeams(), ring=CoreSeams(core=_RING), expanded_ring=None,
+        hf_pieces="moe_lc.convert.hf_names:gqa_pieces", hf_family="moe_lc.convert.hf_config:gqa_family"),
+    "mla": AttentionSpec(
+        name="mla", label="MLA", attention="mla", variant=None,
+        head_dims=_mla_head_dims, errors=_mla_errors, tp_errors=_no_tp_errors, up_item="mla_up",
+        module="moe_lc.model.mla:MLAttention", params="moe_lc.model.mla:mla_params",
+        vector_params="moe_lc.model.mla:mla_vector_params", saved_bytes="moe_lc.model.mla:mla_saved_bytes",
+        decode="moe_lc.model.mla:MLADecode",
+        tp_rule="moe_lc.parallel.tensor_plan:mla_rule", tp_groups=None,
+        local=_MLA_LOCAL,
+        ring=CoreSeams(core="moe_lc.parallel.latent_ring:LatentRingAttention",
+                       attend="moe_lc.parallel.latent_ring:latent_attend",
+                       attend_up="moe_lc.parallel.latent_ring:latent_attend_mla_up"),
+        expanded_ring=CoreSeams(core=_RING, attend=_MLA_LOCAL.attend, attend_up=_MLA_LOCAL.attend_up),
+        hf_pieces="moe_lc.convert.hf_names:mla_pieces", hf_family="moe_lc.convert.hf_config:mla_family"),
+}
+
+
+def _dsa_errors(m) -> list[str]:
+    return _mla_errors(m) + m.dsa.errors(m.mla)
+
+
+# DeepSeek Sparse Attention (DeepSeek-V3.2): MLA with a lightning indexer, on when [model.dsa] enabled. Its
+# warm-up stage attends densely through MLA's own seams (core and attend, rings included); its own pieces
+# are the module, counts, cache, the indexer's TP placement and the sparse core (parallel/dsa_plan.py).
+ATTENTION_KINDS["dsa"] = replace(
+    ATTENTION_KINDS["mla"], name="dsa", label="DSA", variant=lambda m: m.dsa.enabled, errors=_dsa_errors,
+    module="moe_lc.model.dsa:DSAttention", params="moe_lc.model.dsa:dsa_params",
+    vector_params="moe_lc.model.dsa:dsa_vector_params", decode="moe_lc.model.dsa:DSADecode",
+    tp_rule="moe_lc.parallel.dsa_plan:dsa_tp_rule", hf_pieces="moe_lc.convert.hf_names:dsa_pieces",
+    hf_family="moe_lc.convert.hf_config:dsa_family", core_flops="moe_lc.model.dsa:dsa_core_flops",
+    extra_plan="moe_lc.parallel.dsa_plan:dsa_layer_plan")
+
+
+def attention_kind(m) -> AttentionSpec:
+    """The kind of the [model] section `m`: the variant of `m.attention` whose test holds, else its base kind."""
+    kinds = [k for k in ATTENTION_KINDS.values() if k.attention == m.attention]
+    if not kinds:
+        names = sorted({k.attention for k in ATTENTION_KINDS.values()})
+        raise ValueError(f"model.attention={m.attention!r} must be one of {', '.join(map(repr, names))}")
+    on = [k for k in kinds if k.variant is not None and k.variant(m)]
+    assert len(on) <= 1, f"variants {[k.name for k in on]} of model.attention={m.attention!r} are all on"
+    return on[0] if on else next(k for k in kinds if k.variant is None)
+
+
+def module_kinds() -> dict[type, AttentionSpec]:
+    """{module class: its kind} of every kind; imports their model files (callers: the model and above)."""
+    return {load(k.module): k for k in ATTENTION_KINDS.values()}
+
+
+def kind_of_module(module) -> AttentionSpec | None:
+    """The kind whose module class `module` is (exactly: a variant's subclass is its own kind), else None."""
+    return module_kinds().get(type(module))
