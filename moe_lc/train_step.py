@@ -116,7 +116,7 @@ def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: 
 
 
 @torch.no_grad()
-def balance_routers(model, dims: ParallelDims) -> dict:
+def balance_routers(model, dims: ParallelDims, frozen: bool = False) -> dict:
     """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
     return the MoE metrics: one all-reduce, which also carries each layer's `balance_columns` (the
     auxiliary losses' shares, the dropped copies) and under expert parallelism the dispatchers' counters
@@ -125,7 +125,8 @@ def balance_routers(model, dims: ParallelDims) -> dict:
     (E floats: token copies per expert, as routed, dropped ones included), each enabled loss's
     moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds, its
     mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
-    `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max)."""
+    `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max). frozen: the biases
+    stay (DeepSeek Sparse Attention's warm-up trains the indexers only)."""
     moes = model.moe_layers()
     if not moes:
         return {}
@@ -144,7 +145,7 @@ def balance_routers(model, dims: ParallelDims) -> dict:
     scalars = {}  # metric -> 0-dim device tensor
     for (name, moe), load, sums in zip(moes.items(), loads, extra):
         scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
-        moe.router.update_bias(load)
+        moe.router.update_bias(load, frozen)
         bias = moe.router.expert_bias
         scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
         for column, value in zip(names, sums):
