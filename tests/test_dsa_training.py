@@ -84,3 +84,30 @@ def test_topk_as_long_as_the_sequence_is_the_dense_model():
     dense = reference(RECIPE, TRAIN + DSA[:6])
     full = run_layout(RECIPE, TRAIN + DSA + ["model.dsa.index_topk=64", "train.steps=2"], world=1)
     assert full.losses == pytest.approx(dense.losses[:2], rel=1e-6)
+
+
+RECOMPUTE = {
+    "full": ["recompute.policy=full"],
+    "selective": ["recompute.policy=selective", "recompute.selective=['norm','attention','mla_up','router']"],
+}
+
+
+@pytest.mark.parametrize("policy", list(RECOMPUTE))
+def test_sparse_stage_under_recomputation_on_cp2_trains_like_one_process(policy):
+    """Full: the block's replay selects again (the same keys: the selection is exact) and books the indexer loss
+    once (in backward). Selective "attention": the sparse attention is replayed from q, the latent rows and the
+    kept selection."""
+    ref = reference(RECIPE, TRAIN + DSA)
+    got = run_layout(RECIPE, TRAIN + DSA + RECOMPUTE[policy] + ["parallel.cp=2"], world=2)
+    assert_equivalent(ref, got, rtol=1e-5)
+    assert _kl(got) == pytest.approx(_kl(ref), rel=1e-3)
+
+
+def test_sparse_stage_in_fp8_on_cp2_tracks_one_process():
+    """FP8 GEMMs in every Linear (the indexer's included): cp2 within the fp8 tolerance of one process."""
+    from tests.harness import TOLERANCE
+
+    fp8 = ["precision.recipe=fp8", "precision.fp8_backend=emulate"]
+    ref = reference(RECIPE, TRAIN + DSA + fp8)
+    got = run_layout(RECIPE, TRAIN + DSA + fp8 + ["parallel.cp=2"], world=2)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)) <= TOLERANCE["fp8"]
