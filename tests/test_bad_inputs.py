@@ -126,6 +126,14 @@ CASES = [
     ("tokenizer-spec", lambda t: [RECIPE, *FAST, *sets("data.tokenizer=gpt2")], 1, "data.tokenizer='gpt2'"),
     ("synthetic-short", lambda t: [RECIPE, *sets("data.source=synthetic", "train.seq_len=32")], 1,
      "train.seq_len=32 must be >= 64 for synthetic"),
+    ("tokens-empty-prepare", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={_prepared(t, docs=0)}")],
+     1, f"data: split 'train' of {{t}}/c holds no documents (c.train.shards.json lists no shards)"),
+    ("mixture-empty-prepare", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t, docs=0)))], 1,
+     "data: data source 'c': split 'train' of"),
+    ("mixture-concat-by-null", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t), 'concat_by = "repo"'))], 1,
+     "data: data source 'c': concat_by='repo': no document has a value for it (null or empty in all 20)"),
+    ("mixture-no-document-kept", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t), "min_doc_tokens = 1000"))], 1,
+     "data: data source 'c': no document has between 1000 and any number of tokens (the longest has 101)"),  # once
     # checkpoints
     ("ckpt-corrupt-metadata", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_corrupt_checkpoint(t)}", "checkpoint.resume=true")],
      1, "unreadable checkpoint metadata"),
@@ -169,6 +177,25 @@ def _token_file(tmp: Path, truncate: bool = False, tokenizer: str = "byte") -> P
     return prefix
 
 
+def _prepared(tmp: Path, docs: int = 20) -> Path:
+    """A prepare_data output (PREFIX c) of `docs` 100-token documents whose metadata field "repo" is null
+    in every one; docs=0: the manifests of a prepare that found no documents (earlier versions wrote them)."""
+    from moe_lc.data.shards import SplitShards
+    from moe_lc.data.tokenizer import ByteTokenizer
+
+    prefix = tmp / "c"
+    for split in ("train", "val"):
+        shards = SplitShards(str(prefix), split, ByteTokenizer(), 1 << 20, ("repo",), "test")
+        for k in range(docs):
+            shards.add(np.full(100, 65 + k, dtype=np.uint16), {"repo": None}, (k, 0))
+        shards.finish()
+    return prefix
+
+
+def _mixture(prefix: Path, extra: str = "") -> str:
+    return f'data.sources=[{{source = "stdlib", weight = 0.5}}, {{path = "{prefix}", weight = 0.5{", " + extra if extra else ""}}}]'
+
+
 def _checkpoint(tmp: Path, drop_shard: bool = False) -> Path:
     """A real checkpoint of the debug model (1 step)."""
     root = tmp / "ckpt"
@@ -200,7 +227,7 @@ def test_bad_input_gives_one_clear_error(case, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: "), err
-    assert expected in err, err
+    assert expected.replace("{t}", str(tmp_path)) in err, err
     assert "Traceback" not in err
 
 

@@ -248,3 +248,64 @@ def test_prepare_data_output_paths(tmp_path, capsys):
     one_error(capsys, prepare_data.main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]), "input not found")
     one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "nope"]),
               "--tokenizer: unknown tokenizer 'nope'")
+
+
+def test_prepare_data_inputs_without_a_document_are_refused_and_nothing_is_published(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "only.txt").write_text("")
+    (tmp_path / "nulls.jsonl").write_text('{"text": null}\n{"text": ""}\n')
+    expected = "every input is empty (1 file, {} bytes; empty files and records whose 'text' is empty or null " \
+               "are skipped); nothing was written"
+    for given in ("empty.jsonl", "folder"):  # empty files: refused before any work
+        out = tmp_path / "o" / given.split(".")[0]
+        one_error(capsys, prepare_data.main([str(tmp_path / given), "--out", str(out), "--workers", "1"]),
+                  f"no documents in {tmp_path / given}: {expected.format(0)}")
+        assert not list(out.parent.glob(f"{out.name}.*"))
+    out = tmp_path / "o" / "nulls"  # found while tokenizing: the last line, after the progress bar
+    assert prepare_data.main([str(tmp_path / "nulls.jsonl"), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: no documents in {tmp_path / 'nulls.jsonl'}: {expected.format(28)}", err
+    assert not list(out.parent.glob(f"{out.name}.*"))  # no manifest (a run cannot read it), no state
+
+
+def test_prepare_data_reads_every_kind_in_a_directory_by_default(tmp_path, capsys):
+    import gzip
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text('{"text": "first record"}\n{"text": "second record"}\n')
+    with gzip.open(corpus / "sub" / "b.jsonl.gz", "wt") as fh:
+        fh.write('{"text": "gzipped record"}\n')
+    (corpus / "c.txt").write_text("a text file\n")
+    (corpus / "notes.md").write_text("not a kind prepare_data reads by default\n")
+    assert prepare_data.main([str(corpus), "--out", str(tmp_path / "p"), "--val-fraction", "0", "--workers", "1"]) == 0
+    assert "3 files (1 text, 2 jsonl)" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "p.train.shards.json").read_text())
+    assert meta["n_documents"] == 4
+    one_error(capsys, prepare_data.main([str(corpus / "sub"), "--out", str(tmp_path / "q"), "--glob", "*.txt"]),
+              f"no input files matching *.txt under {corpus / 'sub'}")
+
+
+def test_prepare_data_refuses_a_metadata_field_no_input_has(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text('{"text": "one", "repo": "x"}\n{"text": "two", "id": 3}\n')
+    (tmp_path / "t.txt").write_text("text\n")
+    inputs = [str(tmp_path / "d.jsonl"), str(tmp_path / "t.txt")]
+    one_error(capsys, prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--meta-fields", "repo,nope"]),
+              "error: --meta-fields: no input has the field 'nope' (fields offered: JSON Lines (first 100 records "
+              "of each file): id, repo; text files: dir, path)")
+    one_error(capsys, prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--split-by", "nope"]),
+              "error: --split-by: no input has the field 'nope'")
+    assert not list(tmp_path.glob("o.*"))
+    # a field some input has is kept (null where a document lacks it)
+    assert prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--meta-fields", "repo,dir", "--workers", "1",
+                              "--val-fraction", "0"]) == 0
+
+
+def test_prepare_data_names_the_flag_that_is_out_of_range(tmp_path, capsys):
+    corpus = _corpus(tmp_path)
+    one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--workers", "0"]),
+              "error: --workers=0 must be >= 1")
+    line = one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--shard-tokens", "0"]),
+                     "error: --shard-tokens=0 must be >= 1")
+    assert "--workers" not in line
