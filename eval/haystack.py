@@ -5,8 +5,8 @@ default here is the prose of the Python standard library that runs the eval: the
 modules, classes and functions, in sorted file order (every machine with the same Python has the same
 text; which Python is recorded in the haystack's name), with runs of whitespace made single spaces as
 RULER does with the essays. `--haystack PATH` takes any text file instead (UTF-8, a binary is refused;
-whitespace likewise), or a moe_lc token file (`PATH` = the prefix of PATH.bin / PATH.json, made by tools/prepare_data.py with
-the model's tokenizer).
+whitespace likewise), or a moe_lc token file (`PATH` = the prefix of PATH.bin / PATH.json, made by
+tools/prepare_data.py with the model's tokenizer).
 
 A haystack is its token ids and the token indices where sentences start. Text is split into sentences
 after ".", "!" or "?" followed by whitespace, and each sentence is encoded on its own (with its trailing
