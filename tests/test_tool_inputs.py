@@ -1,4 +1,5 @@
-"""Mistakes given to the tools (ablate, schedule, plan, gpu_check, prepare_data): each ends with one
+"""Mistakes given to the tools (ablate, schedule, plan, gpu_check, prepare_data, timeline, overlap_bench,
+dryrun): each ends with one
 `error: ` line and exit status 2, no traceback, no hang, and nothing stale shown as new. The tools'
 main(argv) runs in-process where it can."""
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from tests.harness import RECIPES, ROOT
-from tools import ablate, gpu_check, plan, prepare_data, schedule
+from tools import ablate, dryrun, gpu_check, overlap_bench, plan, prepare_data, schedule, timeline
 from tools.ablate_plot import plot_losses, twin_labels
 from tools.ablate_settings import SETTINGS, STALE_DIR, ChangedRuns
 
@@ -309,3 +310,49 @@ def test_prepare_data_names_the_flag_that_is_out_of_range(tmp_path, capsys):
     line = one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--shard-tokens", "0"]),
                      "error: --shard-tokens=0 must be >= 1")
     assert "--workers" not in line
+
+
+# ---------------------------------------------------------------------------------------- 8. timeline, overlap_bench, dryrun
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    from moe_lc.train import main as train
+
+    run = tmp_path_factory.mktemp("traced") / "run"
+    assert train([RECIPE, *sets(*TINY, "train.steps=2", "train.trace_step=2", f"train.output_dir={run}")]) == 0
+    return run
+
+
+def test_timeline_mistakes_are_one_line_and_write_nothing(traced_run, tmp_path, capsys):
+    capsys.readouterr()
+    png = tmp_path / "t.png"
+    one_error(capsys, timeline.main([str(traced_run), "--window", "abc"]),
+              "error: --window 'abc' must be START:END seconds with START < END (e.g. 0:")
+    one_error(capsys, timeline.main([str(traced_run), "--png", str(png), "--window", "100:200"]),
+              "error: --window '100:200' starts after the traced step ends at ", "nothing to draw")
+    one_error(capsys, timeline.main([str(traced_run), "--png", "/proc/tl.png"]), "error: --png /proc/tl.png: cannot ")
+    assert not png.exists()
+    broken = tmp_path / "broken" / "timeline"
+    broken.mkdir(parents=True)
+    (broken / "rank0.json").write_text((traced_run / "timeline" / "rank0.json").read_text()[:100])
+    one_error(capsys, timeline.main([str(tmp_path / "broken")]),
+              f"error: {broken / 'rank0.json'}: not a complete timeline record (")
+    one_error(capsys, timeline.main([str(tmp_path / "nope")]), f"error: {tmp_path / 'nope'}: no such run folder")
+    one_error(capsys, timeline.main([str(tmp_path)]), "holds no rank*.json: train with --set train.trace_step=N")
+    assert timeline.main([str(traced_run), "--png", str(png), "--window", "0:0.001"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlap_bench_refuses_an_out_it_cannot_make_before_any_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(overlap_bench, "run_one", lambda *a: pytest.fail("a run started"))
+    one_error(capsys, overlap_bench.main(["--out", "/proc/ob"]), "error: --out /proc/ob: cannot create directory")
+    (tmp_path / "f").write_text("x")
+    one_error(capsys, overlap_bench.main(["--out", str(tmp_path / "f")]), "--out", "is a file")
+
+
+@pytest.mark.parametrize("ranks, message", [("x", "--ranks 'x': expected first,last, all-roles or global ranks"),
+                                            ("0,9", "--ranks '0,9': ranks [9] outside the world of 1")])
+def test_dryrun_ranks_mistakes_exit_2_before_the_planner(ranks, message, capsys, monkeypatch):
+    monkeypatch.setattr(dryrun, "plan", lambda *a: pytest.fail("the planner ran"))
+    one_error(capsys, dryrun.main([RECIPE, "--ranks", ranks]), f"error: {message}")
