@@ -233,3 +233,45 @@ def test_bad_input_gives_one_clear_error(case, tmp_path, capsys, monkeypatch):
 
 def test_the_catalogue_is_large():
     assert len(CASES) >= 30
+
+
+def _fake_compiler(tmp: Path) -> Path:
+    """A 'C++ compiler' that answers --version and fails to build anything."""
+    path = tmp / "fake-cxx"
+    path.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho "fake-cxx: error: cannot build" >&2\nexit 1\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("compiler, expected", [
+    ("missing", "train.compile=true: torch.compile's CPU backend (inductor) needs a C++ compiler, and none answers "
+                "(tried {cxx}: the CXX environment variable, else g++)"),
+    ("broken", "train.compile=true: the C++ compiler {cxx} (inductor's: $CXX, else g++) cannot build a shared library "
+               "(fake-cxx: error: cannot build)"),
+])
+def test_compile_without_a_working_cpp_compiler_stops_at_start(compiler, expected, tmp_path, capsys, monkeypatch):
+    """The compiler inductor would use (torch._inductor.config.cpp.cxx, read from $CXX when torch starts)
+    is asked before any model is built: one line instead of inductor's traceback at step 1."""
+    from torch._inductor import config as inductor_config
+
+    cxx = str(tmp_path / "no" / "g++") if compiler == "missing" else str(_fake_compiler(tmp_path))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, cxx))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = main([RECIPE, *FAST, *sets("train.compile=true", f"train.output_dir={tmp_path / 'out'}")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert expected.format(cxx=cxx) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_with_cxx_pointing_nowhere_stops_at_start(tmp_path):
+    """As a user meets it: CXX set in the environment of a fresh process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moe_lc.train", RECIPE, *FAST, *sets("train.compile=true",
+                           f"train.output_dir={tmp_path / 'out'}")], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "CXX": str(tmp_path / "no-g++"), "WORLD_SIZE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 2, proc.stderr  # the header and the rule
+    assert f"none answers (tried {tmp_path / 'no-g++'}: the CXX environment variable" in proc.stderr
