@@ -101,8 +101,7 @@ def markdown(results: dict, recipe: str, link: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/overlap_bench.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "overlap_cpu.toml"),
-                    help="default: the checkout's recipes/overlap_cpu.toml")
+    ap.add_argument("--recipe", default=None, help="default: the checkout's recipes/overlap_cpu.toml")
     ap.add_argument("--out", default="runs/overlap_bench", help="results folder (docs/results/overlap-cpu to commit)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
@@ -116,7 +115,11 @@ def main(argv=None) -> int:
         return 2
     from moe_lc.config import ConfigError, load_config
 
-    recipe = str(Path(args.recipe).resolve())  # the runs start in the checkout (ROOT): paths made absolute here
+    recipe = str(Path(args.recipe or ROOT / "recipes" / "overlap_cpu.toml").resolve())  # the runs start in ROOT
+    if args.recipe is None and not Path(recipe).is_file():
+        print("error: --recipe: the default, recipes/overlap_cpu.toml, ships with the moe_lc checkout, not the "
+              "installed package; give --recipe PATH", file=sys.stderr)
+        return 2
     try:
         link = load_config(recipe, args.set, world_size=4).parallel.link
         out = out_dir("--out", args.out).resolve()
