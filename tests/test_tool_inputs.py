@@ -280,10 +280,12 @@ def test_prepare_data_reads_every_kind_in_a_directory_by_default(tmp_path, capsy
         fh.write('{"text": "gzipped record"}\n')
     (corpus / "c.txt").write_text("a text file\n")
     (corpus / "notes.md").write_text("not a kind prepare_data reads by default\n")
+    pq = pytest.importorskip("pyarrow.parquet", reason="Parquet needs the [data] extra (pyarrow)")
+    pq.write_table(__import__("pyarrow").table({"text": ["a parquet row", "another"]}), corpus / "d.parquet")
     assert prepare_data.main([str(corpus), "--out", str(tmp_path / "p"), "--val-fraction", "0", "--workers", "1"]) == 0
-    assert "3 files (1 text, 2 jsonl)" in capsys.readouterr().out
+    assert "4 files (1 text, 2 jsonl, 1 parquet)" in capsys.readouterr().out
     meta = json.loads((tmp_path / "p.train.shards.json").read_text())
-    assert meta["n_documents"] == 4
+    assert meta["n_documents"] == 6
     one_error(capsys, prepare_data.main([str(corpus / "sub"), "--out", str(tmp_path / "q"), "--glob", "*.txt"]),
               f"no input files matching *.txt under {corpus / 'sub'}")
 
