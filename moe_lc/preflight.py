@@ -1,6 +1,7 @@
 """Checks of this machine against a recipe before any process group: paths, devices, the compiler
-train.compile needs, memory, the checkpoint a run starts from. The recipe's own rules ran in `load_config`; these depend on the
-filesystem and the device. Each failure is a ConfigError naming the key."""
+train.compile needs, memory, the checkpoint a run starts from. The recipe's own rules ran in
+`load_config`; these depend on the filesystem and the device. Each failure is a ConfigError naming the
+key."""
 
 from __future__ import annotations
 

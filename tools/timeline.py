@@ -8,7 +8,9 @@ measured mean cost of each pipeline action kind (F, B, W, F&B) and the simulator
 those costs next to the measured one. With --png it draws, per rank, one lane of compute phases
 (forward solid, backward hatched, coloured by phase: attention, dispatch, experts, combine, ...)
 and one lane per communication group (issue to done; the part a wait was blocked on is dark), and
-under them the simulator's timeline for the measured costs.
+under them the simulator's timeline for the measured costs. A missing run folder, a run without a
+traced step, a record cut short (named), a --window that is not START:END or starts after the step ends,
+and a --png that cannot be written are each one `error: ` line with exit status 2, before any drawing.
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def load(run: Path) -> list[dict]:
 def parse_window(text: str, step_end_s: float) -> tuple[float, float]:
     """--window START:END (seconds from the start of the traced step) -> (START, END); ValueError when it
     is not two numbers with START < END, or starts after the step (and its simulated rows) ended."""
+    wrong = f"--window {text!r} must be START:END seconds with START < END (e.g. 0:{step_end_s:.3g})"
     try:
         start, end = (float(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--window {text!r} must be START:END seconds with START < END (e.g. 0:{step_end_s:.3g})") from None
+        raise ValueError(wrong) from None
     if not start < end or not all(map(math.isfinite, (start, end))):
-        raise ValueError(f"--window {text!r} must be START:END seconds with START < END (e.g. 0:{step_end_s:.3g})")
+        raise ValueError(wrong)
     if start >= step_end_s:
         raise ValueError(f"--window {text!r} starts after the traced step ends at {step_end_s:.3f} s: nothing to "
                          f"draw; give a window within 0:{step_end_s:.3f}")

@@ -84,8 +84,8 @@ def recipe_error(args) -> str | None:
     for part in (p for p in args.parts if p in defaults):
         for recipe in (args.recipe[:1] if part != "gemm" else args.recipe) or defaults[part]:
             if not (ROOT / recipe).is_file():
-                where = "" if args.recipe else " (a default: the recipes ship with the moe_lc checkout, not the package)"
-                return f"--parts {part} reads {recipe}, which is not there{where}; give --recipe PATH"
+                why = "" if args.recipe else " (a default: the recipes ship with the moe_lc checkout, not the package)"
+                return f"--parts {part} reads {recipe}, which is not there{why}; give --recipe PATH"
     return None
 
 
