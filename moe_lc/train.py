@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from moe_lc import cpu_threads
+
+cpu_threads.prefer_passive_wait()  # before torch loads the OpenMP runtime, which reads the policy once
+import torch  # noqa: E402
 
 from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
@@ -67,8 +70,7 @@ class Trainer:
         self.cfg = cfg
         t, p = cfg.train, cfg.precision
         self.device = device if device is not None else resolve_device(t.device)
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = cpu_threads.apply_threads(t.threads, "train.threads")  # before any parallel op
         self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.dims = ParallelDims.from_config(cfg.parallel, world, rank, self.device.type)
@@ -321,7 +323,8 @@ class Trainer:
         c = param_counts(self.cfg.model)
         t = self.cfg.train
         print(f"moe_lc | {c['total'] / 1e6:.2f}M params ({c['activated'] / 1e6:.2f}M activated) | "
-              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe}", flush=True)
+              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe} | "
+              f"{self.threads.describe()}", flush=True)
         print(f"moe_lc | {t.steps} steps x {t.global_batch} seqs x {t.seq_len} tokens, "
               f"{self.microbatches} micro-batches of {t.micro_batch} per rank | output {t.output_dir}"
               + (f" | resumed from {resumed}" if resumed else ""), flush=True)
