@@ -12,7 +12,11 @@ shares that core to get its time slice: the debug recipe ran 15-50x slower on 2 
    cgroup v2 CPU quota (`/sys/fs/cgroup/cpu.max`, a container's CPU limit); busy cores are measured over
    0.1 s from /proc/stat on exactly those cores (no lag: the load average takes a minute to see a new
    load, and counts cores outside the affinity), or read from the 1-minute load average where there is no
-   /proc/stat (macOS).
+   /proc/stat (macOS). Measured once per process, so runs in one process compute alike.
+
+The count sets the order of some sums (the losses of 1 and 2 threads part in the last digits): a resumed
+run repeats the interrupted one's losses bit for bit at the same count, which the start-up line gives;
+set the count (`train.threads`) where a resume on a machine whose load changed must match exactly.
 
 `prefer_passive_wait()` makes waiting OpenMP threads sleep instead of spin (OMP_WAIT_POLICY=PASSIVE), so a
 load that starts after the choice costs about one thread's speed rather than a spin behind a busy core;
@@ -21,6 +25,7 @@ the OpenMP runtime reads the variable once, when torch loads it, so it must run 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -61,7 +66,7 @@ def cgroup_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
     return None if quota == "max" else int(quota) / int(period)
 
 
-def _proc_stat(cores: list[int]) -> dict[int, tuple[int, int]] | None:
+def _proc_stat(cores: tuple[int, ...]) -> dict[int, tuple[int, int]] | None:
     """core -> (busy, total) jiffies from /proc/stat, None where unreadable."""
     try:
         lines = open("/proc/stat").read().splitlines()
@@ -76,7 +81,8 @@ def _proc_stat(cores: list[int]) -> dict[int, tuple[int, int]] | None:
     return out or None
 
 
-def busy_cores(cores: list[int], sample_s: float = SAMPLE_S) -> tuple[float, str]:
+@functools.cache  # once per process: runs in one process (tests, tools) compute alike, so give the same losses
+def busy_cores(cores: tuple[int, ...], sample_s: float = SAMPLE_S) -> tuple[float, str]:
     """(busy cores among `cores`, how it was measured): a /proc/stat sample, else the load average."""
     before = _proc_stat(cores)
     if before is not None:
@@ -103,7 +109,7 @@ def choose_threads(requested: int, knob: str, env=os.environ, measure=busy_cores
     if omp.isdigit() and int(omp) > 0:
         return ThreadChoice(int(omp), f"from OMP_NUM_THREADS; set {knob} to override")
     cores = allowed_cores()
-    busy, how = measure(cores)
+    busy, how = measure(tuple(cores))
     quota, ranks = cgroup_quota(), int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
     n = auto_threads(len(cores), busy, quota, ranks)
     idle = max(0, min(len(cores), int(len(cores) - busy + 0.5)))

@@ -59,7 +59,7 @@ def test_a_core_kept_busy_is_measured_busy():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         os.sched_setaffinity(spinner.pid, {core})
-        busy, how = cpu_threads.busy_cores([core], sample_s=0.3)
+        busy, how = cpu_threads.busy_cores.__wrapped__((core,), sample_s=0.3)  # measured now, not the cached
     finally:
         spinner.kill()
         spinner.wait()
@@ -84,3 +84,14 @@ def test_the_trainer_waits_passively_and_says_its_thread_count(tmp_path):
     assert "policy PASSIVE\n" in run.stdout
     assert re.search(r"\| threads \d+ \(auto: \d+ of \d+ cores idle (?:in a 0\.1 s sample|by load average); set train\.threads to "
                      r"override\)\n", run.stdout), run.stdout
+
+
+def test_eval_says_its_thread_count(tiny_run, tmp_path, capsys, monkeypatch):
+    from eval import run as eval_run
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert eval_run.main([str(tiny_run), "--tasks", "passkey", "--lengths", "128", "--depths", "0", "--samples", "1",
+                          "--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.search(r"cells \| threads \d+ \(auto: \d+ of \d+ cores idle (?:in a 0\.1 s sample|by load average); "
+                     r"set --threads to override\)$", first), first
