@@ -2,6 +2,7 @@
 the same step and one line naming it (moe_lc/stop_signal.py); the resumed run continues to the
 uninterrupted run's losses, bit for bit."""
 
+import os
 import re
 import signal
 import subprocess
@@ -98,3 +99,34 @@ def test_a_signal_on_one_rank_stops_both_and_torchrun_restarts_from_its_checkpoi
     assert f"resumed from {out / 'checkpoints' / 'step_00000003'}" in run.stdout
     assert [s for s, _ in committed_checkpoints(out / "checkpoints")] == [3, 10]
     assert losses(out) == uninterrupted(2)
+
+
+FAKE_SLURM = {  # stand-ins that record what docs/launch/slurm.sbatch asks of SLURM
+    "srun": 'echo "$@" > "$FAKE/srun_args"\ntrap \'echo USR1 > "$FAKE/srun_stopped"; exit 138\' USR1\n'
+            'echo $$ > "$FAKE/srun_pid"\nwhile true; do sleep 0.05; done\n',
+    "scancel": 'echo "$@" >> "$FAKE/scancel.log"\nkill -USR1 "$(cat "$FAKE/srun_pid")"\n',
+    "scontrol": 'if [ "$1" = show ]; then echo node1; else echo "$@" >> "$FAKE/scontrol.log"; fi\n',
+}
+
+
+def test_the_slurm_script_stops_the_step_before_the_limit_and_requeues(tmp_path):
+    """SLURM's early SIGUSR1 (`--signal=B:USR1@...`) to the batch script: it passes SIGUSR1 to the training
+    step (scancel), waits for the step to end, and requeues the job; torchrun is told to pass SIGUSR1 on."""
+    for name, body in FAKE_SLURM.items():
+        (tmp_path / name).write_text("#!/bin/bash\n" + body)
+        (tmp_path / name).chmod(0o755)
+    env = dict(os.environ, FAKE=str(tmp_path), PATH=f"{tmp_path}:{os.environ['PATH']}", SLURM_JOB_ID="42",
+               SLURM_NNODES="1", SLURM_JOB_NODELIST="node1")
+    job = subprocess.Popen(["bash", str(ROOT / "docs" / "launch" / "slurm.sbatch")], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "srun_pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.send_signal(signal.SIGUSR1)
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode == 138, stderr
+    assert (tmp_path / "scancel.log").read_text() == "--signal=USR1 42\n"
+    assert (tmp_path / "srun_stopped").read_text() == "USR1\n"
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
+    args = (tmp_path / "srun_args").read_text()
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in args and "--shutdown-timeout 170" in args
