@@ -76,14 +76,16 @@ def test_the_trainer_waits_passively_and_says_its_thread_count(tmp_path):
     """`python -m moe_lc.train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, and its start-up line
     gives the thread count and why."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    train = "import os, sys, moe_lc.train as t; print('policy', os.environ['OMP_WAIT_POLICY']); sys.exit(t.main(sys.argv[1:]))"
-    run = subprocess.run([sys.executable, "-c", train, "recipes/debug_cpu.toml", "--set", "train.steps=1", "--set",
-                          f"train.output_dir={tmp_path}", "--set", "train.loggers=[]", "--set",
-                          "checkpoint.save_final=false"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    train = ("import os, sys, moe_lc.train as t; print('policy', os.environ['OMP_WAIT_POLICY']); "
+             "sys.exit(t.main(sys.argv[1:]))")
+    args = ["recipes/debug_cpu.toml", "--set", "train.steps=1", "--set", f"train.output_dir={tmp_path}", "--set",
+            "train.loggers=[]", "--set", "checkpoint.save_final=false"]
+    run = subprocess.run([sys.executable, "-c", train, *args], env=env, capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "policy PASSIVE\n" in run.stdout
-    assert re.search(r"\| threads \d+ \(auto: \d+ of \d+ cores idle (?:in a 0\.1 s sample|by load average); set train\.threads to "
-                     r"override\)\n", run.stdout), run.stdout
+    assert re.search(r"\| threads \d+ \(auto: \d+ of \d+ cores idle (?:in a 0\.1 s sample|by load average); "
+                     r"set train\.threads to override\)\n", run.stdout), run.stdout
 
 
 def test_eval_says_its_thread_count(tiny_run, tmp_path, capsys, monkeypatch):

@@ -1,14 +1,15 @@
 """The README's quick start on a busy machine: `python -m moe_lc.train recipes/debug_cpu.toml` while another
-process keeps one core busy, and the same on the idle machine, wall time and steps/s of each.
+process keeps one core busy, then the same alone; wall time and steps/s of each.
 
     python -m tools.bench.busy_quickstart                       # busy (one core), then idle; 200 steps each
     python -m tools.bench.busy_quickstart --only busy --pin -- --set train.threads=2   # a forced thread count
 
-The busy process is a Python busy loop (`while True: pass`) started `--lead` seconds before training; `--pin`
-pins it to the last core of this process's affinity (Linux), else the kernel places it. The training command is the quick start
-as written plus `--set train.output_dir=<a temporary folder>` (the README's run directory may be in use) and
-anything after `--`. A run past `--timeout` seconds is killed and reported with the steps it finished.
-Prints one line per run (and its start-up `threads` line); `--out DIR` also writes results.json.
+The busy process is a Python busy loop (`while True: pass`) started `--lead` seconds before training;
+`--pin` pins it to the last core of this process's affinity (Linux), else the kernel places it. The
+training command is the quick start as written plus `--set train.output_dir=<a temporary folder>` (the
+README's run directory may be in use) and anything after `--`. A run past `--timeout` seconds is killed
+and reported with the steps it finished. Prints one line per run, with the run's start-up `threads`
+line; `--out DIR` also writes results.json.
 """
 
 from __future__ import annotations
