@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from moe_lc.cpu_threads import apply_threads, prefer_passive_wait
+from moe_lc.cpu_threads import apply_threads, passive_wait_if_shared
 
-prefer_passive_wait()  # before torch loads the OpenMP runtime, which reads the policy once (moe_lc/cpu_threads.py)
+passive_wait_if_shared()  # before torch loads the OpenMP runtime, which reads the policy once (cpu_threads.py)
 import torch  # noqa: E402
 
 from . import perplexity, plots, ruler_run, tasks

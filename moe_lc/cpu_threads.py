@@ -18,9 +18,13 @@ The count sets the order of some sums (the losses of 1 and 2 threads part in the
 run repeats the interrupted one's losses bit for bit at the same count, which the start-up line gives;
 set the count (`train.threads`) where a resume on a machine whose load changed must match exactly.
 
-`prefer_passive_wait()` makes waiting OpenMP threads sleep instead of spin (OMP_WAIT_POLICY=PASSIVE), so a
-load that starts after the choice costs about one thread's speed rather than a spin behind a busy core;
-the OpenMP runtime reads the variable once, when torch loads it, so it must run before `import torch`.
+On a machine that was not idle at start-up (fewer threads than cores), `passive_wait_if_shared()` also makes
+waiting OpenMP threads sleep instead of spin (OMP_WAIT_POLICY=PASSIVE), so a load that grows later costs
+about one thread's speed rather than a spin behind a busy core (the debug recipe on 2 cores, one busy:
+2.7 s a step spinning, 0.39 s sleeping, 0.31 s on 1 thread). On an idle machine spinning is faster (waking
+a sleeping thread for each small op: 0.30 s a step vs 0.21 s), so the policy stays OpenMP's own there.
+(Figures from a shared machine, indicative.) The OpenMP runtime reads the variable once, when torch
+loads it: call this before `import torch`. A policy or OMP_NUM_THREADS the user set is left alone.
 """
 
 from __future__ import annotations
@@ -42,12 +46,6 @@ class ThreadChoice:
 
     def describe(self) -> str:
         return f"threads {self.threads} ({self.reason})"
-
-
-def prefer_passive_wait() -> bool:
-    """Set OMP_WAIT_POLICY=PASSIVE unless the user set a policy; False when too late (torch already loaded)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return "torch" not in sys.modules
 
 
 def allowed_cores() -> list[int]:
@@ -125,3 +123,18 @@ def apply_threads(requested: int, knob: str) -> ThreadChoice:
     if choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
     return choice
+
+
+def passive_wait_if_shared(env=os.environ, measure=None, torch_loaded: bool | None = None) -> bool:
+    """Set OMP_WAIT_POLICY=PASSIVE in `env` where auto would take fewer threads than this process has cores;
+    whether it did. Nothing when torch is loaded already (too late) or the user set the policy or a count."""
+    if torch_loaded is None:
+        torch_loaded = "torch" in sys.modules
+    if torch_loaded or "OMP_WAIT_POLICY" in env or "OMP_NUM_THREADS" in env:
+        return False
+    cores = allowed_cores()
+    busy, _ = (measure or busy_cores)(tuple(cores))
+    if auto_threads(len(cores), busy, cgroup_quota()) >= len(cores):
+        return False
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True

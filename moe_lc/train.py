@@ -19,7 +19,7 @@ from pathlib import Path
 
 from moe_lc import cpu_threads
 
-cpu_threads.prefer_passive_wait()  # before torch loads the OpenMP runtime, which reads the policy once
+cpu_threads.passive_wait_if_shared()  # before torch loads the OpenMP runtime, which reads the policy once
 import torch  # noqa: E402
 
 from moe_lc import checkpoint as ckpt

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,26 +67,41 @@ def test_a_core_kept_busy_is_measured_busy():
     assert busy > 0.9 and how == "in a 0.3 s sample"
 
 
-def test_a_wait_policy_the_user_set_stays(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cpu_threads.prefer_passive_wait()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+def test_threads_sleep_while_waiting_only_where_the_machine_was_busy(two_cores):
+    one_busy, idle = (lambda cores: (1.0, "")), (lambda cores: (0.1, ""))  # noqa: E731
+    env = {}
+    assert cpu_threads.passive_wait_if_shared(env, one_busy, torch_loaded=False)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for env in ({}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_NUM_THREADS": "2"}):
+        before = dict(env)
+        assert not cpu_threads.passive_wait_if_shared(env, idle if not env else one_busy, torch_loaded=False)
+        assert env == before
+    assert not cpu_threads.passive_wait_if_shared({}, one_busy, torch_loaded=True)  # too late: OpenMP has read it
 
 
-def test_the_trainer_waits_passively_and_says_its_thread_count(tmp_path):
-    """`python -m moe_lc.train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, and its start-up line
-    gives the thread count and why."""
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="2 cores, Linux")
+def test_the_trainer_beside_a_busy_core_sleeps_while_waiting_and_says_its_thread_count(tmp_path):
+    """`python -m moe_lc.train` with one of its cores kept busy: OMP_WAIT_POLICY=PASSIVE set before torch
+    loads, and the start-up line gives the thread count and why."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    train = ("import os, sys, moe_lc.train as t; print('policy', os.environ['OMP_WAIT_POLICY']); "
+    train = ("import os, sys, moe_lc.train as t; print('policy', os.environ.get('OMP_WAIT_POLICY')); "
              "sys.exit(t.main(sys.argv[1:]))")
     args = ["recipes/debug_cpu.toml", "--set", "train.steps=1", "--set", f"train.output_dir={tmp_path}", "--set",
             "train.loggers=[]", "--set", "checkpoint.save_final=false"]
-    run = subprocess.run([sys.executable, "-c", train, *args], env=env, capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(spinner.pid, {max(os.sched_getaffinity(0))})
+        time.sleep(0.2)
+        run = subprocess.run([sys.executable, "-c", train, *args], env=env, capture_output=True, text=True, cwd=ROOT,
+                             timeout=300)
+    finally:
+        spinner.kill()
+        spinner.wait()
     assert run.returncode == 0, run.stderr[-2000:]
     assert "policy PASSIVE\n" in run.stdout
-    assert re.search(r"\| threads \d+ \(auto: \d+ of \d+ cores idle (?:in a 0\.1 s sample|by load average); "
-                     r"set train\.threads to override\)\n", run.stdout), run.stdout
+    cores = len(os.sched_getaffinity(0))
+    assert re.search(rf"\| threads \d+ \(auto: \d+ of {cores} cores idle in a 0\.1 s sample; set train\.threads to "
+                     r"override\)\n", run.stdout), run.stdout
 
 
 def test_eval_says_its_thread_count(tiny_run, tmp_path, capsys, monkeypatch):
