@@ -85,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stride", type=int, default=256, help="sliding-window stride (capped at length/2)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch CPU threads (0 = auto: OMP_NUM_THREADS if set, else the idle cores; moe_lc/cpu_threads.py)")
+                    help="torch CPU threads (0 = auto: OMP_NUM_THREADS if set, else the idle cores; "
+                         "moe_lc/cpu_threads.py)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: cuda (cuda:LOCAL_RANK under torchrun) when available")
     ap.add_argument("--out", help="output directory (default: <run dir>/eval/<step dir name>)")
