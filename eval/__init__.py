@@ -9,7 +9,8 @@ ruler_run.py  RULER's scoring: string match over a greedy generation (KV cache),
 summary.py    the summary table per run (task x length, RULER's average), in results.json and summary.png
 perplexity.py sliding-window perplexity by context length, loss by token position
 plots.py      depth x length heatmaps, accuracy by length, perplexity figures, the summary table
-lm_eval.py    lm-evaluation-harness bridge: `python -m eval.lm_eval run --model moe_lc ...` ([eval] extra)
+lm_eval.py    lm-evaluation-harness bridge: `python -m eval.lm_eval run --model moe_lc ...` ([eval] extra),
+              its arguments checked first; lm_eval_model.py: the checkpoint behind lm_eval's LM interface
 inputs.py     the command line's values checked before anything loads: one `error:` line per mistake
 outputs.py    the output folder: an earlier eval's results are refused or (--overwrite) replaced whole
 run.py        the command line: runs the tasks, writes results.json and the PNGs

@@ -4,9 +4,9 @@ RULER fills these contexts with Paul Graham's essays, downloaded by its setup sc
 default here is the prose of the Python standard library that runs the eval: the docstrings of its
 modules, classes and functions, in sorted file order (every machine with the same Python has the same
 text; which Python is recorded in the haystack's name), with runs of whitespace made single spaces as
-RULER does with the essays. `--haystack PATH` takes any text file instead (UTF-8; whitespace likewise),
-or a moe_lc token file (`PATH` = the prefix of PATH.bin / PATH.json, made by tools/prepare_data.py with
-the model's tokenizer).
+RULER does with the essays. `--haystack PATH` takes any text file instead (UTF-8, a binary is refused;
+whitespace likewise), or a moe_lc token file (`PATH` = the prefix of PATH.bin / PATH.json, made by
+tools/prepare_data.py with the model's tokenizer).
 
 A haystack is its token ids and the token indices where sentences start. Text is split into sentences
 after ".", "!" or "?" followed by whitespace, and each sentence is encoded on its own (with its trailing
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lc.data.corpus import default_cache_dir, list_text_files, read_text, stdlib_root
+from moe_lc.data.ingest import binary_reason
 
 STDLIB_PROSE = "stdlib-prose"
 # enough docstring text for a 128K-token window with any tokenizer (~4 characters per BPE token)
@@ -162,6 +163,9 @@ def haystack_error(spec: str | None) -> str | None:
         return f"--haystack {spec} is a folder; give a text file or a token-file prefix (PREFIX.bin + PREFIX.json)"
     if not path.is_file():
         return f"--haystack {spec}: no such file (nor {spec}.bin + {spec}.json)"
+    not_text = binary_reason(path)  # tools/prepare_data.py's test: a binary is no haystack
+    if not_text:
+        return f"--haystack {spec} {not_text}; give a UTF-8 text file or a token-file prefix"
     if not read_text(path, 4096).strip():
         return f"--haystack {spec}: the file holds no text"
     return None

@@ -5,164 +5,193 @@
     python -m eval.lm_eval --model moe_lc ...           # lm_eval's legacy form (it inserts `run`)
     moe-lm-eval ...                                     # the same, installed
 
-lm-eval 0.4.x has no plugin discovery, so this front end registers the model class with lm_eval's
-registry under the name "moe_lc" and then hands its own command line to lm_eval's CLI unchanged; the
-package also declares an entry point (group "lm_eval.models", pyproject.toml) for a later lm-eval that
-discovers plugins. Needs the `[eval]` extra (pip install -e '.[eval]': lm-eval pinned).
+lm-eval 0.4.x has no plugin discovery, so this front end registers the model class (eval/lm_eval_model.py)
+with lm_eval's registry under the name "moe_lc" and then hands its own command line to lm_eval's CLI
+unchanged; the package also declares an entry point (group "lm_eval.models", pyproject.toml) for a later
+lm-eval that discovers plugins. Needs the `[eval]` extra (pip install -e '.[eval]': lm-eval pinned).
 
 model_args: path (run directory, checkpoint root, step directory or from-hf directory, as `python -m
 eval`), recipe (default: the run's config.toml), set (recipe overrides, `;`-separated: set=a.b=1;c.d=2),
 max_length (tokens the model sees: default the recipe's train.seq_len), max_gen_toks (default 256),
-device (auto | cpu | cuda), threads. The model reads and writes text with the recipe's data.tokenizer;
-`tokenizer=` is accepted and left to the tasks that read it from model_args (lm_eval's `ruler` tasks size
-their prompts with a Hugging Face tokenizer of that name: a converted model's tokenizer/ directory).
+device (auto | cpu | cuda | cuda:N, or lm_eval's own --device; default auto), threads. The model reads
+and writes text with the recipe's data.tokenizer; `tokenizer=` is accepted and left to the tasks that read
+it from model_args (lm_eval's `ruler` tasks size their prompts with a Hugging Face tokenizer of that name:
+a converted model's tokenizer/ directory).
 
-The three request types, as lm_eval's docstrings define them:
-  loglikelihood(context, continuation)  sum of log p(continuation | context) and whether greedy decoding
-                                        gives it; an empty context is conditioned on EOS, and the context's
-                                        trailing spaces move to the continuation (lm_eval's TemplateLM rule);
-                                        inputs longer than max_length keep their last max_length tokens.
-  loglikelihood_rolling(text)           the text's log-likelihood in windows of max_length (lm_eval's
-                                        get_rolling_token_windows), the first conditioned on EOS.
-  generate_until(context, gen_kwargs)   greedy decoding with the KV cache (moe_lc/model/decode.py) until EOS,
-                                        max_gen_toks or one of `until` (cut there); sampling is refused.
+Mistakes are one `error: ` line and exit status 2, before lm_eval loads a task or the model a weight: the
+extra not installed, an unknown or malformed model argument, a path that holds no checkpoint, a recipe
+that does not load, sampling asked for in --gen_kwargs. A task whose own generation_kwargs sample is
+refused the same way when its first request arrives. This module imports lm_eval only inside main(), so
+that its own mistakes can be said without it.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import importlib.util
+import re
 import sys
-
-import torch
-
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
-from moe_lc.data import load_tokenizer
-from moe_lc.model.decode import extend, new_cache, prefill
-from moe_lc.preflight import resolve_device
-from .model_io import forward_logits, load_eval_config, load_model, resolve_checkpoint
+from dataclasses import dataclass
+from pathlib import Path
 
 MODEL_NAME = "moe_lc"
+KNOWN_ARGS = ("path", "recipe", "set", "max_length", "max_gen_toks", "device", "threads", "tokenizer")
+EXTRA_HINT = "pip install -e '.[eval]' (the [eval] extra: lm-eval 0.4.13)"
 
 
-class MoeLcLM(LM):
-    """A moe_lc checkpoint behind lm_eval's `LM` interface (one process, no context parallelism)."""
+class BridgeError(ValueError):
+    """A mistake in what the bridge was given; its message is one line naming the argument."""
 
-    def __init__(self, path: str, recipe: str | None = None, set: str | None = None, max_length: int | None = None,
-                 max_gen_toks: int = 256, device: str | None = "auto", threads: int = 0, batch_size=1,
-                 max_batch_size=None, tokenizer: str | None = None, **unused):
-        super().__init__()
-        if unused:
-            raise ValueError(f"moe_lc model_args: unknown {', '.join(sorted(unused))}; known: path, recipe, set, "
-                             "max_length, max_gen_toks, device, threads, tokenizer")
-        if threads:
-            torch.set_num_threads(int(threads))
-        step_dir, config_path = resolve_checkpoint(str(path))
-        overrides = [x for x in str(set).split(";") if x] if set else []
-        cfg = load_eval_config(config_path, recipe, overrides)
-        self._device = resolve_device(device or "auto")
-        self.model = load_model(step_dir, cfg, self._device)
-        self.tok = load_tokenizer(cfg.data.tokenizer)
-        self.max_length = int(max_length or cfg.train.seq_len)
-        self.max_gen_toks = int(max_gen_toks)
-        self.checkpoint = str(step_dir)
 
-    # ------------------------------------------------------------------ scoring
+@dataclass(frozen=True)
+class ModelArgs:
+    """--model_args resolved: the checkpoint's step directory, its recipe, and the numbers."""
 
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tok.encode(text)]
+    step_dir: Path
+    cfg: object  # moe_lc.config.Config
+    max_length: int
+    max_gen_toks: int
+    device: object  # torch.device
+    threads: int
 
-    def _continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """sum log p(continuation | context) and whether every continuation token is the argmax."""
-        tokens = (context + continuation)[-(self.max_length + 1):]
-        logits = forward_logits(self.model, torch.tensor([tokens[:-1]]))[0]
-        logp = torch.log_softmax(logits[-len(continuation):], -1)
-        target = torch.tensor(continuation, device=logp.device)
-        return logp.gather(-1, target[:, None]).sum().item(), bool((logp.argmax(-1) == target).all())
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
-        for request in requests:
-            context, continuation = request.args
-            spaces = len(context) - len(context.rstrip())
-            if spaces:  # lm_eval's rule: word-boundary spaces belong to the continuation
-                context, continuation = context[:-spaces], context[-spaces:] + continuation
-            whole, head = self._encode(context + continuation), self._encode(context)
-            cont = whole[len(head):] if whole[:len(head)] == head else self._encode(continuation)
-            head = head if context else [self.tok.eos_id]
-            result = self._continuation_logprob(head, cont) if cont else (0.0, True)
-            out.append(result)
-            self.cache_hook.add_partial("loglikelihood", request.args, result)
-        return out
+def _whole_number(name: str, value, low: int) -> int | None:
+    """value as an int >= low (lm_eval hands numbers over as int, text as str); None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not (isinstance(value, int) or str(value).strip().isdigit()) or int(value) < low:
+        raise BridgeError(f"--model_args {name}={value}: must be a whole number >= {low}")
+    return int(value)
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        out = []
-        for request in requests:
-            (text,) = request.args
-            total = 0.0
-            for window in get_rolling_token_windows(self._encode(text), self.tok.eos_id, self.max_length, 1):
-                context, predicted = make_disjoint_window(window)
-                total += self._continuation_logprob(list(context), list(predicted))[0]
-            out.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
-        return out
 
-    # ------------------------------------------------------------------ generation
+def _checked_names(args: dict) -> None:
+    for name in args:
+        if name not in KNOWN_ARGS:
+            near = difflib.get_close_matches(str(name), KNOWN_ARGS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise BridgeError(f"--model_args {name}={args[name]}: unknown argument {name!r}{hint}; moe_lc takes "
+                              f"{', '.join(KNOWN_ARGS)}")
+    if not args.get("path"):
+        raise BridgeError("--model_args: path= is required (a run directory, checkpoint root, step directory or "
+                          "from-hf directory)")
 
-    @torch.no_grad()
-    def _generate(self, context: str, until: list[str], max_gen: int) -> str:
-        prompt = (self._encode(context) or [self.tok.eos_id])[-max(1, self.max_length - max_gen):]
-        cache = new_cache(self.model, 1, len(prompt) + max_gen)
-        logits, new = prefill(self.model, torch.tensor([prompt]), cache), []
-        while len(new) < max_gen:
-            token = int(logits[0].argmax())
-            if token == self.tok.eos_id:
-                break
-            new.append(token)
-            text = self.tok.decode(new)
-            cut = min((text.index(u) for u in until if u and u in text), default=None)
-            if cut is not None:
-                return text[:cut]
-            if len(new) < max_gen:
-                logits = extend(self.model, torch.tensor([[token]]), cache)[:, -1]
-        return self.tok.decode(new)
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for request in requests:
-            context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            if kwargs.get("do_sample") or float(kwargs.get("temperature", 0) or 0) > 0:
-                raise ValueError("moe_lc generates greedily only: set do_sample=false / temperature=0 in the task")
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            text = self._generate(context, until, int(kwargs.get("max_gen_toks", self.max_gen_toks)))
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", request.args, text)
-        return out
+def resolve_model_args(args: dict, lm_eval_device: str | None = None) -> ModelArgs:
+    """lm_eval's parsed --model_args for model moe_lc, checked and resolved without loading a weight;
+    BridgeError (one line naming the argument) for anything wrong. The device is model_args' `device`,
+    else lm_eval's --device (`lm_eval_device`), else auto (CUDA where torch sees it)."""
+    import torch
 
-    @property
-    def tokenizer_name(self) -> str:
-        return self.tok.name
+    from moe_lc.checkpoint import CheckpointError
+    from moe_lc.config import ConfigError
+    from moe_lc.preflight import resolve_device
+    from .model_io import load_eval_config, resolve_checkpoint
+
+    _checked_names(args)
+    max_length = _whole_number("max_length", args.get("max_length"), 1)
+    max_gen_toks = _whole_number("max_gen_toks", args.get("max_gen_toks"), 1)
+    threads = _whole_number("threads", args.get("threads"), 0)
+    flag, device = ("--model_args device", args["device"]) if args.get("device") else ("--device", lm_eval_device)
+    device = str(device or "auto")
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise BridgeError(f"{flag}={device}: must be auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BridgeError(f"{flag}={device}: torch sees no CUDA device (use auto or cpu)")
+    path = str(args["path"])
+    try:
+        step_dir, config_path = resolve_checkpoint(path)
+    except (CheckpointError, OSError) as exc:
+        raise BridgeError(f"--model_args path={path}: {exc}") from None
+    overrides = [x for x in str(args["set"]).split(";") if x] if args.get("set") else []
+    try:
+        cfg = load_eval_config(config_path, args.get("recipe"), overrides)
+    except ConfigError as exc:
+        flag = "recipe" if args.get("recipe") else "set" if overrides else "path"
+        raise BridgeError(f"--model_args {flag}=...: " + "; ".join(exc.errors)) from None
+    return ModelArgs(step_dir, cfg, max_length or cfg.train.seq_len, max_gen_toks or 256,
+                     resolve_device(device) if device in ("auto", "cuda") else torch.device(device), threads or 0)
+
+
+def greedy_error(gen_kwargs: dict) -> str | None:
+    """Why generation kwargs ask for sampling, which moe_lc does not do (None when they do not)."""
+    sample = gen_kwargs.get("do_sample")
+    if sample is True or str(sample).lower() == "true":
+        return f"do_sample={sample}: moe_lc decodes greedily only (leave do_sample out, or false)"
+    try:
+        temperature = float(gen_kwargs.get("temperature") or 0)
+    except (TypeError, ValueError):
+        return f"temperature={gen_kwargs.get('temperature')}: not a number (moe_lc decodes greedily: 0)"
+    if temperature > 0:
+        return f"temperature={gen_kwargs['temperature']}: moe_lc decodes greedily only (temperature 0)"
+    return None
+
+
+def check_run(args) -> None:
+    """lm_eval's parsed `run` arguments, for model moe_lc: BridgeError before any task or weight loads."""
+    if getattr(args, "command", None) != "run" or getattr(args, "model", None) != MODEL_NAME:
+        return
+    if isinstance(args.model_args, dict):  # a --config file's model_args are checked by the model itself
+        # lm_eval hands its --device (default cuda:0) to the model beside model_args: one place for it,
+        # and auto (not cuda:0) where neither names one
+        resolve_model_args(args.model_args, args.device)
+        if args.model_args.get("device"):
+            args.device = args.model_args.pop("device")
+        args.device = args.device or "auto"
+    refused = greedy_error(args.gen_kwargs) if isinstance(args.gen_kwargs, dict) else None
+    if refused:
+        raise BridgeError(f"--gen_kwargs {refused}")
 
 
 def register() -> None:
     """Register MoeLcLM with lm_eval's model registry as "moe_lc" (again is harmless)."""
+    from lm_eval.api.registry import register_model
+
+    from .lm_eval_model import MoeLcLM
+
     try:
         register_model(MODEL_NAME)(MoeLcLM)
     except ValueError:  # registered already (by this module imported under another name): that one serves
         pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    """lm_eval's own CLI with the moe_lc model registered; `argv` as lm_eval's (default: sys.argv[1:])."""
-    from lm_eval.__main__ import cli_evaluate
+def lm_eval_installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm_eval's own CLI with the moe_lc model registered; `argv` as lm_eval's (default: sys.argv[1:]).
+    Exit status lm_eval's, or 2 with one `error: ` line for the mistakes above."""
+    if not lm_eval_installed():
+        print(f"error: python -m eval.lm_eval (moe-lm-eval) needs lm-eval, which is not installed: {EXTRA_HINT}",
+              file=sys.stderr)
+        return 2
+    from lm_eval._cli import HarnessCLI  # the pinned 0.4.x CLI: lm_eval.__main__.cli_evaluate, in two steps
+    from lm_eval.utils import setup_logging
 
     register()
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    setup_logging()
+    cli = HarnessCLI()
+    args = cli.parse_args()
+    try:
+        check_run(args)
+        cli.execute(args)
+    except BridgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def __getattr__(name: str):
+    """MoeLcLM on first use (it subclasses lm_eval's LM, so it needs the extra): `from eval.lm_eval import
+    MoeLcLM` and the lm_eval.models entry point keep working."""
+    if name == "MoeLcLM":
+        from .lm_eval_model import MoeLcLM
+
+        return MoeLcLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":  # as the package's module: the BridgeError main() catches is the one the model raises
+    sys.exit(importlib.import_module(__spec__.name).main())

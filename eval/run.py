@@ -30,7 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from moe_lc.cpu_threads import apply_threads, passive_wait_if_shared
+
+passive_wait_if_shared()  # before torch loads the OpenMP runtime, which reads the policy once (cpu_threads.py)
+import torch  # noqa: E402
 
 from . import perplexity, plots, ruler_run, tasks
 from .haystack import load_haystack
@@ -81,7 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for perplexity")
     ap.add_argument("--stride", type=int, default=256, help="sliding-window stride (capped at length/2)")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads (0 = auto: OMP_NUM_THREADS if set, else the idle cores; "
+                         "moe_lc/cpu_threads.py)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: cuda (cuda:LOCAL_RANK under torchrun) when available")
     ap.add_argument("--out", help="output directory (default: <run dir>/eval/<step dir name>)")
@@ -113,8 +118,7 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
     folder). Every check that needs no model (arguments, checkpoint, recipe, output folder, the
     checkpoint's tensors against the recipe's) runs before the model is built."""
     inputs = check_inputs(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = apply_threads(args.threads, "--threads")
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_eval_config(config_path, args.recipe, args.set)
     check_fit(step_dir, cfg)  # before a process group or a model exists (load_model checks again)
@@ -131,7 +135,7 @@ def evaluate(args: argparse.Namespace, progress=say) -> dict:
         progress = lambda *a, **k: None  # noqa: E731
     cells = len(inputs.tasks) * len(inputs.lengths)
     progress(f"eval {step_dir} (step {checkpoint_step(step_dir)}) -> {out}: {len(inputs.tasks)} task(s) x "
-             f"{len(inputs.lengths)} length(s) = {cells} cells"
+             f"{len(inputs.lengths)} length(s) = {cells} cells | {threads.describe()}"
              + (f" | context parallel over {dims.cp} ranks" if dims is not None else ""))
     essay = [t for t in inputs.tasks if t in NEEDS_HAYSTACK or inputs.params.get(t, {}).get("type_haystack") == "essay"]
     haystack = load_haystack(args.haystack, tokenizer) if essay else None

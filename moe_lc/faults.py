@@ -1,12 +1,15 @@
 """Fault injection for reliability tests: `MOE_LC_FAULT="kind@step[:rank],..."`.
 
-Kinds (each fires once, on the given rank or on every rank, after optimizer step `step`):
+Kinds (each fires once, on the given rank or on every rank, at optimizer step `step`):
     exit          the process exits with status 13 (a crashed rank; torchrun restarts the job)
     kill_in_save  SIGKILL while the checkpoint of that step is written (data and DCP metadata on
                   disk, commit marker and rename not yet done)
     nan_loss      the loss of that step becomes NaN before backward (non-finite guard)
     prepare_kill  tools/prepare_data.py is SIGKILLed right after publishing its `step`-th shard of a
                   split (the other split's open shard left half-written), to test resuming
+    sigterm       the process sends itself SIGTERM during step `step` (after the update, before the ranks
+                  agree whether to stop: moe_lc/stop_signal.py), as a scheduler stopping the job would
+    sigusr1       the same with SIGUSR1 (a scheduler's signal sent ahead of the stop)
 Under torchrun restarts a fault fires only in the first attempt (TORCHELASTIC_RESTART_COUNT = 0),
 so the restarted job runs clean. Nothing happens unless the variable is set.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import os
 import signal
 
-KINDS = ("exit", "kill_in_save", "nan_loss", "prepare_kill")
+KINDS = ("exit", "kill_in_save", "nan_loss", "prepare_kill", "sigterm", "sigusr1")
 
 
 def _faults() -> list[tuple[str, int, int | None]]:
@@ -54,3 +57,10 @@ def maybe_kill_after_shard(shards_written: int) -> None:
     if armed("prepare_kill", shards_written, 0):
         print(f"[fault injection] prepare_data killed after shard {shards_written}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_signal(step: int, rank: int) -> None:
+    for kind, signum in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+        if armed(kind, step, rank):
+            print(f"[fault injection] rank {rank} sends itself {signum.name} in step {step}", flush=True)
+            os.kill(os.getpid(), signum)

@@ -167,6 +167,8 @@ class MetricsLogger:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("moe/imbalance_max") is not None:
             parts.append(f"moe max/mean {r['moe/imbalance_max']:.2f}")
+        if r.get("moe/dropped_fraction_max") is not None:  # model.moe.capacity_factor: the worst layer's share
+            parts.append(f"dropped {r['moe/dropped_fraction_max']:.1%}")
         parts += [f"{r['step_time']:.2f} s/step", f"eta {_fmt_duration(eta)}"]
         print(" | ".join(parts), file=sys.stdout, flush=True)
 

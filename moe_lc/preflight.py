@@ -1,12 +1,15 @@
-"""Checks of this machine against a recipe before any process group: paths, devices, memory, the
-checkpoint a run starts from. The recipe's own rules ran in `load_config`; these depend on the
-filesystem and the device. Each failure is a ConfigError naming the key."""
+"""Checks of this machine against a recipe before any process group: paths, devices, the compiler
+train.compile needs, memory, the checkpoint a run starts from. The recipe's own rules ran in
+`load_config`; these depend on the filesystem and the device. Each failure is a ConfigError naming the
+key."""
 
 from __future__ import annotations
 
 import os
 import re
 import stat
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -122,6 +125,45 @@ def attention_error(backend: str, device: torch.device) -> str | None:
             "'torch' or 'reference'")
 
 
+def compile_error(device: torch.device) -> str | None:
+    """train.compile against this machine: torch.compile's inductor builds CPU kernels with a C++ compiler
+    (the first of torch._inductor.config.cpp.cxx that answers --version: $CXX, else g++), and GPU kernels
+    with Triton. Without them the first step dies in a long inductor traceback; here it is one line."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else ("train.compile=true: torch.compile needs Triton for CUDA kernels, which "
+                                          "is not importable (pip install triton), or set train.compile=false")
+    from torch._inductor import config as inductor_config
+
+    tried = [c for c in inductor_config.cpp.cxx if c]
+    for cxx in tried:
+        try:
+            subprocess.run([cxx, "--version"], capture_output=True, check=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return _compiler_build_error(cxx)
+    return (f"train.compile=true: torch.compile's CPU backend (inductor) needs a C++ compiler, and none answers "
+            f"(tried {', '.join(tried)}: the CXX environment variable, else g++); install one (e.g. g++) or point "
+            "CXX at it, or set train.compile=false")
+
+
+def _compiler_build_error(cxx: str) -> str | None:
+    """Why `cxx` cannot build a shared library, as inductor has it do (None when it can)."""
+    with tempfile.TemporaryDirectory(prefix="moe_lc_cxx_") as folder:
+        try:
+            proc = subprocess.run([cxx, "-x", "c++", "-shared", "-fPIC", "-o", str(Path(folder) / "probe.so"), "-"],
+                                  input="int moe_lc_probe() { return 0; }\n", capture_output=True, text=True,
+                                  timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"train.compile=true: the C++ compiler {cxx} (inductor's) did not run: {exc}"
+    if proc.returncode == 0:
+        return None
+    said = next((line.strip() for line in proc.stderr.splitlines() if line.strip()), f"exit status {proc.returncode}")
+    return (f"train.compile=true: the C++ compiler {cxx} (inductor's: $CXX, else g++) cannot build a shared library "
+            f"({said}); fix it or point CXX at another, or set train.compile=false")
+
+
 # ------------------------------------------------------------------------------------------ memory
 
 
@@ -188,6 +230,8 @@ def preflight(cfg: Config, world: int) -> None:
         device = resolve_device(cfg.train.device)
         attention = attention_error(cfg.model.attn_backend, device)
         errors += [attention] if attention else []
+        compiler = compile_error(device) if cfg.train.compile else None
+        errors += [compiler] if compiler else []
         errors += memory_errors(cfg, world, device, memory_per_rank(device, world))
     if cfg.checkpoint.init_from:
         try:

@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from moe_lc import cpu_threads
+
+cpu_threads.passive_wait_if_shared()  # before torch loads the OpenMP runtime, which reads the policy once
+import torch  # noqa: E402
 
 from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
@@ -41,6 +44,7 @@ from moe_lc.parallel.zero import ZeroOptimizer
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.recipe_error_exit import exit_on_recipe_error
 from moe_lc.step_timeline import traced_step
+from moe_lc.stop_signal import StopRequest, Stopped
 from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, dsa_metrics, forward_backward,
                                mtp_losses, source_losses, step_token_count)
 
@@ -69,8 +73,7 @@ class Trainer:
         self.cfg = cfg
         t, p = cfg.train, cfg.precision
         self.device = device if device is not None else resolve_device(t.device)
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = cpu_threads.apply_threads(t.threads, "train.threads")  # before any parallel op
         self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.dims = ParallelDims.from_config(cfg.parallel, world, rank, self.device.type)
@@ -101,6 +104,7 @@ class Trainer:
             bucket_mb=cfg.parallel.zero_bucket_mb, no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
         self.step = 0
         self.nonfinite_skipped = 0
+        self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (stop_signal.py)
         self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,
                                               async_save=cfg.checkpoint.async_save)
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
@@ -163,6 +167,8 @@ class Trainer:
         metrics.update(dsa_metrics(stats, m.dsa.stage if m.dsa.enabled else None, self.dims, self.device))
         if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices
             metrics.update(drawn_tokens(self.loader.dataset, first_sample, t.global_batch, t.seq_len))
+        faults.maybe_signal(self.step + 1, self.dims.rank)
+        self.stop_signal = self.stop.agreed(self.dims["world"], self.device)  # the same on every rank
         return StepResult(loss_sum.item() / n_tokens, grad_norm, applied, metrics)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -191,9 +197,11 @@ class Trainer:
     def fit(self, keep_final_state: bool = False, plan: run_dir.RunPlan | None = None) -> TrainResult:
         """Train to train.steps. `plan`: main()'s run-directory decision, made before the process group
         (computed here, on every rank alike, when absent). Ctrl-C raises `Interrupted` once an
-        asynchronous save in flight is done, with metrics.jsonl closed."""
+        asynchronous save in flight is done, with metrics.jsonl closed; SIGTERM / SIGUSR1 raise `Stopped`
+        after the step in progress and its checkpoint."""
         logger = self._start(plan or run_dir.check(self.cfg))
         result = TrainResult(optimizer_state_bytes=self.optimizer.state_bytes())
+        self.stop.install()
         try:
             self._loop(logger, result)
             self.checkpointer.wait()
@@ -202,7 +210,10 @@ class Trainer:
         except KeyboardInterrupt:
             raise Interrupted(self._interrupted(logger)) from None
         finally:
+            self.stop.restore()
             logger.close()
+        if self.stop_signal and self.step < self.cfg.train.steps:
+            raise Stopped(self.stop_signal, self.step, ckpt.latest_checkpoint(self.checkpoint_root()))
         if keep_final_state:
             result.final_state = full_state_dict(self.parallel, self.dims)
         return result
@@ -286,8 +297,10 @@ class Trainer:
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 saved = self._save(logger)
             faults.maybe_exit(self.step, self.dims.rank)
-        if cfg.checkpoint.save_final and self.step > first and saved != self.step:
-            self._save(logger)  # the end of the run, so eval and to-hf find the weights
+            if self.stop_signal:
+                break
+        if (cfg.checkpoint.save_final or self.stop_signal) and self.step > first and saved != self.step:
+            self._save(logger)  # the end of the run, so eval and to-hf find the weights (or the resume after a stop)
 
     def _save(self, logger: MetricsLogger) -> int:
         logger.event(f"checkpoint {'started' if self.cfg.checkpoint.async_save else 'saved'}: {self.save()}")
@@ -323,7 +336,8 @@ class Trainer:
         c = param_counts(self.cfg.model)
         t = self.cfg.train
         print(f"moe_lc | {c['total'] / 1e6:.2f}M params ({c['activated'] / 1e6:.2f}M activated) | "
-              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe}", flush=True)
+              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe} | "
+              f"{self.threads.describe()}", flush=True)
         print(f"moe_lc | {t.steps} steps x {t.global_batch} seqs x {t.seq_len} tokens, "
               f"{self.microbatches} micro-batches of {t.micro_batch} per rank | output {t.output_dir}"
               + (f" | resumed from {resumed}" if resumed else ""), flush=True)
@@ -348,8 +362,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint / run directory, 3 stopped
-    by the non-finite guard, 130 interrupted (Ctrl-C). Every rank returns the same status; a recipe error
-    (the same on every rank) is printed by rank 0."""
+    by the non-finite guard, 130 interrupted (Ctrl-C), 128 + N stopped with a checkpoint by signal N (143
+    SIGTERM, 138 SIGUSR1; moe_lc/stop_signal.py). Every rank returns the same status; a recipe error (the
+    same on every rank) is printed by rank 0."""
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -372,6 +387,12 @@ def main(argv=None) -> int:
             # every rank's last collective has drained before any rank tears its pairs down (a gloo
             # rank that destroys its group while a peer still reads from it can abort the peer)
             torch.distributed.barrier()
+    except Stopped as exc:  # every rank stopped after the same step, its checkpoint committed
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # as after a finished run
+        if rank == 0:
+            print(exc, file=sys.stderr, flush=True)
+        return 128 + exc.signum
     except (Interrupted, KeyboardInterrupt) as exc:
         if rank == 0:
             print(exc if isinstance(exc, Interrupted) else "interrupted before the first step", file=sys.stderr,

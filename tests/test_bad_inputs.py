@@ -126,6 +126,14 @@ CASES = [
     ("tokenizer-spec", lambda t: [RECIPE, *FAST, *sets("data.tokenizer=gpt2")], 1, "data.tokenizer='gpt2'"),
     ("synthetic-short", lambda t: [RECIPE, *sets("data.source=synthetic", "train.seq_len=32")], 1,
      "train.seq_len=32 must be >= 64 for synthetic"),
+    ("tokens-empty-prepare", lambda t: [RECIPE, *FAST, *sets("data.source=tokens", f"data.path={_prepared(t, docs=0)}")],
+     1, f"data: split 'train' of {{t}}/c holds no documents (c.train.shards.json lists no shards)"),
+    ("mixture-empty-prepare", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t, docs=0)))], 1,
+     "data: data source 'c': split 'train' of"),
+    ("mixture-concat-by-null", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t), 'concat_by = "repo"'))], 1,
+     "data: data source 'c': concat_by='repo': no document has a value for it (null or empty in all 20)"),
+    ("mixture-no-document-kept", lambda t: [RECIPE, *FAST, *sets(_mixture(_prepared(t), "min_doc_tokens = 1000"))], 1,
+     "data: data source 'c': no document has between 1000 and any number of tokens (the longest has 101)"),  # once
     # checkpoints
     ("ckpt-corrupt-metadata", lambda t: [RECIPE, *FAST, *sets(f"checkpoint.dir={_corrupt_checkpoint(t)}", "checkpoint.resume=true")],
      1, "unreadable checkpoint metadata"),
@@ -169,6 +177,25 @@ def _token_file(tmp: Path, truncate: bool = False, tokenizer: str = "byte") -> P
     return prefix
 
 
+def _prepared(tmp: Path, docs: int = 20) -> Path:
+    """A prepare_data output (PREFIX c) of `docs` 100-token documents whose metadata field "repo" is null
+    in every one; docs=0: the manifests of a prepare that found no documents (earlier versions wrote them)."""
+    from moe_lc.data.shards import SplitShards
+    from moe_lc.data.tokenizer import ByteTokenizer
+
+    prefix = tmp / "c"
+    for split in ("train", "val"):
+        shards = SplitShards(str(prefix), split, ByteTokenizer(), 1 << 20, ("repo",), "test")
+        for k in range(docs):
+            shards.add(np.full(100, 65 + k, dtype=np.uint16), {"repo": None}, (k, 0))
+        shards.finish()
+    return prefix
+
+
+def _mixture(prefix: Path, extra: str = "") -> str:
+    return f'data.sources=[{{source = "stdlib", weight = 0.5}}, {{path = "{prefix}", weight = 0.5{", " + extra if extra else ""}}}]'
+
+
 def _checkpoint(tmp: Path, drop_shard: bool = False) -> Path:
     """A real checkpoint of the debug model (1 step)."""
     root = tmp / "ckpt"
@@ -200,9 +227,51 @@ def test_bad_input_gives_one_clear_error(case, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: "), err
-    assert expected in err, err
+    assert expected.replace("{t}", str(tmp_path)) in err, err
     assert "Traceback" not in err
 
 
 def test_the_catalogue_is_large():
     assert len(CASES) >= 30
+
+
+def _fake_compiler(tmp: Path) -> Path:
+    """A 'C++ compiler' that answers --version and fails to build anything."""
+    path = tmp / "fake-cxx"
+    path.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho "fake-cxx: error: cannot build" >&2\nexit 1\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("compiler, expected", [
+    ("missing", "train.compile=true: torch.compile's CPU backend (inductor) needs a C++ compiler, and none answers "
+                "(tried {cxx}: the CXX environment variable, else g++)"),
+    ("broken", "train.compile=true: the C++ compiler {cxx} (inductor's: $CXX, else g++) cannot build a shared library "
+               "(fake-cxx: error: cannot build)"),
+])
+def test_compile_without_a_working_cpp_compiler_stops_at_start(compiler, expected, tmp_path, capsys, monkeypatch):
+    """The compiler inductor would use (torch._inductor.config.cpp.cxx, read from $CXX when torch starts)
+    is asked before any model is built: one line instead of inductor's traceback at step 1."""
+    from torch._inductor import config as inductor_config
+
+    cxx = str(tmp_path / "no" / "g++") if compiler == "missing" else str(_fake_compiler(tmp_path))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, cxx))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = main([RECIPE, *FAST, *sets("train.compile=true", f"train.output_dir={tmp_path / 'out'}")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert expected.format(cxx=cxx) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_with_cxx_pointing_nowhere_stops_at_start(tmp_path):
+    """As a user meets it: CXX set in the environment of a fresh process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moe_lc.train", RECIPE, *FAST, *sets("train.compile=true",
+                           f"train.output_dir={tmp_path / 'out'}")], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "CXX": str(tmp_path / "no-g++"), "WORLD_SIZE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 2, proc.stderr  # the header and the rule
+    assert f"none answers (tried {tmp_path / 'no-g++'}: the CXX environment variable" in proc.stderr

@@ -103,12 +103,22 @@ def test_dry_run_markdown_names_device_and_versions(dry_run):
     assert "| impl |" in md and "### profile" in md
 
 
-def test_dry_run_refuses_the_results_directory():
+def test_dry_run_refuses_the_results_directory(capsys):
     from tools.bench import run
 
-    with pytest.raises(SystemExit, match="must not write"):
-        run.main(["--dry-run", "--parts", "attention", "--out", str(RESULTS_DIR / "dry")])
+    assert run.main(["--dry-run", "--parts", "attention", "--out", str(RESULTS_DIR / "dry")]) == 2
+    assert capsys.readouterr().err.startswith("error: --dry-run must not write into")
     assert not (RESULTS_DIR / "dry").exists()
+
+
+def test_a_recipe_that_is_not_there_is_one_line_before_any_part(tmp_path, capsys):
+    from tools.bench import run
+
+    assert run.main(["--dry-run", "--parts", "attention,layer", "--recipe", str(tmp_path / "no.toml"),
+                     "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --parts layer reads {tmp_path / 'no.toml'}, which is not there; give --recipe PATH\n"
+    assert not (tmp_path / "o").exists()
 
 
 def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -135,8 +135,8 @@ REDUCED_128K = ["parallel.pp=2", "parallel.dp=1", "parallel.cp=4", "parallel.ep=
 
 @pytest.fixture(scope="module")
 def reduced_128k() -> dict:
-    result = dryrun(str(ROOT / "recipes" / "deepseek_v3_671b_128k.toml"), "--ranks", "0",
-                    *[f"--set={s}" for s in REDUCED_128K])
+    result = dryrun(str(ROOT / "recipes" / "deepseek_v3_671b_128k.toml"), "--ranks", "0", "--microbatches", "all",
+                    *[f"--set={s}" for s in REDUCED_128K])  # all 8: the traffic below counts them
     return result["ranks"][0]
 
 

@@ -71,6 +71,8 @@ BAD_FLAGS = [
     (["--stride", "0"], r"--stride 0 must be >= 1"),
     (["--samples", "x"], r"argument --samples: invalid int value: 'x'"),
     (["--device", "gpu"], r"argument --device: invalid choice: 'gpu'"),
+    (["--haystack", "/bin/ls"], r"^error: --haystack /bin/ls is not UTF-8 text: a NUL byte at offset \d+ in its first "
+                                r"8 KiB; give a UTF-8 text file or a token-file prefix$"),
 ]
 
 

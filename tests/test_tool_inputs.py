@@ -1,4 +1,5 @@
-"""Mistakes given to the tools (ablate, schedule, plan, gpu_check, prepare_data): each ends with one
+"""Mistakes given to the tools (ablate, schedule, plan, gpu_check, prepare_data, timeline, overlap_bench,
+dryrun): each ends with one
 `error: ` line and exit status 2, no traceback, no hang, and nothing stale shown as new. The tools'
 main(argv) runs in-process where it can."""
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from tests.harness import RECIPES, ROOT
-from tools import ablate, gpu_check, plan, prepare_data, schedule
+from tools import ablate, dryrun, gpu_check, overlap_bench, plan, prepare_data, schedule, timeline
 from tools.ablate_plot import plot_losses, twin_labels
 from tools.ablate_settings import SETTINGS, STALE_DIR, ChangedRuns
 
@@ -248,3 +249,112 @@ def test_prepare_data_output_paths(tmp_path, capsys):
     one_error(capsys, prepare_data.main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]), "input not found")
     one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "nope"]),
               "--tokenizer: unknown tokenizer 'nope'")
+
+
+def test_prepare_data_inputs_without_a_document_are_refused_and_nothing_is_published(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "only.txt").write_text("")
+    (tmp_path / "nulls.jsonl").write_text('{"text": null}\n{"text": ""}\n')
+    expected = "every input is empty (1 file, {} bytes; empty files and records whose 'text' is empty or null " \
+               "are skipped); nothing was written"
+    for given in ("empty.jsonl", "folder"):  # empty files: refused before any work
+        out = tmp_path / "o" / given.split(".")[0]
+        one_error(capsys, prepare_data.main([str(tmp_path / given), "--out", str(out), "--workers", "1"]),
+                  f"no documents in {tmp_path / given}: {expected.format(0)}")
+        assert not list(out.parent.glob(f"{out.name}.*"))
+    out = tmp_path / "o" / "nulls"  # found while tokenizing: the last line, after the progress bar
+    assert prepare_data.main([str(tmp_path / "nulls.jsonl"), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: no documents in {tmp_path / 'nulls.jsonl'}: {expected.format(28)}", err
+    assert not list(out.parent.glob(f"{out.name}.*"))  # no manifest (a run cannot read it), no state
+
+
+def test_prepare_data_reads_every_kind_in_a_directory_by_default(tmp_path, capsys):
+    import gzip
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text('{"text": "first record"}\n{"text": "second record"}\n')
+    with gzip.open(corpus / "sub" / "b.jsonl.gz", "wt") as fh:
+        fh.write('{"text": "gzipped record"}\n')
+    (corpus / "c.txt").write_text("a text file\n")
+    (corpus / "notes.md").write_text("not a kind prepare_data reads by default\n")
+    pq = pytest.importorskip("pyarrow.parquet", reason="Parquet needs the [data] extra (pyarrow)")
+    pq.write_table(__import__("pyarrow").table({"text": ["a parquet row", "another"]}), corpus / "d.parquet")
+    assert prepare_data.main([str(corpus), "--out", str(tmp_path / "p"), "--val-fraction", "0", "--workers", "1"]) == 0
+    assert "4 files (1 text, 2 jsonl, 1 parquet)" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "p.train.shards.json").read_text())
+    assert meta["n_documents"] == 6
+    one_error(capsys, prepare_data.main([str(corpus / "sub"), "--out", str(tmp_path / "q"), "--glob", "*.txt"]),
+              f"no input files matching *.txt under {corpus / 'sub'}")
+
+
+def test_prepare_data_refuses_a_metadata_field_no_input_has(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text('{"text": "one", "repo": "x"}\n{"text": "two", "id": 3}\n')
+    (tmp_path / "t.txt").write_text("text\n")
+    inputs = [str(tmp_path / "d.jsonl"), str(tmp_path / "t.txt")]
+    one_error(capsys, prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--meta-fields", "repo,nope"]),
+              "error: --meta-fields: no input has the field 'nope' (fields offered: JSON Lines (first 100 records "
+              "of each file): id, repo; text files: dir, path)")
+    one_error(capsys, prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--split-by", "nope"]),
+              "error: --split-by: no input has the field 'nope'")
+    assert not list(tmp_path.glob("o.*"))
+    # a field some input has is kept (null where a document lacks it)
+    assert prepare_data.main([*inputs, "--out", str(tmp_path / "o"), "--meta-fields", "repo,dir", "--workers", "1",
+                              "--val-fraction", "0"]) == 0
+
+
+def test_prepare_data_names_the_flag_that_is_out_of_range(tmp_path, capsys):
+    corpus = _corpus(tmp_path)
+    one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--workers", "0"]),
+              "error: --workers=0 must be >= 1")
+    line = one_error(capsys, prepare_data.main([str(corpus), "--out", str(tmp_path / "o"), "--shard-tokens", "0"]),
+                     "error: --shard-tokens=0 must be >= 1")
+    assert "--workers" not in line
+
+
+# ---------------------------------------------------------------------------------------- 8. timeline, overlap_bench, dryrun
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    from moe_lc.train import main as train
+
+    run = tmp_path_factory.mktemp("traced") / "run"
+    assert train([RECIPE, *sets(*TINY, "train.steps=2", "train.trace_step=2", f"train.output_dir={run}")]) == 0
+    return run
+
+
+def test_timeline_mistakes_are_one_line_and_write_nothing(traced_run, tmp_path, capsys):
+    capsys.readouterr()
+    png = tmp_path / "t.png"
+    one_error(capsys, timeline.main([str(traced_run), "--window", "abc"]),
+              "error: --window 'abc' must be START:END seconds with START < END (e.g. 0:")
+    one_error(capsys, timeline.main([str(traced_run), "--png", str(png), "--window", "100:200"]),
+              "error: --window '100:200' starts after the traced step ends at ", "nothing to draw")
+    one_error(capsys, timeline.main([str(traced_run), "--png", "/proc/tl.png"]), "error: --png /proc/tl.png: cannot ")
+    assert not png.exists()
+    broken = tmp_path / "broken" / "timeline"
+    broken.mkdir(parents=True)
+    (broken / "rank0.json").write_text((traced_run / "timeline" / "rank0.json").read_text()[:100])
+    one_error(capsys, timeline.main([str(tmp_path / "broken")]),
+              f"error: {broken / 'rank0.json'}: not a complete timeline record (")
+    one_error(capsys, timeline.main([str(tmp_path / "nope")]), f"error: {tmp_path / 'nope'}: no such run folder")
+    one_error(capsys, timeline.main([str(tmp_path)]), "holds no rank*.json: train with --set train.trace_step=N")
+    assert timeline.main([str(traced_run), "--png", str(png), "--window", "0:0.001"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlap_bench_refuses_an_out_it_cannot_make_before_any_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(overlap_bench, "run_one", lambda *a: pytest.fail("a run started"))
+    one_error(capsys, overlap_bench.main(["--out", "/proc/ob"]), "error: --out /proc/ob: cannot create directory")
+    (tmp_path / "f").write_text("x")
+    one_error(capsys, overlap_bench.main(["--out", str(tmp_path / "f")]), "--out", "is a file")
+
+
+@pytest.mark.parametrize("ranks, message", [("x", "--ranks 'x': expected first,last, all-roles or global ranks"),
+                                            ("0,9", "--ranks '0,9': ranks [9] outside the world of 1")])
+def test_dryrun_ranks_mistakes_exit_2_before_the_planner(ranks, message, capsys, monkeypatch):
+    monkeypatch.setattr(dryrun, "plan", lambda *a: pytest.fail("the planner ran"))
+    one_error(capsys, dryrun.main([RECIPE, "--ranks", ranks]), f"error: {message}")

@@ -1,6 +1,7 @@
 """Dry run: one training step of a recipe at its real world size, traced rank by rank on one CPU.
 
-    python tools/dryrun.py RECIPE [--set KEY=VALUE ...] [--ranks first,last|all-roles|N,M,...] [--json]
+    python tools/dryrun.py RECIPE [--set KEY=VALUE ...] [--ranks first,last|all-roles|N,M,...]
+        [--microbatches auto|all] [--json]
 
 "Will this layout fit, and what will it send?" For each traced rank, in this one process: torch's
 fake process-group backend at the recipe's world size and that rank, the trainer built exactly as
@@ -17,6 +18,10 @@ pair r, pp-1-r, which hold the same stages); or global ranks "0,5". Every rank o
 one pipeline rank holds experts and the same shapes (data, context, tensor and expert ranks are
 symmetric), so one rank per pipeline position covers every role. Data is not read: micro-batches
 are token ids on the meta device, routing is balanced (tools/dry_trace.py).
+
+Micro-batches: under a pipeline, the fewest whose schedule passes every state the whole step's does
+(tools/dry_microbatches.py: DualPipe with pp 16 peaks at 32 of 120), so the peak is the step's; the note
+printed first says what that leaves out. `--microbatches all` traces every one.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch.distributed as dist
 from moe_lc.config import ConfigError, load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.train import Trainer
+from .dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
 from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select
 from .plan import plan
 
@@ -156,13 +162,18 @@ def pick_ranks(spec: str, cfg, world: int, the_plan=None) -> list[int]:
     if spec == "all-roles":  # DualPipe's mirror ranks r and pp-1-r hold the same two stages: one of each pair
         mirrored = p.pp_schedule == "dualpipe" and p.pp > 1
         return [i * per_stage for i in range(p.pp // 2 if mirrored else p.pp)]
+    return global_ranks(spec, world)
+
+
+def global_ranks(spec: str, world: int) -> list[int]:
+    """--ranks N,M,... as global ranks; ValueError (one line naming the flag) for anything else."""
     try:
         ranks = [int(x) for x in spec.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --ranks {spec!r}: expected first,last, all-roles or global ranks like 0,5") from None
+        raise ValueError(f"--ranks {spec!r}: expected first,last, all-roles or global ranks like 0,5") from None
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise SystemExit(f"error: --ranks {spec!r}: ranks {bad} outside the world of {world}")
+        raise ValueError(f"--ranks {spec!r}: ranks {bad} outside the world of {world}")
     return ranks
 
 
@@ -219,15 +230,26 @@ def main(argv=None) -> int:
     ap.add_argument("recipe")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     ap.add_argument("--ranks", default="first,last", help="first,last (+ the planner's highest) | all-roles | global ranks, e.g. 0,5")
+    ap.add_argument("--microbatches", choices=("auto", "all"), default="auto",
+                    help="micro-batches per pipeline to trace: auto, the fewest whose schedule peaks as the whole "
+                         "step's does (tools/dry_microbatches.py), or all of the recipe's")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.set)
-    except ConfigError as exc:
+        p = cfg.parallel
+        world = p.pp * (p.dp or 1) * p.cp * p.tp
+        if args.ranks not in ("first,last", "all-roles"):
+            global_ranks(args.ranks, world)  # before the planner's minute
+    except ValueError as exc:  # ConfigError too
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    p = cfg.parallel
-    world = p.pp * (p.dp or 1) * p.cp * p.tp
+    whole = cfg.train.microbatches(p.dp or 1)
+    traced = fewest_microbatches(cfg, whole) if args.microbatches == "auto" else whole
+    cfg = with_microbatches(cfg, p.dp or 1, traced)
+    note = microbatch_note(cfg, whole, traced)
+    if note and not args.json:
+        print(note, flush=True)
     the_plan = plan(cfg, world, args.recipe)
     results = []
     ranks = pick_ranks(args.ranks, cfg, world, the_plan)
@@ -242,8 +264,21 @@ def main(argv=None) -> int:
         if not args.json:
             print(render(report, cmp), flush=True)
     if args.json:
-        print(json.dumps({"recipe": args.recipe, "world": world, "ranks": results}, indent=1))
+        print(json.dumps({"recipe": args.recipe, "world": world, "microbatches": {"step": whole, "traced": traced},
+                          "note": note, "ranks": results}, indent=1))
     return 0
+
+
+def microbatch_note(cfg, whole: int, traced: int) -> str:
+    """What tracing `traced` of the step's `whole` micro-batches leaves out ('' when it traces them all)."""
+    if traced == whole:
+        return ""
+    extra = input_bytes(cfg, cfg.parallel.cp, whole - traced)
+    return (f"micro-batches: {traced} of the step's {whole} per pipeline traced: from {traced} on every pipeline "
+            f"rank's schedule passes the same states, so each peak below is the whole step's but for the other "
+            f"{whole - traced} micro-batches' inputs ({extra / 2**20:,.2f} MiB more); the bytes sent per "
+            f"micro-batch are for {traced} ({whole / traced:.2f}x for the whole step); --microbatches all traces "
+            f"all {whole}")
 
 
 if __name__ == "__main__":

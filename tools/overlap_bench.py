@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from moe_lc.out_path import out_dir
 from .ablate import command
 from .extend import shown
 from .timeline import draw, summary
@@ -100,7 +101,7 @@ def markdown(results: dict, recipe: str, link: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/overlap_bench.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default="recipes/overlap_cpu.toml")
+    ap.add_argument("--recipe", default=None, help="default: the checkout's recipes/overlap_cpu.toml")
     ap.add_argument("--out", default="runs/overlap_bench", help="results folder (docs/results/overlap-cpu to commit)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
@@ -114,16 +115,20 @@ def main(argv=None) -> int:
         return 2
     from moe_lc.config import ConfigError, load_config
 
+    recipe = str(Path(args.recipe or ROOT / "recipes" / "overlap_cpu.toml").resolve())  # the runs start in ROOT
+    if args.recipe is None and not Path(recipe).is_file():
+        print("error: --recipe: the default, recipes/overlap_cpu.toml, ships with the moe_lc checkout, not the "
+              "installed package; give --recipe PATH", file=sys.stderr)
+        return 2
     try:
-        link = load_config(args.recipe, args.set, world_size=4).parallel.link
-    except ConfigError as exc:
+        link = load_config(recipe, args.set, world_size=4).parallel.link
+        out = out_dir("--out", args.out).resolve()
+    except ValueError as exc:  # ConfigError, OutPathError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {name: run_one(name, args.recipe, out, args.set, args.steps) for name in names}
+    results = {name: run_one(name, recipe, out, args.set, args.steps) for name in names}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results, args.recipe, link))
+    (out / "results.md").write_text(markdown(results, shown([recipe]), link))
     print((out / "results.md").read_text())
     return 0
 

@@ -117,6 +117,7 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
                            f"MTP loss sums ({m.mtp.depth} fp64)"))
     for what in ("loss sum (fp64)", "grad-norm square sum (fp64)"):
         out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 8, dims.world), what))
+    out.append(Traffic("world", "all_reduce", ring_bytes("all_reduce", 4, dims.world), "stop-signal flag (int32)"))
     n_moe = sum(moe_blocks(cfg, st) for st in stages)
     if n_moe and dims.ep == 1:  # under EP the loads ride in the dispatchers' fp64 all-reduce (`ep_traffic`)
         extra = stat_columns(m.moe)  # each enabled aux loss's sum and the dropped copies, per layer

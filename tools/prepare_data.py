@@ -1,14 +1,15 @@
 """Tokenize a corpus into train/val token shards for `[data] source = "tokens"` or `[[data.sources]]`.
 
     python tools/prepare_data.py INPUT... --out PREFIX [--tokenizer byte|path/tokenizer.json|model dir]
-        [--val-fraction 0.02] [--glob '*.txt'] [--text-field text] [--meta-fields a,b] [--split-by FIELD]
+        [--val-fraction 0.02] [--glob PATTERN] [--text-field text] [--meta-fields a,b] [--split-by FIELD]
         [--workers N] [--shard-tokens N] [--overwrite]
 
-INPUT is a file or a directory (searched recursively for --glob, skipping __pycache__ and
-site-packages). Text files are one document each; JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) and
-Parquet (.parquet) hold one document per record, its text in --text-field, and --meta-fields values
-kept per document (a repository or book id for `concat_by`; text files offer "path" and "dir"). Gzip
-needs nothing, zstd and Parquet the `[data]` extra (pip install -e '.[data]').
+INPUT is a file or a directory, searched recursively for every kind read here (*.txt, *.jsonl,
+*.jsonl.gz, *.jsonl.zst, *.parquet) or for --glob PATTERN, skipping __pycache__ and site-packages. Text
+files are one document each; JSON Lines and Parquet hold one document per record, its text in
+--text-field, and --meta-fields values kept per document (a repository or book id for `concat_by`; text
+files offer "path" and "dir"; a field no input has is refused, JSON Lines judged by their first
+records). Gzip needs nothing, zstd and Parquet the `[data]` extra (pip install -e '.[data]').
 
 Writes PREFIX.train.NNNNN.{bin,json,docs.npy} and PREFIX.val.NNNNN... shards of about --shard-tokens
 tokens (ending where a document ends; docs.npy: where each document starts; meta.jsonl with
@@ -23,9 +24,10 @@ interrupted run (Ctrl-C, a kill, a full disk) continues where it stopped when ru
 arguments: complete shards are kept, a half-written one is never visible to a run and is redone. Other
 settings over the same PREFIX are refused unless --overwrite (which removes the earlier output first).
 Mistakes in the arguments (a missing input, a text file that is not UTF-8 named directly, an unwritable
-or directory PREFIX, an unknown tokenizer, a missing package or Parquet column) are one `error: ` line
-with exit status 2, before anything is tokenized; text files in directories that are not text are
-skipped and counted.
+or directory PREFIX, an unknown tokenizer, a missing package, Parquet column or metadata field) are one
+`error: ` line with exit status 2, before anything is tokenized; text files in directories that are not
+text are skipped and counted. Inputs that hold no document (empty files, records with empty text) are
+one `error: ` line too, and nothing is published.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from moe_lc.data.corpus import is_val_file
-from moe_lc.data.ingest import check_parquet_columns, collect_inputs, encode_records, init_worker, iter_records
+from moe_lc.data.ingest import (DEFAULT_PATTERNS, check_meta_fields, check_parquet_columns, collect_inputs,
+                                 encode_records, init_worker, iter_records)
 from moe_lc.data.shards import SplitShards, outputs_of, state_path, write_json_atomic
 from moe_lc.data.token_corpus import manifest_path
 from moe_lc.data.token_file import token_dtype
@@ -64,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.train.* and PREFIX.val.*")
     parser.add_argument("--tokenizer", default="byte", help="'byte', a HuggingFace tokenizer.json, or a model directory holding one")
     parser.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out (by hash of their key)")
-    parser.add_argument("--glob", default="*.txt", help="file name pattern inside directories (default *.txt)")
+    parser.add_argument("--glob", default=None, metavar="PATTERN",
+                        help=f"file name pattern inside directories (default: {' '.join(DEFAULT_PATTERNS)})")
     parser.add_argument("--text-field", default="text", help="JSON Lines field / Parquet column holding the text")
     parser.add_argument("--meta-fields", default="", help="comma-separated fields kept per document (text files: path, dir)")
     parser.add_argument("--split-by", default="", metavar="FIELD", help="split by this metadata field's value (default: per document)")
@@ -90,15 +94,21 @@ def prepare(args):
     (OutPathError too) otherwise. Makes PREFIX's missing folders last."""
     if not 0.0 <= args.val_fraction < 1.0:
         raise ValueError(f"--val-fraction={args.val_fraction} must be in [0, 1)")
-    if args.workers < 1 or args.shard_tokens < 1:
-        raise ValueError(f"--workers={args.workers} and --shard-tokens={args.shard_tokens} must be >= 1")
-    files, skipped = collect_inputs(args.inputs, args.glob)
+    for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    files, skipped = collect_inputs(args.inputs, args.glob or DEFAULT_PATTERNS)
     if not files:
         binary = f" ({len(skipped)} files skipped: not UTF-8 text)" if skipped else ""
-        raise ValueError(f"no input files matching {args.glob!r} under {' '.join(args.inputs)}{binary}")
+        raise ValueError(f"no input files matching {args.glob or ' '.join(DEFAULT_PATTERNS)} under "
+                         f"{' '.join(args.inputs)}{binary}")
+    if not any(f.size for f in files):
+        raise ValueError(no_documents(args, files))
     for f in files:
         if f.format == "parquet":
             check_parquet_columns(f, args.text_field)
+    split_by = (args.split_by,) if args.split_by else ()
+    check_meta_fields(files, {"--meta-fields": kept_fields(args), "--split-by": split_by}, args.text_field)
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
@@ -109,7 +119,8 @@ def prepare(args):
     for path in [state_path(args.out)] + [manifest_path(args.out, s) for s in SPLITS]:
         out_file("--out", path, args.out)
     settings = {"inputs": [[str(f.path.resolve()), f.key, f.size] for f in files], "tokenizer": tokenizer.name,
-                "glob": args.glob, "text_field": args.text_field, "meta_fields": list(meta_fields_of(args)),
+                "glob": args.glob or ",".join(DEFAULT_PATTERNS), "text_field": args.text_field,
+                "meta_fields": list(meta_fields_of(args)),
                 "split_by": args.split_by, "val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
     return tokenizer, files, skipped, settings
 
@@ -175,10 +186,22 @@ def make_tasks(files, splits: dict, meta_fields, text_field: str):
         yield ([], [], (number, f.size)), []  # the file is done: progress counts all of it
 
 
+def no_documents(args, files) -> str:
+    n, size = len(files), sum(f.size for f in files)
+    return (f"no documents in {' '.join(args.inputs)}: every input is empty ({n} file{'s' if n != 1 else ''}, "
+            f"{size:,} bytes; empty files and records whose {args.text_field!r} is empty or null are skipped); "
+            "nothing was written")
+
+
+class NoDocuments(ValueError):
+    """Inputs that hold no document: nothing to publish (the run's state file is removed too)."""
+
+
 def run(args, tokenizer, files, progress) -> dict:
     """Tokenize every document some split still wants into its shards; returns the two manifests."""
     fields = meta_fields_of(args)
-    source = f"prepare_data: {' '.join(args.inputs)} glob={args.glob} val_fraction={args.val_fraction:g}"
+    source = (f"prepare_data: {' '.join(args.inputs)} glob={args.glob or ','.join(DEFAULT_PATTERNS)} "
+              f"val_fraction={args.val_fraction:g}")
     splits = {s: SplitShards(args.out, s, tokenizer, args.shard_tokens, kept_fields(args), source) for s in SPLITS}
     file_start = [0]
     for f in files:
@@ -194,6 +217,8 @@ def run(args, tokenizer, files, progress) -> dict:
                     key = str(metadata[args.split_by])
                 splits["val" if is_val_file(key, args.val_fraction) else "train"].add(ids, metadata, position)
             progress(file_start[number] + bytes_read, splits)
+        if not any(s.n_documents for s in splits.values()):
+            raise NoDocuments(no_documents(args, files))
         return {name: s.finish() for name, s in splits.items()}
     finally:
         for s in splits.values():
@@ -250,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         manifests = run(args, tokenizer, files, progress)
     except ValueError as exc:
         progress.close()
+        if isinstance(exc, NoDocuments):  # no shard exists: a later prepare into PREFIX starts fresh
+            state_path(args.out).unlink(missing_ok=True)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -270,9 +297,10 @@ def print_summary(manifests: dict, args, total_bytes: int, seconds: float, resum
               f"  -> {manifest_path(args.out, name)}")
     print(f"  {total_bytes / 1e6:.2f} MB in {seconds:.1f}s: {total_bytes / 1e6 / seconds:.2f} MB/s, "
           f"{tokens / seconds / 1e6:.2f}M tokens/s with {args.workers} workers")
-    if manifests["val"]["n_tokens"] == 0:
-        print(f"warning: the val split is empty (val-fraction {args.val_fraction:g}); splitting is by document "
-              "key, so give more documents or a larger --val-fraction", file=sys.stderr)
+    for name, fix in (("val", "a larger"), ("train", "a smaller")):
+        if manifests[name]["n_tokens"] == 0:
+            print(f"warning: the {name} split is empty (val-fraction {args.val_fraction:g}); splitting is by "
+                  f"document key, so give more documents or {fix} --val-fraction", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ measured mean cost of each pipeline action kind (F, B, W, F&B) and the simulator
 those costs next to the measured one. With --png it draws, per rank, one lane of compute phases
 (forward solid, backward hatched, coloured by phase: attention, dispatch, experts, combine, ...)
 and one lane per communication group (issue to done; the part a wait was blocked on is dark), and
-under them the simulator's timeline for the measured costs.
+under them the simulator's timeline for the measured costs. A missing run folder, a run without a
+traced step, a record cut short (named), a --window that is not START:END or starts after the step ends,
+and a --png that cannot be written are each one `error: ` line with exit status 2, before any drawing.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ if __name__ == "__main__" and not __package__:  # `python tools/timeline.py` fro
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from moe_lc.out_path import out_file
 from moe_lc.parallel.pipeline import FB, CommGroup, Costs, build_schedule, simulate
 
 PHASE_COLOURS = {"attention": "#6baed6", "dispatch": "#fd8d3c", "experts": "#e6550d", "combine": "#fdae6b",
@@ -33,12 +37,45 @@ PHASE_COLOURS = {"attention": "#6baed6", "dispatch": "#fd8d3c", "experts": "#e65
 GROUP_ORDER = ("ep", "pp", "cp", "tp", "dp_cp", "edp", "dp_cp_tp", "dp", "world")
 
 
+RECORD_KEYS = ("rank", "step", "schedule", "overlap", "link", "step_interval", "comm")  # step_timeline.py writes them
+
+
 def load(run: Path) -> list[dict]:
-    """Every rank's timeline record, by rank."""
-    files = sorted((run / "timeline").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    """Every rank's timeline record, by rank. FileNotFoundError / ValueError (one line, naming the folder
+    or file) for a missing run folder, a run traced no step of, or a record cut short."""
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: no such run folder (give a run's train.output_dir)")
+    files = sorted((run / "timeline").glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
     if not files:
         raise FileNotFoundError(f"{run}/timeline/ holds no rank*.json: train with --set train.trace_step=N")
-    return [json.loads(f.read_text()) for f in files]
+    records = []
+    for f in files:
+        try:
+            record = json.loads(f.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{f}: not a complete timeline record ({exc.msg} at line {exc.lineno} column "
+                             f"{exc.colno}): the run may have stopped while writing it; trace the step again") from None
+        missing = [k for k in RECORD_KEYS if k not in record] if isinstance(record, dict) else list(RECORD_KEYS)
+        if missing:
+            raise ValueError(f"{f}: not a timeline record (no {', '.join(missing)}); train.trace_step writes them")
+        records.append(record)
+    return records
+
+
+def parse_window(text: str, step_end_s: float) -> tuple[float, float]:
+    """--window START:END (seconds from the start of the traced step) -> (START, END); ValueError when it
+    is not two numbers with START < END, or starts after the step (and its simulated rows) ended."""
+    wrong = f"--window {text!r} must be START:END seconds with START < END (e.g. 0:{step_end_s:.3g})"
+    try:
+        start, end = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(wrong) from None
+    if not start < end or not all(map(math.isfinite, (start, end))):
+        raise ValueError(wrong)
+    if start >= step_end_s:
+        raise ValueError(f"--window {text!r} starts after the traced step ends at {step_end_s:.3f} s: nothing to "
+                         f"draw; give a window within 0:{step_end_s:.3f}")
+    return start, end
 
 
 def comm_summary(ranks: list[dict]) -> dict[str, dict[str, float]]:
@@ -180,18 +217,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
     try:
-        window = tuple(float(x) for x in args.window.split(":")) if args.window else None
-        if window is not None and (len(window) != 2 or window[0] >= window[1]):
-            raise ValueError(f"--window {args.window!r} must be START:END seconds with START < END")
+        png = out_file("--png", args.png) if args.png else None
         s = summary(Path(args.run))
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        window = parse_window(args.window, max(s["step_s"], s.get("simulated_s", 0.0))) if args.window else None
+    except (FileNotFoundError, ValueError) as exc:  # OutPathError too
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(s, indent=1) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         print_summary(s)
-    if args.png:
-        draw(Path(args.run), Path(args.png), window)
+    if png is not None:
+        draw(Path(args.run), png, window)
         print(f"wrote {args.png}")
     return 0
 

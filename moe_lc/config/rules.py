@@ -7,6 +7,7 @@ applies a layout later (parallel/, pipeline/) asserts what is checked here inste
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
@@ -245,4 +246,42 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")
-    return w
+    return w + _moe_warnings(cfg) + _document_warnings(d)
+
+
+CAPACITY_DROP_WARN = 0.1  # warn when balanced routing already drops this share of the routed copies
+
+
+def _moe_warnings(cfg: Config) -> list[str]:
+    """Balancing knobs on a model without experts; a capacity so small that even perfectly balanced
+    routing drops more than CAPACITY_DROP_WARN of the copies (the run's console shows the share dropped)."""
+    m, moe = cfg.model, cfg.model.moe
+    knobs = [f"{name}={getattr(moe, name):g}" for name in ("aux_loss_weight", "z_loss_weight", "global_aux_loss_weight",
+                                                           "capacity_factor") if getattr(moe, name) > 0]
+    if not m.has_moe:
+        why = "n_routed_experts = 0" if moe.n_routed_experts <= 0 else f"n_dense_layers = n_layers = {m.n_layers}"
+        return [f"model.moe.{', '.join(knobs)} set, but the model has no MoE layers (model.moe.{why}): "
+                f"{'it does' if len(knobs) == 1 else 'they do'} nothing"] if knobs else []
+    if moe.capacity_factor <= 0:
+        return []
+    p, t = cfg.parallel, cfg.train
+    tokens = t.micro_batch * t.seq_len // max(p.cp * p.tp, 1)  # what one router call sees
+    per_expert = tokens * moe.topk / moe.n_routed_experts  # each expert's copies under balanced routing
+    capacity = math.ceil(moe.capacity_factor * per_expert)
+    dropped = 1 - capacity / per_expert
+    if dropped < CAPACITY_DROP_WARN:
+        return []
+    return [f"model.moe.capacity_factor={moe.capacity_factor:g} drops at least {dropped:.1%} of the routed copies "
+            f"even with perfectly balanced routing: capacity ceil({moe.capacity_factor:g} x {tokens} tokens per router "
+            f"call x topk {moe.topk} / {moe.n_routed_experts} experts) = {capacity} per expert, against the "
+            f"{per_expert:g} each gets; 1.0-1.25 drops a few percent (0 = no capacity)"]
+
+
+def _document_warnings(d: DataConfig) -> list[str]:
+    """Document masking / positions over the synthetic source alone: every sample is one document."""
+    keys = [k for k in ("document_mask", "document_positions") if getattr(d, k)]
+    if not keys or d.source != "synthetic" or d.sources:
+        return []
+    return [f"data.{' and data.'.join(keys)} = true with data.source='synthetic': every synthetic sample is one "
+            f"document, so {'it changes' if len(keys) == 1 else 'they change'} nothing (packed corpora hold many: "
+            f"data.source tokens or stdlib, [[data.sources]])"]

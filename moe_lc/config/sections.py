@@ -145,7 +145,8 @@ class TrainConfig:
     output_dir: str = f("runs/debug", "metrics.jsonl, tb/, config.toml and checkpoints go here")
     log_interval: int = f(10, "console progress line every N steps (metrics.jsonl gets every step)")
     device: Device = f("auto", "auto = cuda where torch sees a GPU")
-    threads: int = f(0, "torch CPU threads per process; 0 = torch's default")
+    threads: int = f(0, "torch CPU threads per process; 0 = auto: OMP_NUM_THREADS if set, else this process's idle "
+                            "cores (moe_lc/cpu_threads.py); the start-up line says which and why")
     compile: bool = f(False, "torch.compile the compute regions of each block and the loss head "
                              "(moe_lc/parallel/compile.py)")
     peak_tflops: float = f(0.0, "peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU")

@@ -40,20 +40,23 @@ SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 DEFAULT_CACHE_MIN_SECONDS = 2.0
 
 
-def list_text_files(root: str | Path, pattern: str = "*.py", skip_dirs: Iterable[str] = SKIP_DIRS) -> list[str]:
-    """Relative '/'-separated paths of files under `root` whose name matches `pattern`, sorted.
+def list_text_files(root: str | Path, pattern: str | tuple[str, ...] = "*.py",
+                    skip_dirs: Iterable[str] = SKIP_DIRS) -> list[str]:
+    """Relative '/'-separated paths of files under `root` whose name matches `pattern` (or one of
+    several), sorted.
 
     Directories named in `skip_dirs` are pruned, not just filtered, which keeps the walk fast when
     site-packages is large.
     """
     root = Path(root)
     skip = set(skip_dirs)
+    patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in skip]
         rel_dir = Path(dirpath).relative_to(root)
         for name in filenames:
-            if fnmatch.fnmatch(name, pattern):
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
                 found.append((rel_dir / name).as_posix())
     return sorted(found)
 

@@ -54,16 +54,21 @@ def group_first_member(keys: list) -> np.ndarray:
     return out
 
 
-def select_documents(corpus: TokenCorpus, selection: Selection, where: str = "source"):
+def select_documents(corpus: TokenCorpus, selection: Selection, where: str = ""):
     """(SegmentStream of the selected documents end to end, (n,) int64 document starts in it, stats dict).
 
     stats: documents (in the corpus), joined (documents after joining), kept (after the length bounds),
-    upsampled (kept documents repeated), tokens (of the stream). ValueError (naming `where`) when no
-    document is kept."""
+    upsampled (kept documents repeated), tokens (of the stream). ValueError (naming `where` when given)
+    when no document is kept, or when `concat_by` names a field no document has a value for."""
     files, begins, lengths = corpus.documents()
     n = len(lengths)
+    at = f"{where}: " if where else ""
     if selection.concat_by:
-        first = group_first_member(corpus.metadata(selection.concat_by))
+        keys = corpus.metadata(selection.concat_by)
+        if n and all(key is None or key == "" for key in keys):
+            raise ValueError(f"{at}concat_by={selection.concat_by!r}: no document has a value for it (null or empty "
+                             f"in all {n:,}), so nothing would be joined; name a field its documents carry")
+        first = group_first_member(keys)
     else:
         first = np.arange(n, dtype=np.int64)
     order = np.lexsort((np.arange(n), first))  # groups together, by first appearance; members in corpus order
@@ -77,7 +82,7 @@ def select_documents(corpus: TokenCorpus, selection: Selection, where: str = "so
     kept = np.flatnonzero(keep)
     if len(kept) == 0:
         longest = int(group_len.max()) if n else 0
-        raise ValueError(f"{where}: no document has between {selection.min_doc_tokens} and "
+        raise ValueError(f"{at}no document has between {selection.min_doc_tokens} and "
                          f"{selection.max_doc_tokens or 'any number of'} tokens (the longest has {longest})")
     long_ones = kept[group_len[kept] >= selection.upsample_min_tokens] if selection.upsample_factor > 1 else kept[:0]
     occurrences = np.concatenate([kept] + [long_ones] * (selection.upsample_factor - 1))

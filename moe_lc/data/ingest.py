@@ -9,6 +9,8 @@ Formats, by file name:
 - `*.parquet`: one row per document, the `text_field` column and the metadata columns (pyarrow).
 - anything else: a text file, one document (its metadata: "path" relative to its INPUT, '/'-separated,
   and "dir", that path's folder, '' at the top).
+A directory is searched for all three kinds (`*.txt`, the JSON Lines suffixes, `*.parquet`:
+DEFAULT_PATTERNS) unless prepare_data's --glob names one pattern.
 Gzip is the standard library's; zstandard and pyarrow are the `[data]` extra, asked for by name when an
 input needs them.
 
@@ -40,6 +42,9 @@ SNIFF_BYTES = 8192  # how much of a text file decides whether it is text
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_METADATA = ("path", "dir")
+# what a directory is searched for without --glob: every kind this module reads
+DEFAULT_PATTERNS = ("*.txt", *(f"*{suffix}" for suffix in JSONL_SUFFIXES), *(f"*{s}" for s in PARQUET_SUFFIXES))
+SNIFF_RECORDS = 100  # JSON Lines records per file read for the field names --meta-fields may take
 EXTRA_HINT = "pip install -e '.[data]'"
 
 
@@ -90,10 +95,12 @@ def require(module: str, what: str):
                          f"(or pip install {module.split('.')[0]})") from None
 
 
-def collect_inputs(inputs: list[str], pattern: str) -> tuple[list[InputFile], list[Path]]:
+def collect_inputs(inputs: list[str], pattern: str | tuple[str, ...] = DEFAULT_PATTERNS
+                   ) -> tuple[list[InputFile], list[Path]]:
     """(every input file in order, text files skipped in directories as binary). Directories are searched
-    for `pattern`; a file named directly is taken whatever its name. ValueError for a missing input, a text
-    file given directly that is not text, or a format whose package is missing."""
+    for `pattern` (default: text, JSON Lines and Parquet files); a file named directly is taken whatever
+    its name. ValueError for a missing input, a text file given directly that is not text, or a format
+    whose package is missing."""
     found, skipped = [], []
     for item in inputs:
         path = Path(item)
@@ -117,6 +124,53 @@ def collect_inputs(inputs: list[str], pattern: str) -> tuple[list[InputFile], li
         elif f.path.name.lower().endswith(".zst"):
             require("zstandard", f"input {f.path} (zstd)")
     return found, skipped
+
+
+def _jsonl_fields(f: InputFile) -> set[str]:
+    """The field names of the first SNIFF_RECORDS records of a JSON Lines file (lines that are not JSON
+    objects are left to the run, which names them with their line)."""
+    names: set[str] = set()
+    with open(f.path, "rb") as raw:
+        for number, line in enumerate(_open_lines(f, raw)):
+            if number >= SNIFF_RECORDS:
+                break
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            names |= set(record) if isinstance(record, dict) else set()
+    return names
+
+
+def offered_fields(f: InputFile) -> set[str]:
+    """The metadata fields input `f` can give its documents: a text file its path and dir, Parquet its
+    columns, JSON Lines the fields of its first SNIFF_RECORDS records."""
+    if f.format == "text":
+        return set(TEXT_METADATA)
+    if f.format == "parquet":
+        return set(require("pyarrow.parquet", "Parquet").ParquetFile(f.path).schema_arrow.names)
+    return _jsonl_fields(f)
+
+
+def check_meta_fields(files: list[InputFile], fields: dict[str, tuple[str, ...]], text_field: str) -> None:
+    """ValueError naming the flag when a field it asks for is offered by no input (every document would
+    store null for it): `fields` maps a flag (--meta-fields, --split-by) to the fields it names."""
+    asked = {name for names in fields.values() for name in names}
+    if not asked:
+        return
+    by_kind: dict[str, set[str]] = {}  # input kind -> the fields its files offer
+    for f in files:
+        kind = {"text": "text files", "jsonl": f"JSON Lines (first {SNIFF_RECORDS} records of each file)",
+                "parquet": "Parquet columns"}[f.format]
+        by_kind.setdefault(kind, set()).update(offered_fields(f))
+    found = set().union(*by_kind.values())
+    for flag, names in fields.items():
+        missing = [n for n in names if n not in found]
+        if missing:
+            have = "; ".join(f"{kind}: {', '.join(sorted(by_kind[kind] - {text_field})) or 'none'}"
+                             for kind in sorted(by_kind))
+            raise ValueError(f"{flag}: no input has the field{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(repr, missing))} (fields offered: {have})")
 
 
 def check_parquet_columns(f: InputFile, text_field: str) -> None:

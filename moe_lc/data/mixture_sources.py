@@ -33,7 +33,7 @@ def source_windows(src, *, split: str, seq_len: int, seed: int, tokenizer, val_f
         selection = Selection(src.concat_by, src.min_doc_tokens, src.max_doc_tokens, src.upsample_min_tokens,
                               src.upsample_factor)
         if selection.active:
-            tokens, starts, _ = select_documents(corpus, selection, where)
+            tokens, starts, _ = select_documents(corpus, selection)  # its errors get `where` below, once
         else:
             tokens, starts = corpus.stream()
         return TokenWindows(tokens, seq_len, seed, doc_starts=starts)

@@ -131,6 +131,9 @@ def open_token_corpus(path: str | Path, split: str, tokenizer) -> TokenCorpus:
     """The token files of `split` at `path`, each checked to be of `tokenizer` and within its vocabulary;
     files without a document index get their starts from the EOS tokens."""
     files = split_token_files(path, split)
+    if not files:  # a manifest written by a prepare that found no documents (it refuses that now)
+        raise ValueError(f"split {split!r} of {path} holds no documents ({manifest_path(path, split).name} lists no "
+                         "shards): prepare it again from inputs that hold text")
     arrays, starts = [], []
     for prefix in files:
         meta = read_token_meta(prefix)

@@ -76,6 +76,7 @@ def build(model: str, precision: str, compiled: bool, work: Path):
 
     overrides = MODELS[model] + [f"precision.recipe={precision}", f"train.compile={str(compiled).lower()}",
                                  "parallel.dp=1", "train.device=cpu", "checkpoint.interval=0",
+                                 f"train.threads={torch.get_num_threads()}",  # --threads, not the trainer's auto
                                  f"train.output_dir={(work / f'{model}-{precision}-{compiled}').as_posix()}"]
     cfg = load_config(ROOT / "recipes" / "debug_cpu.toml", overrides, world_size=1)
     trainer = Trainer(cfg)

@@ -14,7 +14,9 @@ replaces those parts in the file and keeps the others (--fresh starts a new file
 rewritten after every measurement (the .md after every part), so a run cut short keeps what it
 finished (a part cut short is marked "partial"). A measurement that fails
 (OOM, an unsupported kernel) is stored as an error entry and the run goes on; after an OOM the CUDA
-cache is emptied. --dry-run writes to --out (default: a new temporary directory), never to results/.
+cache is emptied. --dry-run writes to --out (default: a new temporary directory), never to results/;
+installed without a checkout (`moe-bench`), the default --out is ./bench_results and the recipes the
+parts read (gemm, layer, model_step) are given with --recipe.
 Long-sequence model steps fragment memory less with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 (not set here: the trainer does not set it either). Run times are not measured yet; under a
 per-command time limit, run the parts one by one (they merge into the same file).
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from moe_lc.out_path import out_dir
 from .common import (
     RESULTS_DIR, Context, Recorder, Timing, device_facts, free_memory, slug, write_json, write_markdown)
 
@@ -66,7 +69,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [p for p in args.parts if p not in PARTS]
     if unknown:
         ap.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    # a recipe named from where the command runs; the parts read the rest from the checkout (ROOT)
+    args.recipe = [str(Path(r).resolve()) if Path(r).is_file() else r for r in args.recipe]
     return args
+
+
+def recipe_error(args) -> str | None:
+    """The first recipe a chosen part would read that is not there (the defaults live in the checkout's
+    recipes/, which an installed package does not have), as one line naming --recipe."""
+    from . import gemm, layer, model_step
+
+    defaults = {"gemm": list(gemm.DEFAULT_RECIPES[:1] if args.dry_run else gemm.DEFAULT_RECIPES),
+                "layer": [layer.DEFAULT_RECIPE], "model_step": [model_step.DEFAULT_RECIPE]}
+    for part in (p for p in args.parts if p in defaults):
+        for recipe in (args.recipe[:1] if part != "gemm" else args.recipe) or defaults[part]:
+            if not (ROOT / recipe).is_file():
+                why = "" if args.recipe else " (a default: the recipes ship with the moe_lc checkout, not the package)"
+                return f"--parts {part} reads {recipe}, which is not there{why}; give --recipe PATH"
+    return None
 
 
 def make_context(args) -> Context:
@@ -85,13 +105,14 @@ def make_context(args) -> Context:
 
 
 def output_paths(args, facts: dict) -> tuple[Path, Path]:
+    """(results JSON, markdown) in --out, made; ValueError (OutPathError too) naming --out."""
     if args.dry_run:
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="moe_lc_bench_"))
         if out.resolve().is_relative_to(RESULTS_DIR.resolve()):
-            raise SystemExit(f"--dry-run must not write into {RESULTS_DIR} (dry-run numbers are meaningless)")
-    else:
-        out = Path(args.out) if args.out else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
+            raise ValueError(f"--dry-run must not write into {RESULTS_DIR} (dry-run numbers are meaningless)")
+    else:  # the checkout's results folder, or (an installed package) one where the command runs
+        out = Path(args.out) if args.out else RESULTS_DIR if (ROOT / "recipes").is_dir() else Path("bench_results")
+    out = out_dir("--out", out)
     stem = f"{slug(facts['device'])}-{facts['date']}" + ("-dry-run" if args.dry_run else "")
     return out / f"{stem}.json", out / f"{stem}.md"
 
@@ -116,12 +137,20 @@ def load_previous(path: Path, fresh: bool) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        print("no CUDA GPU here: run with --dry-run (tiny shapes on CPU) to check the script", file=sys.stderr)
+        print("error: no CUDA GPU here: run with --dry-run (tiny shapes on CPU) to check the script", file=sys.stderr)
+        return 2
+    problem = recipe_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     ctx = make_context(args)
     facts = device_facts(ctx.device)
     ctx.peak = facts["peak_tflops"]
-    json_path, md_path = output_paths(args, facts)
+    try:
+        json_path, md_path = output_paths(args, facts)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ctx.work_dir = json_path.parent / "work" if args.dry_run else Path(tempfile.mkdtemp(prefix="moe_lc_bench_"))
     previous = load_previous(json_path, args.fresh)
     results = {"meta": {**facts, "dry_run": args.dry_run, "quick": args.quick, "argv": sys.argv[1:] if argv is None
