@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_lc.ops.attention_backends import lse_merge_weights
-from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, _tiles, ring_visit, ring_visit_grads
+from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
 from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
 from moe_lc.ops.sparse_attention import probabilities, sparse_backward, sparse_forward
 
@@ -152,7 +152,7 @@ class IndexerKLSparse(torch.autograd.Function):
             slots, idx = _slots_idx(block)
             dk = torch.zeros(B * T, E, dtype=torch.float32, device=k.device)
             base = torch.arange(B, device=k.device)[:, None, None] * T
-            for r in _tiles(q.shape[1], QUERY_TILE):
+            for r in row_tiles(q.shape[1], QUERY_TILE):
                 ids = idx[:, r].clamp_min(0)
                 d = torch.gather(dI[:, r], -1, slots[:, r].clamp_min(0)).masked_fill_(slots[:, r] < 0, 0.0)
                 dq_t, dw_t, dkeys = _indexer_grads(q[:, r], w[:, r], _gather_rows(blocks[0], ids), d, ctx.scale)

@@ -120,7 +120,8 @@ def ring_visit_grads(ring, blocks: list[Tensor], visit, n_grads: int) -> list[Te
     return acc_in_flight.wait()
 
 
-def _tiles(n: int, size: int):
+def row_tiles(n: int, size: int) -> list[slice]:
+    """[lo, lo + size) slices covering 0 .. n."""
     return [slice(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
@@ -131,13 +132,13 @@ def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: flo
     keys all lie after its queries is skipped."""
     q_pos = layout.positions(layout.rank, q.device)
     q_doc = layout.doc_ids(q_pos)
-    best = [None] * len(_tiles(q.shape[1], QUERY_TILE))
+    best = [None] * len(row_tiles(q.shape[1], QUERY_TILE))
 
     def visit(src, blocks):
         k_pos = layout.positions(src, q.device)
         k_doc = layout.doc_ids(k_pos)
-        for i, qt in enumerate(_tiles(q.shape[1], QUERY_TILE)):
-            for kt in _tiles(k_pos.shape[0], KEY_TILE):
+        for i, qt in enumerate(row_tiles(q.shape[1], QUERY_TILE)):
+            for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                 if k_pos[kt].min() > q_pos[qt].max():
                     continue
                 seen = visible(q_pos[qt], k_pos[kt], None if q_doc is None else q_doc[:, qt],

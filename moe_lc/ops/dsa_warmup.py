@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, _tiles, ring_visit, ring_visit_grads
+from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
 from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
 
 KEY_TILE = 1024
@@ -49,8 +49,8 @@ def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, scale: float) -> T
     def visit(src, blocks):
         k_pos = layout.positions(src, q.device)
         k_doc = layout.doc_ids(k_pos)
-        for qt in _tiles(q.shape[1], QUERY_TILE):
-            for kt in _tiles(k_pos.shape[0], KEY_TILE):
+        for qt in row_tiles(q.shape[1], QUERY_TILE):
+            for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                 if k_pos[kt].min() > q_pos[qt].max():
                     continue
                 s = _main_scores(q[:, qt], blocks[0][:, kt], _tile_mask(layout, q_pos, k_pos, q_doc, k_doc, qt, kt),
@@ -97,8 +97,8 @@ class IndexerKLDense(torch.autograd.Function):
             k_pos = layout.positions(src, q_idx.device)
             k_doc = layout.doc_ids(k_pos)
             chosen = sel.block(src) if sel is not None else None
-            for qt in _tiles(Q, QUERY_TILE):
-                for kt in _tiles(k_pos.shape[0], KEY_TILE):
+            for qt in row_tiles(Q, QUERY_TILE):
+                for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                     if k_pos[kt].min() > q_pos[qt].max():
                         continue
                     t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt)
@@ -132,8 +132,8 @@ class IndexerKLDense(torch.autograd.Function):
             k_pos = layout.positions(src, q_idx.device)
             k_doc = layout.doc_ids(k_pos)
             dk = torch.zeros_like(blocks[0], dtype=torch.float32)
-            for qt in _tiles(q_idx.shape[1], QUERY_TILE):
-                for kt in _tiles(k_pos.shape[0], KEY_TILE):
+            for qt in row_tiles(q_idx.shape[1], QUERY_TILE):
+                for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                     if k_pos[kt].min() > q_pos[qt].max():
                         continue
                     t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt)

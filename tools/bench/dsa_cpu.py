@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from moe_lc.config import load_config
-from moe_lc.model.dsa import DSAttention
-from moe_lc.model.mla import MLAttention
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
 
@@ -43,13 +42,15 @@ SHAPE = ["model.attention=mla", "model.dim=256", "model.n_heads=16", "model.mla.
          "model.dsa.index_n_heads=4", "model.dsa.index_head_dim=32"]
 
 
-def model_cfg(topk: int):
-    return load_config(ROOT / "recipes" / "debug_cpu.toml", SHAPE + [f"model.dsa.index_topk={topk}"]).model
+def model_cfg(topk: int, dsa: bool = True):
+    return load_config(ROOT / "recipes" / "debug_cpu.toml",
+                       SHAPE + [f"model.dsa.index_topk={topk}", f"model.dsa.enabled={str(dsa).lower()}"]).model
 
 
-def build(cls, cfg, seed: int = 0):
+def build(cfg, seed: int = 0):
+    """The attention module of cfg's kind (MLA, or DSA with [model.dsa] on), fixed random weights."""
     torch.manual_seed(seed)
-    module = cls(cfg).train()
+    module = load(attention_kind(cfg).module)(cfg).train()
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.zeros_like(p) if name.endswith("bias")
@@ -72,7 +73,7 @@ def measure(S: int, topk: int, iters: int) -> dict:
     rope = RotaryEmbedding.from_config(cfg.rope, cfg.mla.qk_rope_head_dim)
     cos, sin = rope(torch.arange(S))
     x = torch.randn(1, S, cfg.dim)
-    dense, dsa = build(MLAttention, cfg), build(DSAttention, cfg)
+    dense, dsa = build(model_cfg(topk, dsa=False)), build(cfg)
 
     def step(module):
         def run():
