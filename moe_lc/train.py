@@ -30,6 +30,7 @@ from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_rep
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
+from moe_lc.model.dsa import dsa_lr_scale
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
@@ -44,8 +45,8 @@ from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
 from moe_lc.recipe_error_exit import exit_on_recipe_error
 from moe_lc.step_timeline import traced_step
 from moe_lc.stop_signal import StopRequest, Stopped
-from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, forward_backward, mtp_losses,
-                               source_losses, step_token_count)
+from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, dsa_metrics, forward_backward,
+                               mtp_losses, source_losses, step_token_count)
 
 
 class Interrupted(Exception):
@@ -98,7 +99,8 @@ class Trainer:
                                            p.compute_dtype, self.device, overlap=self.dims.overlap,
                                            store=self.parallel.wgrad_store)
         self.optimizer = ZeroOptimizer(
-            zero_param_groups(self.parallel, self.dims), self.dims["world"], build_rule(t, p), grad_clip=t.grad_clip,
+            zero_param_groups(self.parallel, self.dims, dsa_lr_scale(cfg.model, t.lr)), self.dims["world"],
+            build_rule(t, p), grad_clip=t.grad_clip,
             bucket_mb=cfg.parallel.zero_bucket_mb, no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
         self.step = 0
         self.nonfinite_skipped = 0
@@ -159,9 +161,10 @@ class Trainer:
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
-        metrics.update(balance_routers(self.model, self.dims))
+        metrics.update(balance_routers(self.model, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))
+        metrics.update(dsa_metrics(stats, m.dsa.stage if m.dsa.enabled else None, self.dims, self.device))
         if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices
             metrics.update(drawn_tokens(self.loader.dataset, first_sample, t.global_batch, t.seq_len))
         faults.maybe_signal(self.step + 1, self.dims.rank)

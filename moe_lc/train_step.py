@@ -72,6 +72,27 @@ def source_losses(stats: ForwardStats, names: list[str], dims: ParallelDims, dev
     return {f"data/loss/{name}": s / n for name, s, n in zip(names, sums, counts) if n > 0}
 
 
+def dsa_metrics(stats: ForwardStats, stage: str | None, dims: ParallelDims, device: torch.device) -> dict:
+    """DeepSeek Sparse Attention's indexer this step ({} without it: stage None): dsa/indexer_kl, the KL of
+    the indexer's distribution from the attention's per query token and layer (over the selection in the
+    sparse stage, every visible key in the warm-up); in the warm-up also dsa/topk_mass, the share of the
+    dense attention's mass on the indexer's top-k (what the sparse stage would keep). From the step's
+    `ForwardStats.dsa` summed over the world (tp ranks booked 1/tp each)."""
+    if stage is None:
+        return {}
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    if stats.dsa is not None:
+        sums += stats.dsa.to(device)
+    comm.all_reduce(sums, dims["world"])
+    kl, mass, count = sums.tolist()
+    if count <= 0:
+        return {}
+    out = {"dsa/indexer_kl": kl / count}
+    if stage == "warmup":
+        out["dsa/topk_mass"] = mass / count
+    return out
+
+
 @torch.no_grad()
 def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: torch.device) -> dict:
     """Attention work under packed documents (batches' "docs"; {} when attention is not masked):
@@ -95,7 +116,7 @@ def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: 
 
 
 @torch.no_grad()
-def balance_routers(model, dims: ParallelDims) -> dict:
+def balance_routers(model, dims: ParallelDims, frozen: bool = False) -> dict:
     """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
     return the MoE metrics: one all-reduce, which also carries each layer's `balance_columns` (the
     auxiliary losses' shares, the dropped copies) and under expert parallelism the dispatchers' counters
@@ -104,7 +125,8 @@ def balance_routers(model, dims: ParallelDims) -> dict:
     (E floats: token copies per expert, as routed, dropped ones included), each enabled loss's
     moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds, its
     mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
-    `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max)."""
+    `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max). frozen: the biases
+    stay (DeepSeek Sparse Attention's warm-up trains the indexers only)."""
     moes = model.moe_layers()
     if not moes:
         return {}
@@ -123,7 +145,7 @@ def balance_routers(model, dims: ParallelDims) -> dict:
     scalars = {}  # metric -> 0-dim device tensor
     for (name, moe), load, sums in zip(moes.items(), loads, extra):
         scalars[f"moe/imbalance/layer{name}"] = load.max() / load.mean().clamp_min(1e-9)
-        moe.router.update_bias(load)
+        moe.router.update_bias(load, frozen)
         bias = moe.router.expert_bias
         scalars[f"moe/bias_range/layer{name}"] = bias.max() - bias.min()
         for column, value in zip(names, sums):

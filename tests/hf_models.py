@@ -62,6 +62,20 @@ def deepseek_v3(**over):
         rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8}, **over))
 
 
+def deepseek_v32(**over):
+    """DeepSeek-V3's tiny model with the lightning indexer: 16 indexer heads of 16, top-24 of a 96-token test
+    sequence (so the attention really is sparse past position 23)."""
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(**_common(
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+        **{"index_topk": 24, "index_n_heads": 16, "index_head_dim": 16, **over}))
+
+
 def deepseek_v2(**over):
     from transformers import DeepseekV2Config
 

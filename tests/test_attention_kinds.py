@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL, PARALLEL, CONVERT = ("moe_lc.model.",), ("moe_lc.model.", "moe_lc.parallel."), ("moe_lc.convert.",)
 READER = {"module": MODEL, "params": MODEL, "vector_params": MODEL, "saved_bytes": MODEL, "decode": MODEL,
           "tp_rule": PARALLEL, "tp_groups": PARALLEL, "local": PARALLEL, "ring": PARALLEL, "expanded_ring": PARALLEL,
-          "hf_pieces": CONVERT, "hf_family": CONVERT}  # field -> the layers its references may sit in
+          "hf_pieces": CONVERT, "hf_family": CONVERT, "core_flops": MODEL,
+          "extra_plan": PARALLEL}  # field -> the layers its references may sit in
 
 
 def references(kind: AttentionSpec):
@@ -61,7 +62,7 @@ def test_the_recipe_choices_are_the_registry():
 # --------------------------------------------------------------------------- nothing else decides by kind
 
 KIND_FILES = {"moe_lc/config/attention_kinds.py", "moe_lc/model/attention.py", "moe_lc/model/mla.py",
-              "moe_lc/parallel/latent_ring.py"}
+              "moe_lc/parallel/latent_ring.py", "moe_lc/model/dsa.py", "moe_lc/parallel/dsa_plan.py"}
 # the traffic-from-trace change (issue #45) deletes tools/plan_layout.py's tp_traffic / cp_traffic, its
 # only comparisons of model.attention; drop this exclusion with them
 NOT_YET = {"tools/plan_layout.py"}

@@ -1,5 +1,5 @@
 """Incremental decoding (moe_lc/model/decode.py): the cached path gives the full forward's logits and
-greedy tokens, for GQA and MLA's latent cache, and under context parallelism (prompt through the
+greedy tokens, for GQA, MLA's latent cache and DSA's (latents + indexer keys; top-k selected per new token), and under context parallelism (prompt through the
 ring, cache gathered, decode replicated) the same tokens as one process. fp32 throughout."""
 
 import pytest
@@ -14,8 +14,11 @@ RECIPE = RECIPES / "debug_cpu.toml"
 MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
        "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=24"]
 YARN = ["model.rope.scaling=yarn", "model.rope.factor=4", "model.rope.original_seq_len=32"]
+DSA = MLA + ["model.dsa.enabled=true", "model.dsa.index_topk=12", "model.dsa.index_n_heads=4",
+             "model.dsa.index_head_dim=16"]  # top-12 of up to 52 tokens: the cache keeps the indexer keys
 MODELS = {"gqa": [], "gqa_yarn": YARN, "mla": MLA, "mla_no_q_lora": MLA + ["model.mla.q_lora_rank=0"],
-          "mla_yarn": MLA + YARN + ["model.rope.mscale_all_dim=0.8"]}
+          "mla_yarn": MLA + YARN + ["model.rope.mscale_all_dim=0.8"], "dsa": DSA + YARN,
+          "dsa_warmup": DSA + ["model.dsa.stage=warmup"]}
 
 
 def _model(overrides, seed=3):
@@ -38,7 +41,7 @@ def test_cached_logits_equal_the_full_forward(name):
     torch.testing.assert_close(decode.extend(model, more[:, :1], cache)[:, 0], full[:, 45], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gqa", "mla", "mla_no_q_lora"])
+@pytest.mark.parametrize("name", ["gqa", "mla", "mla_no_q_lora", "dsa"])
 def test_greedy_generation_with_the_cache_equals_it_without(name):
     model = _model(MODELS[name])
     prompt = torch.randint(0, 256, (3, 33))

@@ -35,7 +35,7 @@ name and module type and is the same for every kind today.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 
@@ -83,6 +83,11 @@ class AttentionSpec:
     # convert ("module:name")
     hf_pieces: str                # (m, ours, theirs, interleaved) -> its weight pieces (convert/hf_names.py)
     hf_family: str                # m -> the transformers family computing exactly this model (convert/hf_config.py)
+    # optional ("module:name")
+    core_flops: str | None = None  # (m, seq_len) -> forward FLOPs per token of its attention core; None: causal
+    #                                dense attention over S/2 keys (model/counting.py)
+    extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale) -> decisions only this kind has,
+    #                                on every layout (parallel/layer_plan.py)
 
     def seams(self, cp: int, mla_ring: str = "latent") -> CoreSeams:
         """The seams for context-parallel degree `cp` and `parallel.mla_ring`."""
@@ -100,6 +105,9 @@ def _gqa_head_dims(m) -> tuple[int, int, int]:
 
 def _gqa_errors(m) -> list[str]:
     e = []
+    if m.dsa.enabled:
+        e.append("model.dsa.enabled = true needs model.attention = 'mla' (the indexer's queries come from MLA's "
+                 "query latent)")
     if m.n_heads <= 0 or m.n_kv_heads <= 0 or m.dim <= 0:
         return e  # the positivity rules name them
     if m.n_heads % m.n_kv_heads:
@@ -179,6 +187,22 @@ ATTENTION_KINDS: dict[str, AttentionSpec] = {
         expanded_ring=CoreSeams(core=_RING, attend=_MLA_LOCAL.attend, attend_up=_MLA_LOCAL.attend_up),
         hf_pieces="moe_lc.convert.hf_names:mla_pieces", hf_family="moe_lc.convert.hf_config:mla_family"),
 }
+
+
+def _dsa_errors(m) -> list[str]:
+    return _mla_errors(m) + m.dsa.errors(m.mla)
+
+
+# DeepSeek Sparse Attention (DeepSeek-V3.2): MLA with a lightning indexer, on when [model.dsa] enabled. Its
+# warm-up stage attends densely through MLA's own seams (core and attend, rings included); its own pieces
+# are the module, counts, cache, the indexer's TP placement and the sparse core (parallel/dsa_plan.py).
+ATTENTION_KINDS["dsa"] = replace(
+    ATTENTION_KINDS["mla"], name="dsa", label="DSA", variant=lambda m: m.dsa.enabled, errors=_dsa_errors,
+    module="moe_lc.model.dsa:DSAttention", params="moe_lc.model.dsa:dsa_params",
+    vector_params="moe_lc.model.dsa:dsa_vector_params", decode="moe_lc.model.dsa:DSADecode",
+    tp_rule="moe_lc.parallel.dsa_plan:dsa_tp_rule", hf_pieces="moe_lc.convert.hf_names:dsa_pieces",
+    hf_family="moe_lc.convert.hf_config:dsa_family", core_flops="moe_lc.model.dsa:dsa_core_flops",
+    extra_plan="moe_lc.parallel.dsa_plan:dsa_layer_plan")
 
 
 def attention_kind(m) -> AttentionSpec:

@@ -19,6 +19,7 @@ DropPolicy = Literal["probability", "position"]  # which over-capacity copies an
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipe", "dualpipev"]
 ExpertDispatch = Literal["flat", "hierarchical"]
 MlaRing = Literal["latent", "expanded"]
+DsaStage = Literal["warmup", "sparse"]  # DeepSeek-V3.2's two training stages of sparse attention
 CpLayout = Literal["zigzag", "balanced"]
 PrecisionRecipe = Literal["fp32", "bf16", "fp8"]
 Fp8Scaling = Literal["blockwise", "tensorwise", "delayed"]

@@ -1,6 +1,6 @@
 """Model sections of a recipe: [model] holds the shape every block shares; its components read their
 own sub-tables: [model.moe] (router and experts), [model.rope] (RoPE / YaRN), [model.mla] (latent
-attention) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
+attention), [model.dsa] (its sparse variant) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
 the field helpers are in `fields.py`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lc.config.attention_kinds import attention_kind
-from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, GroupScore, QkNorm, RopeScaling, ScoreFunc,
+from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, RopeScaling, ScoreFunc,
                                    names)
 from moe_lc.config.fields import f, non_negative, positive
 
@@ -146,6 +146,36 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """[model.dsa]: DeepSeek Sparse Attention (DeepSeek-V3.2) on MLA: a lightning indexer scores every earlier
+    token per query and the attention keeps the top index_topk."""
+
+    enabled: bool = f(False, "add the lightning indexer to every MLA layer (model.attention = 'mla')")
+    stage: DsaStage = f("sparse", "'warmup': dense attention, only the indexer trains (KL to the attention); "
+                                  "'sparse': top-k attention, everything trains (the indexer on the KL over its "
+                                  "selection)")
+    index_topk: int = f(2048, "keys each query attends to (all it sees when fewer)")
+    index_n_heads: int = f(64, "indexer heads")
+    index_head_dim: int = f(128, "indexer head dim (RoPE on its first mla.qk_rope_head_dim dims)")
+    indexer_lr: float = f(0.0, "the indexer's learning rate (0 = train.lr); the report's warm-up uses 1e-3")
+
+    def errors(self, mla: MLAConfig) -> list[str]:
+        e, p = [], "model.dsa"
+        if not self.enabled:
+            return e
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            positive(e, f"{p}.{name}", getattr(self, name))
+        non_negative(e, f"{p}.indexer_lr", self.indexer_lr)
+        if mla.q_lora_rank <= 0:
+            e.append(f"{p}.enabled = true needs model.mla.q_lora_rank > 0 (the indexer's queries come from the "
+                     "query latent)")
+        if self.index_head_dim < mla.qk_rope_head_dim:
+            e.append(f"{p}.index_head_dim={self.index_head_dim} must be >= model.mla.qk_rope_head_dim="
+                     f"{mla.qk_rope_head_dim} (RoPE on its first dims)")
+        return e
+
+
+@dataclass(frozen=True)
 class MTPConfig:
     """[model.mtp]: multi-token prediction (DeepSeek-V3)."""
 
@@ -183,6 +213,7 @@ class ModelConfig:
     moe: MoEConfig = f(MoEConfig(), "[model.moe]")
     rope: RopeConfig = f(RopeConfig(), "[model.rope]")
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")
+    dsa: DSAConfig = f(DSAConfig(), "[model.dsa] (with attention = 'mla')")
     mtp: MTPConfig = f(MTPConfig(), "[model.mtp]")
 
     @property

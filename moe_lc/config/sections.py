@@ -17,9 +17,9 @@ from moe_lc.config.choices import (
     MixtureSource, MlaRing, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
-from moe_lc.config.model_sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
+from moe_lc.config.model_sections import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
 
-__all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "MLAConfig", "ModelConfig", "MoEConfig", "MTPConfig",
+__all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DSAConfig", "MLAConfig", "ModelConfig", "MoEConfig", "MTPConfig",
            "ParallelConfig", "PrecisionConfig", "RecomputeConfig", "RopeConfig", "SourceConfig", "TrainConfig"]
 
 

@@ -121,7 +121,7 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
     tied = "lm_head.weight" not in weights
     if tied and not hf.get("tie_word_embeddings", False):
         raise ConvertError(f"{hf_dir}: lm_head.weight is missing and tie_word_embeddings is not set")
-    interleaved = family == "deepseek_v2" or (family == "deepseek_v3" and hf.get("rope_interleave", True))
+    interleaved = family in ("deepseek_v2", "deepseek_v32") or (family == "deepseek_v3" and hf.get("rope_interleave", True))
     table = pieces(cfg, family, tied=tied, interleaved=interleaved)
     for p in table:
         if p.theirs not in weights:

@@ -5,6 +5,8 @@
                   first_k_dense_replace, YaRN with mscale / mscale_all_dim (DeepSeek-V2, V2-Lite)
     deepseek_v3   MLA, sigmoid routing with e_score_correction_bias (our aux-loss-free bias),
                   group-limited top-k by top-2 sums, routed_scaling_factor, norm_topk_prob, MTP layers
+    deepseek_v32  DeepSeek-V3's model with DeepSeek Sparse Attention: a lightning indexer per layer
+                  (index_topk, index_n_heads, index_head_dim: [model.dsa]); the sparse stage
     llama, qwen2  dense GQA, RoPE, YaRN or llama3 frequency bands (rope.scaling = "llama3");
                   Qwen2's q/k/v biases (model.qkv_bias); Llama's attention_bias (q, k, v and o:
                   model.qkv_bias + model.attn_out_bias)
@@ -32,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_lc.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from moe_lc.config import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.convert.hf_fields import ConvertError, common, refuse, rope_to_hf
 from moe_lc.convert.hf_moe_config import MOE_FAMILIES, from_hf_moe, moe_family_of, to_hf_moe
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "qwen2", "qwen3") + MOE_FAMILIES
+FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "llama", "qwen2", "qwen3") + MOE_FAMILIES
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM",
                  "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -50,7 +53,7 @@ def _deepseek(hf: dict, family: str) -> ModelConfig:
     refuse(hf, "moe_layer_freq", lambda v: v == 1)
     refuse(hf, "attention_bias", lambda v: not v)
     method = hf.get("topk_method", "greedy" if family == "deepseek_v2" else "noaux_tc")
-    wanted = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}[family]
+    wanted = {"deepseek_v2": ("greedy", "group_limited_greedy")}.get(family, ("noaux_tc",))
     if method not in wanted:
         raise ConvertError(f"topk_method={method!r} is not supported for {family} (expected one of {wanted})")
     grouped = method != "greedy"
@@ -60,15 +63,22 @@ def _deepseek(hf: dict, family: str) -> ModelConfig:
                     topk=hf["num_experts_per_tok"], n_groups=(hf.get("n_group") or 1) if grouped else 1,
                     topk_groups=(hf.get("topk_group") or 1) if grouped else 1, score_func=score,
                     group_score="max" if family == "deepseek_v2" else "top2_sum",
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", family == "deepseek_v3")),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", family != "deepseek_v2")),
                     routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                     # continued training balances by the bias (DeepSeek-V3's aux-loss-free method); the
                     # checkpoint's aux_loss_alpha is not carried over: set model.moe.aux_loss_weight to use one
-                    bias_update_speed=1e-3 if family == "deepseek_v3" else 0.0, aux_loss_weight=0.0)
+                    bias_update_speed=0.0 if family == "deepseek_v2" else 1e-3, aux_loss_weight=0.0)
     mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                     v_head_dim=hf["v_head_dim"])
-    return ModelConfig(**common(hf), attention="mla", moe=moe, mla=mla)
+    dsa = DSAConfig()
+    if family == "deepseek_v32":  # every layer indexed (its layer_types), its MLP pattern the dense prefix's
+        refuse(hf, "layer_types", lambda v: all(t == "indexed_attention" for t in v))
+        refuse(hf, "mlp_layer_types", lambda v: v == ["dense"] * moe.n_dense_layers + ["sparse"] * (len(v) - moe.n_dense_layers))
+        hf = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_layer_types")}
+        dsa = DSAConfig(enabled=True, index_topk=hf["index_topk"], index_n_heads=hf["index_n_heads"],
+                        index_head_dim=hf["index_head_dim"])
+    return ModelConfig(**common(hf), attention="mla", moe=moe, mla=mla, dsa=dsa)
 
 
 def _dense_gqa(hf: dict, family: str) -> ModelConfig:
@@ -84,7 +94,8 @@ def _dense_gqa(hf: dict, family: str) -> ModelConfig:
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "head_dim", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank",
-               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "index_topk",
+               "index_n_heads", "index_head_dim",
                "num_local_experts", "shared_expert_intermediate_size", "decoder_sparse_step")
 
 
@@ -163,6 +174,14 @@ def mla_family(cfg: ModelConfig) -> str:
                        "DeepSeek-V2's (softmax, max, no renormalization)")
 
 
+def dsa_family(cfg: ModelConfig) -> str:
+    """`family_of` a DSA model: DeepSeek-V3.2, DeepSeek-V3's model with the indexer."""
+    if mla_family(cfg) != "deepseek_v3":
+        raise ConvertError("to-hf: DeepSeek Sparse Attention on a model routed as DeepSeek-V2 has no transformers "
+                           "family (deepseek_v32 routes as DeepSeek-V3)")
+    return "deepseek_v32"
+
+
 def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dtype: str = "float32") -> dict:
     """An HF config.json dict that transformers' AutoModelForCausalLM builds our model as."""
     hf = {"model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
@@ -187,4 +206,7 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
         hf["topk_method"] = "group_limited_greedy" if grouped else "greedy"
     else:
         hf.update(topk_method="noaux_tc", rope_interleave=True, num_nextn_predict_layers=cfg.mtp.depth)
+    if family == "deepseek_v32":
+        d = cfg.dsa
+        hf.update(index_topk=d.index_topk, index_n_heads=d.index_n_heads, index_head_dim=d.index_head_dim)
     return hf

@@ -133,6 +133,21 @@ def mla_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         Piece(f"{ours}.wo.weight", (0, 0), f"{theirs}.o_proj.weight", (D, H * a.v_head_dim))]
 
 
+def dsa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
+    """DeepSeek Sparse Attention (the "dsa" kind's `hf_pieces`): MLA's pieces and the indexer's (transformers'
+    DeepseekV32Indexer: wq_b, wk, k_norm weight and bias, weights_proj). Its RoPE is half-split like ours, so
+    no row is permuted."""
+    d, a = cfg.dsa, cfg.mla
+    G, E, D = d.index_n_heads, d.index_head_dim, cfg.dim
+    x, y = f"{ours}.indexer", f"{theirs}.indexer"
+    return mla_pieces(cfg, ours, theirs, interleaved) + [
+        Piece(f"{x}.wq.weight", (0, 0), f"{y}.wq_b.weight", (G * E, a.q_lora_rank)),
+        Piece(f"{x}.wk.weight", (0, 0), f"{y}.wk.weight", (E, D)),
+        Piece(f"{x}.k_norm.weight", (0,), f"{y}.k_norm.weight", (E,)),
+        Piece(f"{x}.k_norm.bias", (0,), f"{y}.k_norm.bias", (E,)),
+        Piece(f"{x}.weights_proj.weight", (0, 0), f"{y}.weights_proj.weight", (G, D))]
+
+
 # a family's MoE block: its module name, and each expert's gate / up / down weight names
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -149,7 +164,7 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
     module, (gate, up, down) = _MOE_NAMES.get(family, ("mlp", _SWIGLU_NAMES))
     moe = f"{theirs}.{module}"
     out.append(Piece(f"{ours}.ffn.router.gate.weight", (0, 0), f"{moe}.gate.weight", (E, D)))
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family in ("deepseek_v3", "deepseek_v32", "glm4_moe"):
         out.append(Piece(f"{ours}.ffn.router.expert_bias", (0,), f"{moe}.gate.e_score_correction_bias", (E,)))
     for e in range(E):
         x = f"{moe}.experts.{e}"

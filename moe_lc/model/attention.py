@@ -66,8 +66,9 @@ class Attention(nn.Module):
         self.out_proj = project_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Documents | None = None) -> torch.Tensor:
-        """docs: the micro-batch's packed documents when attention stays inside each (else None)."""
+                docs: Documents | None = None, stats=None) -> torch.Tensor:
+        """docs: the micro-batch's packed documents when attention stays inside each (else None); stats: the
+        step's ForwardStats (a kind with a loss of its own books there; GQA has none)."""
         qkv = self.wqkv(x_BSD)  # under sequence parallelism S grows back to the full length here
         return self.out_proj(self.wo, lambda: self.replay(self._rope_and_core, qkv, cos, sin, docs))
 

@@ -48,7 +48,7 @@ class Block(nn.Module):
     def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
 
         def attention(h):
-            return (h + self.attn(self.attn_norm(h), cos, sin, docs),)
+            return (h + self.attn(self.attn_norm(h), cos, sin, docs, stats),)
 
         def ffn(h):
             return (h + self.ffn(self.ffn_norm(h)),)

@@ -22,7 +22,16 @@ def attention_params(cfg: ModelConfig) -> int:
 
 def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of one causal attention core: a query sees S/2 keys on average,
-    QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head."""
+    QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head; a kind with its own count (DSA's top-k
+    attention and indexer) gives it (moe_lc/config/attention_kinds.py)."""
+    own = attention_kind(cfg).core_flops
+    if own is not None:
+        return load(own)(cfg, seq_len)
+    return dense_core_flops(cfg, seq_len)
+
+
+def dense_core_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Causal dense attention's forward FLOPs per token (`attention_core_flops`' default)."""
     return cfg.n_heads * (seq_len / 2) * 2 * (cfg.qk_head_dim + cfg.value_head_dim)
 
 

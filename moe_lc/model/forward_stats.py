@@ -21,9 +21,13 @@ class ForwardStats:
     from the routers' `loss_sums`, summed over the step and the mesh.
     n_sources: data sources to book the next-token loss by (0: not booked); source_losses: (2, n_sources)
     fp64, each source's summed token loss and its token count over this rank's rows (zeros on a rank
-    without the head)."""
+    without the head).
+    dsa: (3,) fp64, the DeepSeek Sparse Attention indexer losses of the step on this rank: summed per-token KL,
+    summed attention mass on the indexer's top-k (warm-up stage), query tokens x layers; each rank's share
+    (1/tp on tp ranks that hold the same rows); booked in backward (moe_lc/model/dsa.py)."""
 
     mtp_loss_sums: torch.Tensor | None = None
+    dsa: torch.Tensor | None = None
     aux_losses: dict = field(default_factory=dict)
     n_sources: int = 0
     source_losses: torch.Tensor | None = None
@@ -32,6 +36,11 @@ class ForwardStats:
         """Add one forward's per-depth summed MTP losses (D fp32 scalars)."""
         sums = torch.stack([x.detach().double() for x in losses])
         self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
+
+    def add_dsa(self, kl_sum, mass_sum, count) -> None:
+        """Add one DSA layer's indexer-loss sums of one micro-batch (see `dsa`)."""
+        row = torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu() for v in (kl_sum, mass_sum, count)])
+        self.dsa = row if self.dsa is None else self.dsa + row
 
     def add_source_losses(self, loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor | None,
                           sources_B: torch.Tensor) -> None:

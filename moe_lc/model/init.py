@@ -1,7 +1,7 @@
 """Parameter initialization that depends only on (seed, parameter name): the same values on any device,
 dtype and layout, so a parallel run starts exactly where a single device would.
 
-Rules (`init_rules`): RMSNorm weights 1, biases 0, every other weight Normal(0, std) with the output
+Rules (`init_rules`): RMSNorm and LayerNorm weights 1, biases 0, every other weight Normal(0, std) with the output
 projections (wo, w2) scaled by 1/sqrt(2 L), GPT-2 style. Normal values are drawn on the CPU in fp32
 from a generator seeded by (seed, name) over the *full* (single-device) tensor, row after row.
 
@@ -47,7 +47,7 @@ def init_rules(model: nn.Module, std: float, n_layers: int) -> dict[str, InitRul
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, nn.LayerNorm)):
                 rules[name] = InitRule("ones")
             elif p_name == "bias":
                 rules[name] = InitRule("zeros")

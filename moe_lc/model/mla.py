@@ -70,9 +70,9 @@ class MLAttention(nn.Module):
         self.attend = attend
         self.out_proj = project_now
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
         """docs: the micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside
-        each, else None."""
+        each, else None; stats: the step's ForwardStats (unused: MLA has no loss of its own)."""
         q_src, c_kv, k_r = self.latents(x_BSD)
         return self.out_proj(self.wo, lambda: self.attend(self, q_src, c_kv, k_r, cos, sin, docs))
 

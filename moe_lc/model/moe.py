@@ -157,14 +157,15 @@ class Router(nn.Module):
         return shares.sum()
 
     @torch.no_grad()
-    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
-        """bias_e += speed * sign(mean load - load_e); then reset the load counter.
+    def update_bias(self, load_E: torch.Tensor | None = None, frozen: bool = False) -> None:
+        """bias_e += speed * sign(mean load - load_e) (not when `frozen`: a stage that trains other parts
+        only); then reset the load counter.
 
         `load_E` is the load summed over every replica of this router and every micro-batch of the
         step (the caller all-reduces it under data/context/tensor parallelism); default: local load.
         """
         load_E = self.expert_load if load_E is None else load_E
-        if self.bias_update_speed > 0:  # (an all-zero load moves nothing: sign(0) = 0; no host sync to ask)
+        if self.bias_update_speed > 0 and not frozen:  # (an all-zero load moves nothing: sign(0) = 0; no host sync to ask)
             self.expert_bias += self.bias_update_speed * torch.sign(load_E.mean() - load_E)
         self.expert_load.zero_()
 

@@ -142,14 +142,17 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
             "docs": docs if document_mask else None}
 
 
-def zero_param_groups(result: Parallelized, dims: ParallelDims):
-    """[(group name, [(param name, param, placement)], Group)] for ZeroOptimizer, one per gradient group, each
-    in single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
-    by_group: dict[str, list] = {}
+def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
+    """[(group name, [(param name, param, placement)], Group, lr scale)] for ZeroOptimizer, one per gradient
+    group and learning-rate scale (`lr_scale(param name) -> float`, default 1 for all; e.g. DeepSeek Sparse
+    Attention's indexer rate, model/dsa.py), each in single-device order (so DualPipe's mirror ranks lay out
+    the same flat buffers). A group of scale s != 1 is named "<gradient group>*s"."""
+    by_group: dict[tuple[str, float], list] = {}
     for name, p, place in result.named_parameters():
         if p.requires_grad:
-            by_group.setdefault(place.grad_group, []).append((name, p, place))
-    return [(g, params, dims[g]) for g, params in sorted(by_group.items())]
+            scale = float(lr_scale(name)) if lr_scale is not None else 1.0
+            by_group.setdefault((place.grad_group, scale), []).append((name, p, place))
+    return [(g if s == 1.0 else f"{g}*{s:g}", params, dims[g], s) for (g, s), params in sorted(by_group.items())]
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:

@@ -108,8 +108,8 @@ class ShardedParams:
     """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
-                 bucket_elems: int, no_decay: set[str], rule: UpdateRule):
-        self.name, self.group = name, group
+                 bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0):
+        self.name, self.group, self.lr_scale = name, group, lr_scale
         self.names = {id(p): n for n, p, _ in named_params}
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
@@ -259,17 +259,19 @@ class ZeroOptimizer:
     """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
     mesh dims.
 
-    groups: [(name, [(param name, param, placement)], Group)] (parallelize.zero_param_groups);
-    `norm_group` spans every rank that owns a distinct shard of the model (the world), over which the
-    squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
+    groups: [(name, [(param name, param, placement)], Group[, lr scale])] (parallelize.zero_param_groups): a
+    group's learning rate is lr x its scale (default 1); a group of scale 0 is frozen: its master is never
+    updated (bit-unchanged) and its gradients leave the norm (DeepSeek Sparse Attention's warm-up trains only
+    the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
+    the squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
     of parameters weight decay leaves alone.
     """
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
         self.rule = rule if rule is not None else AdamW()
-        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule)
-                       for n, ps, g in groups if ps]
+        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule, *scale)
+                       for n, ps, g, *scale in groups if ps]
         self.norm_group = norm_group
         self.grad_clip = grad_clip
         self.step_count = 0
@@ -285,8 +287,8 @@ class ZeroOptimizer:
         A non-finite norm skips the update (gradients are dropped) when skip_if_nonfinite."""
         for s in self.shards:
             s.finish_grad_sync()
-        sq = sum((s.grad_sq_sum() for s in self.shards), torch.zeros((), dtype=torch.float64,
-                                                                         device=self.shards[0].master.device))
+        sq = sum((s.grad_sq_sum() for s in self.shards if s.lr_scale), torch.zeros((), dtype=torch.float64,
+                                                                                   device=self.shards[0].master.device))
         comm.all_reduce(sq, self.norm_group)
         norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
         if not math.isfinite(norm) and skip_if_nonfinite:
@@ -294,8 +296,8 @@ class ZeroOptimizer:
             return norm, False
         clip = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
         self.step_count += 1
-        for s in self.shards:
-            s.update_(self.rule, lr, self.step_count, clip)
+        for s in (s for s in self.shards if s.lr_scale):
+            s.update_(self.rule, lr * s.lr_scale, self.step_count, clip)
             s.gather_params()
         self.zero_grad()
         if self.ema is not None:

@@ -1,0 +1,167 @@
+"""DeepSeek Sparse Attention on a ring: the main attention over the indexer's selection, and the indexer's
+KL loss in both of DeepSeek-V3.2's training stages.
+
+Legend: B batch, Q this rank's query rows, T a block's rows, H main heads (tp-local), Dk = Ckv + Dr the
+absorbed MLA key (normalized latent | roped shared key), Dv = Ckv, G indexer heads, E indexer head dim,
+k = index_topk. The ring, layout and selection are moe_lc/ops/dsa_ring.py's and dsa_select.py's.
+
+  sparse attention   `SparseRingAttention`: each ring step attends the selected keys the visiting block
+                     holds (moe_lc/ops/sparse_attention.py), merged by LSE; a block no query selected from
+                     is skipped (it still travels). Backward: the same ring, the blocks' fp32 gradient
+                     accumulators travelling home one step behind, as in context.py's ring attention.
+  sparse-stage loss  `IndexerKLSparse`: sum_t KL(p(t, S_t) || softmax(I(t, S_t))), S_t the selection, p the
+                     main attention's probabilities summed over heads and L1-normalized (`selected_probs`,
+                     a forward ring pass without gradient). I's values are the selection's own.
+  warm-up loss       `IndexerKLDense`: the same over every visible key, p from the dense main attention
+                     (its per-head LSE first: `head_lse`, one ring pass); forward one more pass over the
+                     latent and indexer blocks together, backward another.
+
+Only the indexer's tensors (q, w, k) get gradients from the loss: p is a target (the report's stop-gradient;
+in the warm-up stage the main model is frozen anyway). Under tensor parallelism the main heads are split:
+`reduce_heads` sums a head-summed tensor over the tp group (identity on one device), and each tp rank's
+share of the (replicated) indexer loss is 1/tp of it, so the gradient sums are the single-device ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from moe_lc.ops.attention_backends import lse_merge_weights
+from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
+from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
+from moe_lc.ops.sparse_attention import probabilities, sparse_backward, sparse_forward
+
+KEY_TILE = 1024  # key columns of the dense (warm-up) passes: (rows, H, keys) fp32 temporaries
+
+
+def _slots_idx(block):
+    slots, rows = block
+    return slots, torch.where(slots >= 0, rows, -1)
+
+
+class SparseRingAttention(torch.autograd.Function):
+    """(q (B,Q,H,Dk), kv (B,T,Dk), sel, scale, d_v, ring) -> out (B,Q,H,Dv) q.dtype, lse (B,H,Q) fp32."""
+
+    @staticmethod
+    def forward(ctx, q, kv, sel: Selection, scale: float, d_v: int, ring):
+        B, Q, H, _ = q.shape
+        out = q.new_zeros(B, Q, H, d_v, dtype=torch.float32)
+        lse = q.new_full((B, H, Q), float("-inf"), dtype=torch.float32)
+
+        def visit(src, blocks):
+            block = sel.block(src)
+            if block is None:
+                return
+            part_out, part_lse = sparse_forward(q, blocks[0], _slots_idx(block)[1], scale, d_v)
+            new_lse, old_w, new_w = lse_merge_weights(lse, part_lse)
+            out.mul_(old_w.transpose(1, 2)[..., None]).add_(part_out * new_w.transpose(1, 2)[..., None])
+            lse.copy_(new_lse)
+
+        ring_visit(ring, [kv.contiguous()], visit)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.sel, ctx.scale, ctx.d_v, ctx.ring = sel, scale, d_v, ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, kv, out, lse = ctx.saved_tensors
+        dq = torch.zeros_like(q, dtype=torch.float32)
+
+        def visit(src, blocks):
+            block = ctx.sel.block(src)
+            if block is None:
+                return None
+            dq_b, dkv_b = sparse_backward(dout, q, blocks[0], _slots_idx(block)[1], out, lse, ctx.scale, ctx.d_v)
+            dq.add_(dq_b)
+            return [dkv_b]
+
+        (dkv,) = ring_visit_grads(ctx.ring, [kv.contiguous()], visit, 1)
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
+
+
+@torch.no_grad()
+def selected_probs(ring, q: Tensor, kv: Tensor, lse: Tensor, sel: Selection, scale: float, reduce_heads) -> Tensor:
+    """p (B, Q, k) fp32: the main attention's probability of each selected key (final lse (B, H, Q)), summed
+    over every head (`reduce_heads`) and L1-normalized over the selection; 0 at empty slots."""
+    p = torch.zeros(sel.positions.shape, dtype=torch.float32, device=q.device)
+
+    def visit(src, blocks):
+        block = sel.block(src)
+        if block is not None:
+            slots, idx = _slots_idx(block)
+            p.scatter_add_(-1, slots.clamp_min(0), probabilities(q, blocks[0], idx, lse, scale))
+
+    ring_visit(ring, [kv.contiguous()], visit)
+    p = reduce_heads(p)
+    return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _kl_rows(p: Tensor, log_q: Tensor) -> Tensor:
+    """sum over the last dim of p (log p - log q), with 0 log 0 = 0."""
+    return torch.where(p > 0, p * (p.clamp_min(1e-38).log() - log_q), torch.zeros_like(p)).sum(-1)
+
+
+def _indexer_grads(q: Tensor, w: Tensor, keys: Tensor, dI: Tensor, scale: float):
+    """Backward of I = sum_g w * relu(scale q . k) over gathered keys: q (B,q,G,E), w (B,q,G), keys (B,q,m,E),
+    dI (B,q,m) -> dq (B,q,G,E), dw (B,q,G), dkeys (B,q,m,E), all fp32."""
+    logits = torch.einsum("bqge,bqme->bqgm", q.float(), keys).mul_(scale)
+    dw = torch.einsum("bqm,bqgm->bqg", dI, logits.relu())
+    dlogit = (dI[:, :, None, :] * w.float()[..., None]).mul_(logits > 0).mul_(scale)
+    return (torch.einsum("bqgm,bqme->bqge", dlogit, keys), dw,
+            torch.einsum("bqgm,bqge->bqme", dlogit, q.float()))
+
+
+def _gather_rows(k: Tensor, idx: Tensor) -> Tensor:
+    B, T, E = k.shape
+    flat = (idx + torch.arange(B, device=idx.device)[:, None, None] * T).flatten()
+    return k.reshape(B * T, E).index_select(0, flat).view(*idx.shape, E).float()
+
+
+class IndexerKLSparse(torch.autograd.Function):
+    """(q (B,Q,G,E), w (B,Q,G), k (B,T,E), sel, p (B,Q,k), scale, share, ring, sink) -> share * sum_t KL_t
+    (0-dim fp32) over the selected keys; the loss of DeepSeek-V3.2's sparse training stage. sink(kl_sum, 0):
+    called with the unscaled sum in backward (once per micro-batch, whatever is recomputed), or None."""
+
+    @staticmethod
+    def forward(ctx, q, w, k, sel: Selection, p: Tensor, scale: float, share: float, ring, sink=None):
+        log_q = torch.log_softmax(sel.scores, dim=-1)  # -inf at empty slots, where p = 0
+        soft = log_q.exp()
+        ctx.save_for_backward(q, w, k)
+        ctx.dI = (soft - p).masked_fill_(~sel.valid, 0.0)
+        ctx.sel, ctx.scale, ctx.share, ctx.ring, ctx.sink = sel, scale, share, ring, sink
+        ctx.kl = _kl_rows(p, log_q).double().sum()
+        return (ctx.kl * share).float()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, w, k = ctx.saved_tensors
+        dI = ctx.dI * (grad.float() * ctx.share)
+        dq, dw = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(w, dtype=torch.float32)
+        B, T, E = k.shape
+
+        def visit(src, blocks):
+            block = ctx.sel.block(src)
+            if block is None:
+                return None
+            slots, idx = _slots_idx(block)
+            dk = torch.zeros(B * T, E, dtype=torch.float32, device=k.device)
+            base = torch.arange(B, device=k.device)[:, None, None] * T
+            for r in row_tiles(q.shape[1], QUERY_TILE):
+                ids = idx[:, r].clamp_min(0)
+                d = torch.gather(dI[:, r], -1, slots[:, r].clamp_min(0)).masked_fill_(slots[:, r] < 0, 0.0)
+                dq_t, dw_t, dkeys = _indexer_grads(q[:, r], w[:, r], _gather_rows(blocks[0], ids), d, ctx.scale)
+                dq[:, r] += dq_t
+                dw[:, r] += dw_t
+                dk.index_add_(0, (ids + base).flatten(), dkeys.reshape(-1, E))
+            return [dk.view(B, T, E)]
+
+        (dk,) = ring_visit_grads(ctx.ring, [k.contiguous()], visit, 1)
+        if ctx.sink is not None:
+            ctx.sink(ctx.kl, torch.zeros_like(ctx.kl))
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None, None
