@@ -13,7 +13,8 @@ lm-eval that discovers plugins. Needs the `[eval]` extra (pip install -e '.[eval
 model_args: path (run directory, checkpoint root, step directory or from-hf directory, as `python -m
 eval`), recipe (default: the run's config.toml), set (recipe overrides, `;`-separated: set=a.b=1;c.d=2),
 max_length (tokens the model sees: default the recipe's train.seq_len), max_gen_toks (default 256),
-device (auto | cpu | cuda | cuda:N, or lm_eval's own --device; default auto), threads. The model reads
+device (auto | cpu | cuda | cuda:N, or lm_eval's own --device; default auto), threads (0: the idle cores, as
+train.threads; moe_lc/cpu_threads.py). The model reads
 and writes text with the recipe's data.tokenizer; `tokenizer=` is accepted and left to the tasks that read
 it from model_args (lm_eval's `ruler` tasks size their prompts with a Hugging Face tokenizer of that name:
 a converted model's tokenizer/ directory).

@@ -19,6 +19,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from moe_lc.cpu_threads import apply_threads
 from moe_lc.data import load_tokenizer
 from moe_lc.model.decode import extend, new_cache, prefill
 from .lm_eval import BridgeError, greedy_error, resolve_model_args
@@ -33,8 +34,7 @@ class MoeLcLM(LM):
         (model_args' device wins); a mistake is a BridgeError."""
         super().__init__()
         args = resolve_model_args(model_args, device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_threads(args.threads, "threads=")  # 0: the idle cores, as train.threads and eval's --threads
         self._device = args.device
         self.model = load_model(args.step_dir, args.cfg, self._device)
         self.tok = load_tokenizer(args.cfg.data.tokenizer)
