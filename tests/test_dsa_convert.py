@@ -39,16 +39,17 @@ def test_selection_logits_and_gradients_match_transformers(v32, monkeypatch):
     ours_sel, hf_sel = [], []
     select = dsa_module.select
     monkeypatch.setattr(dsa_module, "select", lambda *a, **k: ours_sel.append(select(*a, **k)) or ours_sel[-1])
+    # (each call gives (selection, scores))
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: hf_sel.append(o)) for layer in hf.model.layers]
     tokens = torch.randint(0, hf_models.VOCAB, (2, SEQ))
     weights = torch.randn(2, SEQ, hf_models.VOCAB)
     ours_logits, hf_logits = ours(tokens), hf(tokens).logits
     for h in hooks:
         h.remove()
-    for mine, theirs in zip(ours_sel, hf_sel):  # rows past the first 24 see more keys than they keep
+    for (mine, _), theirs in zip(ours_sel, hf_sel):  # rows past the first 24 see more keys than they keep
         for t in range(24, SEQ):
             assert set(mine.positions[:, t].flatten().tolist()) == set(theirs[:, t].flatten().tolist()), t
-    assert len(ours_sel) == cfg.model.n_layers and (ours_sel[0].valid.sum(-1) == 24).sum() > SEQ
+    assert len(ours_sel) == cfg.model.n_layers and (ours_sel[0][0].valid.sum(-1) == 24).sum() > SEQ
     assert ((ours_logits - hf_logits).abs().max() / hf_logits.abs().max()).item() <= 1e-5
     (ours_logits * weights).sum().backward()
     (hf_logits * weights).sum().backward()

@@ -40,7 +40,7 @@ from torch import nn
 from moe_lc.config import ModelConfig
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.rope import apply_rope
-from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseRingAttention, selected_probs
+from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseLatentAttention, selected_probs, split_wkv
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
 from moe_lc.ops.dsa_warmup import IndexerKLDense, head_lse
 from moe_lc.ops.linear import Linear
@@ -140,20 +140,13 @@ class DSAttention(MLAttention):
     # -- pieces ----------------------------------------------------------------------------------------
     def absorbed_weights(self):
         """W_UK (H, Dn, Ckv), W_UV (H, Dv, Ckv): wkv_b's rows per (local) head."""
-        w = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+        return split_wkv(self.wkv_b.weight, self.n_heads, self.nope_dim)
 
     def latent_rows(self, c_kv, k_r, cos, sin):
         """The shared key rows [kv_norm(c_kv), rope(k_r)] (B, S, Ckv + Dr)."""
         B, S, _ = c_kv.shape
         k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin).view(B, S, self.rope_dim)
         return torch.cat([self.kv_norm(c_kv), k_r], dim=-1)
-
-    def absorbed_queries(self, q):
-        """Roped q (B, S, H, Dn + Dr) -> [q_nope W_UK, q_rope] (B, S, H, Ckv + Dr)."""
-        w_uk, _ = self.absorbed_weights()
-        q_c = torch.einsum("bshn,hnc->bshc", q[..., :self.nope_dim], w_uk.to(q.dtype))
-        return torch.cat([q_c, q[..., self.nope_dim:]], dim=-1)
 
     def _share(self, B: int, S: int) -> float:
         """This rank's share of the step's mean indexer loss for a micro-batch of B x S local rows."""
@@ -171,16 +164,16 @@ class DSAttention(MLAttention):
         core, B, S = self.sparse_core, c_kv.shape[0], c_kv.shape[1]
         q_lat = self.q_norm(q_src)
         q_idx, k_idx, w_idx = self.indexer.heads(q_lat.detach(), tok, cos, sin)
-        sel = select(core.ring, core.layout(S, docs), q_idx, w_idx, k_idx, self.indexer.scale, self.indexer.topk)
+        sel, scores = select(core.ring, core.layout(S, docs), q_idx, w_idx, k_idx, self.indexer.scale,
+                             self.indexer.topk)
         q = self.rope_q(self.wq_b(q_lat), cos, sin)
         kv = self.latent_rows(c_kv, k_r, cos, sin)
         out, lse = self.replay(partial(_sparse_attention, self, sel), q, kv)
         if self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                p = selected_probs(core.ring, self.absorbed_queries(q), kv, lse, sel, self.softmax_scale,
-                                   core.reduce_heads)
-            loss = IndexerKLSparse.apply(q_idx, w_idx, k_idx, sel, p, self.indexer.scale, self._share(B, S), core.ring,
-                                         self._sink(stats, B, S))
+            p = selected_probs(core.ring, q.detach(), kv.detach(), self.wkv_b.weight.detach(), self.nope_dim, lse, sel,
+                               self.softmax_scale, core.reduce_heads)
+            loss = IndexerKLSparse.apply(q_idx, w_idx, k_idx, sel, scores, p, self.indexer.scale, self._share(B, S),
+                                         core.ring, self._sink(stats, B, S))
             out = AttachLoss.apply(out, loss)
         return out
 
@@ -192,12 +185,13 @@ class DSAttention(MLAttention):
         layout = core.layout(S, docs)
         with torch.no_grad():
             q_lat = self.q_norm(q_src)
-            q_abs = self.absorbed_queries(self.rope_q(self.wq_b(q_lat), cos, sin))
+            q = self.rope_q(self.wq_b(q_lat), cos, sin)
             kv = self.latent_rows(c_kv, k_r, cos, sin)
-            lse = head_lse(core.ring, layout, q_abs, kv, self.softmax_scale)
+            w_uk, _ = self.absorbed_weights()
+            lse = head_lse(core.ring, layout, q, kv, w_uk, self.softmax_scale)
         q_idx, k_idx, w_idx = self.indexer.heads(q_lat, tok, cos, sin)
-        sel = select(core.ring, layout, q_idx, w_idx, k_idx, self.indexer.scale, self.indexer.topk)
-        loss, _ = IndexerKLDense.apply(q_idx, w_idx, k_idx, q_abs, kv, lse, layout, self.softmax_scale,
+        sel, _ = select(core.ring, layout, q_idx, w_idx, k_idx, self.indexer.scale, self.indexer.topk)
+        loss, _ = IndexerKLDense.apply(q_idx, w_idx, k_idx, q, kv, w_uk, lse, layout, self.softmax_scale,
                                        self.indexer.scale, self._share(B, S), core.ring, core.reduce_heads,
                                        self.n_heads * core.tp, sel, self._sink(stats, B, S))
         return AttachLoss.apply(out, loss)
@@ -206,10 +200,8 @@ class DSAttention(MLAttention):
 def _sparse_attention(attn: DSAttention, sel, q, kv):
     """Roped q (B, S, H, Dn + Dr), key rows kv (B, S, Ckv + Dr) -> (out (B, S, H, Dv), lse (B, H, S)) over the
     selection: the piece selective recomputation ("attention") replays, keeping q, kv and the selection."""
-    out, lse = SparseRingAttention.apply(attn.absorbed_queries(q), kv, sel, attn.softmax_scale, attn.kv_lora_rank,
-                                         attn.sparse_core.ring)
-    _, w_uv = attn.absorbed_weights()
-    return torch.einsum("bshc,hvc->bshv", out, w_uv.to(out.dtype)), lse
+    return SparseLatentAttention.apply(q, kv, attn.wkv_b.weight, sel, attn.softmax_scale, attn.nope_dim,
+                                       attn.sparse_core.ring)
 
 
 def dsa_lr_scale(m: ModelConfig, lr: float):
@@ -284,8 +276,8 @@ class DSADecode:
     def step(attn: DSAttention, x_BnD, cos, sin, cache, start: int) -> torch.Tensor:
         """n new tokens at positions start .. start+n-1 against the cache, which they are written into."""
         from moe_lc.model.mla import MLADecode, cached_mla_attention
-        from moe_lc.ops.dsa_select import key_positions, merge_topk, tile_topk, indexer_scores, visible
-        from moe_lc.ops.sparse_attention import sparse_forward
+        from moe_lc.ops.dsa_select import indexer_scores, key_positions, merge_topk, tile_topk, visible
+        from moe_lc.ops.sparse_attention import latent_forward
 
         q_src, c_kv, k_r, tok = attn.dsa_latents(x_BnD)
         c, k_r_roped = MLADecode.cached(attn, c_kv, k_r, cos, sin)
@@ -302,6 +294,5 @@ class DSADecode:
         scores = indexer_scores(q_idx, w_idx, held["k_idx"], attn.indexer.scale)
         keys = merge_topk(None, tile_topk(scores, k_pos, seen, attn.indexer.topk), attn.indexer.topk)
         kv = torch.cat([held["c"], held["k_r"]], dim=-1)
-        out, _ = sparse_forward(attn.absorbed_queries(q), kv, key_positions(keys), attn.softmax_scale, attn.kv_lora_rank)
-        _, w_uv = attn.absorbed_weights()
-        return attn.out_proj(attn.wo, lambda: torch.einsum("bshc,hvc->bshv", out, w_uv.float()).to(x_BnD.dtype))
+        out, _ = latent_forward(q, kv, key_positions(keys), *attn.absorbed_weights(), attn.softmax_scale)
+        return attn.out_proj(attn.wo, lambda: out.to(x_BnD.dtype))

@@ -1,14 +1,16 @@
 """DeepSeek Sparse Attention on a ring: the main attention over the indexer's selection, and the indexer's
 KL loss in both of DeepSeek-V3.2's training stages.
 
-Legend: B batch, Q this rank's query rows, T a block's rows, H main heads (tp-local), Dk = Ckv + Dr the
-absorbed MLA key (normalized latent | roped shared key), Dv = Ckv, G indexer heads, E indexer head dim,
-k = index_topk. The ring, layout and selection are moe_lc/ops/dsa_ring.py's and dsa_select.py's.
+Legend: B batch, Q this rank's query rows, T a block's rows, H main heads (tp-local), Dk = Ckv + Dr an MLA
+key row (normalized latent | roped shared key), Dn / Dv MLA's nope and value head dims, G indexer heads, E
+indexer head dim, k = index_topk. The ring, layout and selection are moe_lc/ops/dsa_ring.py's and
+dsa_select.py's.
 
-  sparse attention   `SparseRingAttention`: each ring step attends the selected keys the visiting block
-                     holds (moe_lc/ops/sparse_attention.py), merged by LSE; a block no query selected from
-                     is skipped (it still travels). Backward: the same ring, the blocks' fp32 gradient
-                     accumulators travelling home one step behind, as in context.py's ring attention.
+  sparse attention   `SparseLatentAttention`: each ring step attends the selected keys the visiting latent
+                     block holds, in MLA's absorbed form (moe_lc/ops/sparse_attention.py), merged by LSE; a
+                     block no query selected from is skipped (it still travels). Backward: the same ring, the
+                     blocks' fp32 gradient accumulators travelling home one step behind, as in context.py's
+                     ring attention; wkv_b's gradient stays here.
   sparse-stage loss  `IndexerKLSparse`: sum_t KL(p(t, S_t) || softmax(I(t, S_t))), S_t the selection, p the
                      main attention's probabilities summed over heads and L1-normalized (`selected_probs`,
                      a forward ring pass without gradient). I's values are the selection's own.
@@ -29,9 +31,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_lc.ops.attention_backends import lse_merge_weights
-from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
-from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
-from moe_lc.ops.sparse_attention import probabilities, sparse_backward, sparse_forward
+from moe_lc.ops.dsa_ring import QUERY_TILE, ring_visit, ring_visit_grads, row_tiles
+from moe_lc.ops.dsa_select import Selection
+from moe_lc.ops.sparse_attention import gather_rows, latent_backward, latent_forward, latent_probs
 
 KEY_TILE = 1024  # key columns of the dense (warm-up) passes: (rows, H, keys) fp32 temporaries
 
@@ -41,60 +43,78 @@ def _slots_idx(block):
     return slots, torch.where(slots >= 0, rows, -1)
 
 
-class SparseRingAttention(torch.autograd.Function):
-    """(q (B,Q,H,Dk), kv (B,T,Dk), sel, scale, d_v, ring) -> out (B,Q,H,Dv) q.dtype, lse (B,H,Q) fp32."""
+def split_wkv(w: Tensor, n_heads: int, nope_dim: int) -> tuple[Tensor, Tensor]:
+    """wkv_b's weight (H (Dn + Dv), C) -> W_UK (H, Dn, C), W_UV (H, Dv, C) (views)."""
+    w = w.view(n_heads, -1, w.shape[-1])
+    return w[:, :nope_dim], w[:, nope_dim:]
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """(q (B,Q,H,Dn+Dr) roped, kv (B,T,Ckv+Dr), wkv (H (Dn+Dv), Ckv) wkv_b's weight, sel, scale, nope_dim, ring)
+    -> out (B,Q,H,Dv) q.dtype, lse (B,H,Q) fp32: MLA over each query's selected keys, in the absorbed form
+    (moe_lc/ops/sparse_attention.py), visiting every ring rank's latent block."""
 
     @staticmethod
-    def forward(ctx, q, kv, sel: Selection, scale: float, d_v: int, ring):
+    def forward(ctx, q, kv, wkv, sel: Selection, scale: float, nope_dim: int, ring):
         B, Q, H, _ = q.shape
-        out = q.new_zeros(B, Q, H, d_v, dtype=torch.float32)
+        w_uk, w_uv = split_wkv(wkv, H, nope_dim)
+        out = q.new_zeros(B, Q, H, w_uv.shape[1], dtype=torch.float32)
         lse = q.new_full((B, H, Q), float("-inf"), dtype=torch.float32)
+        groups = sel.groups()
 
         def visit(src, blocks):
-            block = sel.block(src)
+            block = groups.block(src)
             if block is None:
                 return
-            part_out, part_lse = sparse_forward(q, blocks[0], _slots_idx(block)[1], scale, d_v)
+            part_out, part_lse = latent_forward(q, blocks[0], _slots_idx(block)[1], w_uk, w_uv, scale)
             new_lse, old_w, new_w = lse_merge_weights(lse, part_lse)
             out.mul_(old_w.transpose(1, 2)[..., None]).add_(part_out * new_w.transpose(1, 2)[..., None])
             lse.copy_(new_lse)
 
         ring_visit(ring, [kv.contiguous()], visit)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.sel, ctx.scale, ctx.d_v, ctx.ring = sel, scale, d_v, ring
+        ctx.save_for_backward(q, kv, wkv, out, lse)
+        ctx.sel, ctx.scale, ctx.nope_dim, ctx.ring = sel, scale, nope_dim, ring
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, wkv, out, lse = ctx.saved_tensors
+        w_uk, w_uv = split_wkv(wkv, q.shape[2], ctx.nope_dim)
         dq = torch.zeros_like(q, dtype=torch.float32)
+        dw_uk, dw_uv = torch.zeros_like(w_uk, dtype=torch.float32), torch.zeros_like(w_uv, dtype=torch.float32)
+        groups = ctx.sel.groups()
 
         def visit(src, blocks):
-            block = ctx.sel.block(src)
+            block = groups.block(src)
             if block is None:
                 return None
-            dq_b, dkv_b = sparse_backward(dout, q, blocks[0], _slots_idx(block)[1], out, lse, ctx.scale, ctx.d_v)
-            dq.add_(dq_b)
+            dq_b, dkv_b, duk, duv = latent_backward(dout, q, blocks[0], _slots_idx(block)[1], out, lse, w_uk, w_uv,
+                                                    ctx.scale)
+            dq.add_(dq_b), dw_uk.add_(duk), dw_uv.add_(duv)
             return [dkv_b]
 
         (dkv,) = ring_visit_grads(ctx.ring, [kv.contiguous()], visit, 1)
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
+        dwkv = torch.cat([dw_uk, dw_uv], dim=1).view_as(wkv)
+        return dq.to(q.dtype), dkv.to(kv.dtype), dwkv.to(wkv.dtype), None, None, None, None
 
 
 @torch.no_grad()
-def selected_probs(ring, q: Tensor, kv: Tensor, lse: Tensor, sel: Selection, scale: float, reduce_heads) -> Tensor:
+def selected_probs(ring, q: Tensor, kv: Tensor, wkv: Tensor, nope_dim: int, lse: Tensor, sel: Selection,
+                   scale: float, reduce_heads) -> Tensor:
     """p (B, Q, k) fp32: the main attention's probability of each selected key (final lse (B, H, Q)), summed
     over every head (`reduce_heads`) and L1-normalized over the selection; 0 at empty slots."""
     p = torch.zeros(sel.positions.shape, dtype=torch.float32, device=q.device)
+    w_uk, _ = split_wkv(wkv, q.shape[2], nope_dim)
+    groups = sel.groups()
 
     def visit(src, blocks):
-        block = sel.block(src)
+        block = groups.block(src)
         if block is not None:
             slots, idx = _slots_idx(block)
-            p.scatter_add_(-1, slots.clamp_min(0), probabilities(q, blocks[0], idx, lse, scale))
+            p.scatter_add_(-1, slots.clamp_min(0), latent_probs(q, blocks[0], idx, lse, w_uk, scale))
 
     ring_visit(ring, [kv.contiguous()], visit)
     p = reduce_heads(p)
@@ -116,20 +136,15 @@ def _indexer_grads(q: Tensor, w: Tensor, keys: Tensor, dI: Tensor, scale: float)
             torch.einsum("bqgm,bqge->bqme", dlogit, q.float()))
 
 
-def _gather_rows(k: Tensor, idx: Tensor) -> Tensor:
-    B, T, E = k.shape
-    flat = (idx + torch.arange(B, device=idx.device)[:, None, None] * T).flatten()
-    return k.reshape(B * T, E).index_select(0, flat).view(*idx.shape, E).float()
-
-
 class IndexerKLSparse(torch.autograd.Function):
-    """(q (B,Q,G,E), w (B,Q,G), k (B,T,E), sel, p (B,Q,k), scale, share, ring, sink) -> share * sum_t KL_t
-    (0-dim fp32) over the selected keys; the loss of DeepSeek-V3.2's sparse training stage. sink(kl_sum, 0):
-    called with the unscaled sum in backward (once per micro-batch, whatever is recomputed), or None."""
+    """(q (B,Q,G,E), w (B,Q,G), k (B,T,E), sel, scores (B,Q,k) the selection's, p (B,Q,k), scale, share, ring,
+    sink) -> share * sum_t KL_t (0-dim fp32) over the selected keys; the loss of DeepSeek-V3.2's sparse training
+    stage. sink(kl_sum, 0): called with the unscaled sum in backward (once per micro-batch, whatever is
+    recomputed), or None."""
 
     @staticmethod
-    def forward(ctx, q, w, k, sel: Selection, p: Tensor, scale: float, share: float, ring, sink=None):
-        log_q = torch.log_softmax(sel.scores, dim=-1)  # -inf at empty slots, where p = 0
+    def forward(ctx, q, w, k, sel: Selection, scores: Tensor, p: Tensor, scale: float, share: float, ring, sink=None):
+        log_q = torch.log_softmax(scores, dim=-1)  # -inf at empty slots, where p = 0
         soft = log_q.exp()
         ctx.save_for_backward(q, w, k)
         ctx.dI = (soft - p).masked_fill_(~sel.valid, 0.0)
@@ -144,9 +159,10 @@ class IndexerKLSparse(torch.autograd.Function):
         dI = ctx.dI * (grad.float() * ctx.share)
         dq, dw = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(w, dtype=torch.float32)
         B, T, E = k.shape
+        groups = ctx.sel.groups()
 
         def visit(src, blocks):
-            block = ctx.sel.block(src)
+            block = groups.block(src)
             if block is None:
                 return None
             slots, idx = _slots_idx(block)
@@ -155,7 +171,7 @@ class IndexerKLSparse(torch.autograd.Function):
             for r in row_tiles(q.shape[1], QUERY_TILE):
                 ids = idx[:, r].clamp_min(0)
                 d = torch.gather(dI[:, r], -1, slots[:, r].clamp_min(0)).masked_fill_(slots[:, r] < 0, 0.0)
-                dq_t, dw_t, dkeys = _indexer_grads(q[:, r], w[:, r], _gather_rows(blocks[0], ids), d, ctx.scale)
+                dq_t, dw_t, dkeys = _indexer_grads(q[:, r], w[:, r], gather_rows(blocks[0], ids), d, ctx.scale)
                 dq[:, r] += dq_t
                 dw[:, r] += dw_t
                 dk.index_add_(0, (ids + base).flatten(), dkeys.reshape(-1, E))
@@ -164,4 +180,4 @@ class IndexerKLSparse(torch.autograd.Function):
         (dk,) = ring_visit_grads(ctx.ring, [k.contiguous()], visit, 1)
         if ctx.sink is not None:
             ctx.sink(ctx.kl, torch.zeros_like(ctx.kl))
-        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None, None, None

@@ -126,18 +126,25 @@ def row_tiles(n: int, size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: float, topk: int) -> Selection:
+def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: float, topk: int
+           ) -> tuple[Selection, Tensor]:
     """The indexer's top-k of this rank's queries over every visible key of the ring: q (B, Q, G, E),
-    w (B, Q, G), k (B, T, E) this rank's keys (they travel). Tiles of QUERY_TILE x KEY_TILE; a tile whose
-    keys all lie after its queries is skipped."""
+    w (B, Q, G), k (B, T, E) this rank's keys (they travel). -> (the selection, its scores (B, Q, topk) fp32).
+    Tiles of QUERY_TILE x KEY_TILE; a tile whose keys all lie after its queries is skipped. On the meta device
+    (a dry run) each block's first tile is scored, for its working memory, and the selection has no values."""
     q_pos = layout.positions(layout.rank, q.device)
     q_doc = layout.doc_ids(q_pos)
-    best = [None] * len(row_tiles(q.shape[1], QUERY_TILE))
+    tiles = row_tiles(q.shape[1], QUERY_TILE)
+    best = [None] * len(tiles)
+    T = k.shape[1]
 
     def visit(src, blocks):
+        if q.is_meta:
+            indexer_scores(q[:, tiles[0]], w[:, tiles[0]], blocks[0][:, :KEY_TILE], scale)
+            return
         k_pos = layout.positions(src, q.device)
         k_doc = layout.doc_ids(k_pos)
-        for i, qt in enumerate(row_tiles(q.shape[1], QUERY_TILE)):
+        for i, qt in enumerate(tiles):
             for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                 if k_pos[kt].min() > q_pos[qt].max():
                     continue
@@ -148,4 +155,8 @@ def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: flo
                 best[i] = merge_topk(best[i], keys, topk)
 
     ring_visit(ring, [k], visit)
-    return selection_from_keys(torch.cat(best, dim=1), layout.locate, ring.size)
+    if q.is_meta:
+        shape = (q.shape[0], q.shape[1], topk)
+        return (Selection(torch.empty(shape, dtype=torch.int32, device=q.device), layout.locate, ring.size, T),
+                torch.empty(shape, dtype=torch.float32, device=q.device))
+    return selection_from_keys(torch.cat(best, dim=1), layout.locate, ring.size, T)

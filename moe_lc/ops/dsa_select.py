@@ -129,33 +129,28 @@ def key_positions(keys: Tensor) -> Tensor:
 
 
 @dataclass
-class Selection:
-    """What the indexer selected for this rank's queries, grouped by the ring rank that holds each key.
+class Groups:
+    """A selection grouped by the ring rank holding each key, for one ring pass (made by `Selection.groups`,
+    dropped after the pass: only the int32 positions stay between forward and backward).
 
-    positions (B, Q, k) int64 global positions, -1 for an empty slot (fewer visible keys than k: the
-    query attends to all it sees); scores (B, Q, k) fp32 (-inf when empty), slot order = the top-k order.
-    owner, local (B, Q, k): the ring rank holding each selected key and its row in that rank's shard
-    (empty slots: owner = n_ranks, local = 0). order (B, Q, k): slots sorted by owner (stable), so rank
-    r's slots of a query are order[..., start[r]:start[r] + count[r]]; start, count (n_ranks, B, Q)."""
+    owner, local (B, Q, k): the ring rank holding each selected key and its row in that rank's shard (empty
+    slots: owner = n_ranks, local = 0); order (B, Q, k): slots sorted by owner (stable), so rank r's slots of
+    a query are order[..., start[r]:start[r] + count[r]]; start, count (n_ranks, B, Q); m_max: on the meta
+    device (a dry run: no values), the slots every block is planned for."""
 
-    positions: Tensor
-    scores: Tensor
     owner: Tensor
     local: Tensor
     order: Tensor
     start: Tensor
     count: Tensor
-
-    @property
-    def valid(self) -> Tensor:
-        return self.positions >= 0
+    m_max: int | None = None
 
     def block(self, src: int) -> tuple[Tensor, Tensor] | None:
         """The slots whose key lives on ring rank `src`: (slots (B, Q, m) into the k dim, rows (B, Q, m)
         into src's shard), m = the most any query has there, padded with slot -1 / row 0; None when no
         query selected a key there."""
         count = self.count[src]
-        m = int(count.max()) if count.numel() else 0
+        m = self.m_max if self.m_max is not None else int(count.max()) if count.numel() else 0
         if m == 0:
             return None
         ar = torch.arange(m, device=count.device)
@@ -166,15 +161,39 @@ class Selection:
         return torch.where(inside, slots, -1), torch.where(inside, rows, 0)
 
 
-def selection_from_keys(keys: Tensor, locate, n_ranks: int) -> Selection:
-    """keys (B, Q, k) from `merge_topk`; locate(positions (N,)) -> (owner rank (N,), row in its shard (N,))."""
-    positions = key_positions(keys)
-    valid = positions >= 0
-    owner, local = locate(positions.clamp_min(0).flatten())
-    owner = torch.where(valid, owner.view_as(positions), n_ranks)
-    local = torch.where(valid, local.view_as(positions), 0)
-    order = torch.argsort(owner, dim=-1, stable=True)
-    ranks = torch.arange(n_ranks, device=keys.device)
-    count = (owner[None] == ranks[:, None, None, None]).sum(-1)  # (n_ranks, B, Q)
-    start = torch.cumsum(count, 0) - count
-    return Selection(positions, key_scores(keys), owner, local, order, start, count)
+@dataclass
+class Selection:
+    """What the indexer selected for this rank's queries: positions (B, Q, k) int32 global positions in the
+    top-k order, -1 for an empty slot (fewer visible keys than k: the query attends to all it sees); what
+    DeepSeek Sparse Attention keeps from forward to backward (4 bytes per query and slot). locate(positions
+    (N,)) -> (ring rank holding each, its row there); n_ranks, block_rows: the ring's size and rows per rank."""
+
+    positions: Tensor
+    locate: object
+    n_ranks: int
+    block_rows: int
+
+    @property
+    def valid(self) -> Tensor:
+        return self.positions >= 0
+
+    def groups(self) -> Groups:
+        """The slots grouped by owning rank (see `Groups`)."""
+        pos = self.positions.long()
+        valid = pos >= 0
+        if pos.is_meta:  # a dry run: shapes only; every block planned for min(k, its rows) slots
+            meta = torch.zeros_like(pos)
+            return Groups(meta, meta, meta, meta.new_zeros(self.n_ranks, *pos.shape[:2]),
+                          meta.new_zeros(self.n_ranks, *pos.shape[:2]), min(pos.shape[-1], self.block_rows))
+        owner, local = self.locate(pos.clamp_min(0).flatten())
+        owner = torch.where(valid, owner.view_as(pos), self.n_ranks)
+        local = torch.where(valid, local.view_as(pos), 0)
+        order = torch.argsort(owner, dim=-1, stable=True)
+        ranks = torch.arange(self.n_ranks, device=pos.device)
+        count = (owner[None] == ranks[:, None, None, None]).sum(-1)  # (n_ranks, B, Q)
+        return Groups(owner, local, order, torch.cumsum(count, 0) - count, count)
+
+
+def selection_from_keys(keys: Tensor, locate, n_ranks: int, block_rows: int) -> tuple[Selection, Tensor]:
+    """(Selection, scores (B, Q, k) fp32, -inf at empty slots) of keys (B, Q, k) from `merge_topk`."""
+    return Selection(key_positions(keys).to(torch.int32), locate, n_ranks, block_rows), key_scores(keys)

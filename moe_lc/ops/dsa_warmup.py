@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
 from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
+from moe_lc.ops.sparse_attention import absorb_queries
 
 KEY_TILE = 1024
 
@@ -33,15 +34,15 @@ def _tile_mask(layout: RingLayout, q_pos, k_pos, q_doc, k_doc, qt, kt):
 
 
 def _main_scores(q: Tensor, kv: Tensor, seen: Tensor, scale: float) -> Tensor:
-    """q (B,q,H,Dk), kv (B,k,Dk), seen (B|1,q,k) -> (B,q,H,k) fp32 scaled, -inf where not seen."""
+    """q (B,q,H,Dk) absorbed, kv (B,k,Dk), seen (B|1,q,k) -> (B,q,H,k) fp32 scaled, -inf where not seen."""
     s = torch.einsum("bqhd,bkd->bqhk", q.float(), kv.float()).mul_(scale)
     return s.masked_fill_(~seen[:, :, None, :], float("-inf"))
 
 
 @torch.no_grad()
-def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, scale: float) -> Tensor:
-    """The dense causal (document-masked) attention's log-sum-exp per head: q (B,Q,H,Dk), kv (B,T,Dk)
-    this rank's latent block -> (B, H, Q) fp32."""
+def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, w_uk: Tensor, scale: float) -> Tensor:
+    """The dense causal (document-masked) attention's log-sum-exp per head: q (B,Q,H,Dn+Dr) roped, kv (B,T,Dk)
+    this rank's latent block, w_uk (H,Dn,Ckv) (absorbed per query tile) -> (B, H, Q) fp32."""
     q_pos = layout.positions(layout.rank, q.device)
     q_doc = layout.doc_ids(q_pos)
     lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
@@ -50,10 +51,11 @@ def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, scale: float) -> T
         k_pos = layout.positions(src, q.device)
         k_doc = layout.doc_ids(k_pos)
         for qt in row_tiles(q.shape[1], QUERY_TILE):
+            q_abs = absorb_queries(q[:, qt], w_uk)
             for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                 if k_pos[kt].min() > q_pos[qt].max():
                     continue
-                s = _main_scores(q[:, qt], blocks[0][:, kt], _tile_mask(layout, q_pos, k_pos, q_doc, k_doc, qt, kt),
+                s = _main_scores(q_abs, blocks[0][:, kt], _tile_mask(layout, q_pos, k_pos, q_doc, k_doc, qt, kt),
                                  scale)
                 lse[:, :, qt] = torch.logaddexp(lse[:, :, qt], torch.logsumexp(s, -1).transpose(1, 2))
 
@@ -64,9 +66,10 @@ def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, scale: float) -> T
 class _Tile:
     """What both passes compute on one (query tile, key tile) of a visiting block: p and I, masked."""
 
-    def __init__(self, ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt):
+    def __init__(self, ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt, qm):
+        """qm: the query tile's absorbed main queries (B, q, H, Dk)."""
         seen = _tile_mask(ctx.layout, q_pos, k_pos, q_doc, k_doc, qt, kt)
-        qI, w, qm, lse = ctx.inputs[0][:, qt], ctx.inputs[1][:, qt], ctx.q_main[:, qt], ctx.lse[:, :, qt]
+        qI, w, lse = ctx.inputs[0][:, qt], ctx.inputs[1][:, qt], ctx.lse[:, :, qt]
         s = _main_scores(qm, blocks[1][:, kt], seen, ctx.scale_main)
         P = torch.exp(s - lse.transpose(1, 2).nan_to_num(neginf=0.0)[..., None])
         self.p = ctx.reduce_heads(P.sum(2)) / ctx.n_heads  # (B, q, k)
@@ -75,15 +78,16 @@ class _Tile:
 
 
 class IndexerKLDense(torch.autograd.Function):
-    """(q_idx (B,Q,G,E), w (B,Q,G), k_idx (B,T,E); q_main (B,Q,H,Dk), kv (B,T,Dk), lse (B,H,Q) no gradient;
+    """(q_idx (B,Q,G,E), w (B,Q,G), k_idx (B,T,E); q_main (B,Q,H,Dn+Dr) roped, kv (B,T,Dk), w_uk (H,Dn,Ckv),
+    lse (B,H,Q) no gradient;
     layout, scales, share, ring, reduce_heads, n_heads (H over every tp rank), sel: the indexer's top-k or
     None, sink) -> (share * sum_t KL_t 0-dim fp32, stats (2,) fp64 [sum_t KL_t, sum_t p-mass on the top-k]).
     sink(*stats) is called in backward (once per micro-batch, whatever is recomputed), if given."""
 
     @staticmethod
-    def forward(ctx, q_idx, w, k_idx, q_main, kv, lse, layout, scale_main, scale_index, share, ring, reduce_heads,
-                n_heads, sel: Selection | None, sink=None):
-        ctx.inputs, ctx.q_main, ctx.kv, ctx.lse = (q_idx, w), q_main, kv.contiguous(), lse
+    def forward(ctx, q_idx, w, k_idx, q_main, kv, w_uk, lse, layout, scale_main, scale_index, share, ring,
+                reduce_heads, n_heads, sel: Selection | None, sink=None):
+        ctx.inputs, ctx.q_main, ctx.kv, ctx.w_uk, ctx.lse = (q_idx, w), q_main, kv.contiguous(), w_uk, lse
         ctx.layout, ctx.ring = layout, ring
         ctx.scale_main, ctx.scale_index, ctx.share, ctx.reduce_heads, ctx.n_heads = (scale_main, scale_index, share,
                                                                                      reduce_heads, n_heads)
@@ -93,15 +97,18 @@ class IndexerKLDense(torch.autograd.Function):
         plogp, pI, mass = (torch.zeros(B, Q, dtype=torch.float64, device=q_idx.device) for _ in range(3))
         lse_idx = torch.full((B, Q), float("-inf"), dtype=torch.float32, device=q_idx.device)
 
+        groups = sel.groups() if sel is not None else None
+
         def visit(src, blocks):
             k_pos = layout.positions(src, q_idx.device)
             k_doc = layout.doc_ids(k_pos)
-            chosen = sel.block(src) if sel is not None else None
+            chosen = groups.block(src) if groups is not None else None
             for qt in row_tiles(Q, QUERY_TILE):
+                qm = absorb_queries(q_main[:, qt], w_uk)
                 for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                     if k_pos[kt].min() > q_pos[qt].max():
                         continue
-                    t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt)
+                    t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt, qm)
                     plogp[:, qt] += torch.where(t.p > 0, t.p * t.p.clamp_min(1e-38).log(), 0.0).sum(-1).double()
                     pI[:, qt] += torch.where(t.seen, t.p * t.I, 0.0).sum(-1).double()
                     lse_idx[:, qt] = torch.logaddexp(lse_idx[:, qt], torch.logsumexp(t.I, -1))
@@ -133,10 +140,11 @@ class IndexerKLDense(torch.autograd.Function):
             k_doc = layout.doc_ids(k_pos)
             dk = torch.zeros_like(blocks[0], dtype=torch.float32)
             for qt in row_tiles(q_idx.shape[1], QUERY_TILE):
+                qm = absorb_queries(ctx.q_main[:, qt], ctx.w_uk)
                 for kt in row_tiles(k_pos.shape[0], KEY_TILE):
                     if k_pos[kt].min() > q_pos[qt].max():
                         continue
-                    t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt)
+                    t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt, qm)
                     soft = torch.exp(t.I - ctx.lse_idx[:, qt, None])  # 0 where not seen
                     dI = (soft - t.p).masked_fill_(~t.seen, 0.0) * g
                     logits = torch.einsum("bqge,bke->bqgk", q_idx[:, qt].float(), blocks[0][:, kt].float()).mul_(scale)
@@ -149,7 +157,7 @@ class IndexerKLDense(torch.autograd.Function):
         (dk,) = ring_visit_grads(ctx.ring, [k_idx.contiguous(), ctx.kv], visit, 1)
         if ctx.sink is not None:
             ctx.sink(*ctx.stats)
-        return (dq.to(q_idx.dtype), dw.to(w.dtype), dk.to(k_idx.dtype)) + (None,) * 12
+        return (dq.to(q_idx.dtype), dw.to(w.dtype), dk.to(k_idx.dtype)) + (None,) * 13
 
 
 def _chosen_mask(chosen, qt: slice, kt: slice, shape) -> Tensor:
