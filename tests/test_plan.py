@@ -1,14 +1,16 @@
 """tools/plan.py: published ZeRO figures, and the planner held to measurement.
 
-Saved activations are traced (tools/block_trace.py: one block of each kind forward on the meta device):
-the traced bytes must equal what a real CPU forward keeps (`measure_saved_bytes`), part by part and
-under every recompute policy, and what a split backward leaves for W what the W closures of a real CPU
-backward hold. Optimizer-state bytes and counted communication bytes of real multi-rank runs
-(tests.harness.run_layout) must equal the plan exactly, and their saved activations the plan's (to the
-byte; EP's, which follow the routing while the trace routes evenly, within 10%). The 671B plan runs in
-under 30 s, and DualPipe's mirror ranks get the same figures.
+Saved activations and traffic are traced (tools/block_trace.py: one block of each kind forward and
+backward on the meta device): the traced bytes must equal what a real CPU forward keeps
+(`measure_saved_bytes`), part by part and under every recompute policy, and what a split backward
+leaves for W what the W closures of a real CPU backward hold. Optimizer-state bytes and counted
+communication bytes of real multi-rank runs (tests.harness.run_layout) must equal the plan exactly
+(the all-to-alls, which follow the routing while the trace routes evenly, within 10%), and their
+saved activations the plan's (to the byte; EP's within 10%). The 671B plan runs in under 30 s, and
+DualPipe's mirror ranks get the same figures.
 """
 
+import ast
 import gc
 import json
 import subprocess
@@ -340,6 +342,14 @@ OTHER_DIMS = [
     ("tp2-qk-norm-shared-gate", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", "model.qk_norm=full",
                                     "model.attn_out_bias=true", "model.moe.shared_expert_gate=true",
                                     "model.moe.shared_ffn_dim=64"], 0.0),
+    # what the hand-written formulas got wrong before the traffic was traced: MLA's latents gathered over tp
+    # beside the blocks' activations, and the gathers a full recomputation replays (up to the last tensor
+    # it needs: torch's non-reentrant checkpoint stops there)
+    ("tp2-mla-recompute-full", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", *MLA,
+                                   "recompute.policy=full"], None),
+    # DualPipeV hands the turn at the last rank over locally: no send (the schedule's actions say so)
+    ("pp2-dualpipev-mtp", 2, ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "train.micro_batch=1",
+                              "model.mtp.depth=1"], None),
 ]
 SLOW_DIMS = [("cp2-tp2", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.0),
              ("pp2-dualpipe-dp2", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=dualpipe",
@@ -355,6 +365,31 @@ def test_plan_matches_measurement_on_other_dims(name, world, overrides, act_rtol
 @pytest.mark.parametrize("name, world, overrides, act_rtol", SLOW_DIMS, ids=[x[0] for x in SLOW_DIMS])
 def test_plan_matches_measurement_on_composed_dims(name, world, overrides, act_rtol):
     _check_layout(name, world, overrides, act_rtol)
+
+
+def test_traced_all_to_all_keeps_the_share_an_expert_capacity_lets_through():
+    """Under EP with a capacity of half the balanced load, the traced dispatch sends half the rows: every
+    expert keeps ceil(0.5 T k / E) of its T k / E copies, whichever the drop policy picks (the trace drops
+    by position: its affinities hold no values; by probability it lost the kept counts)."""
+    def sent(*extra):
+        cfg = load_config(RECIPE, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2", "train.seq_len=64", *extra])
+        return trace_parts(cfg, backward=True).comm["moe"][("ep", "all_to_all")]
+
+    half = ["model.moe.capacity_factor=0.5"]
+    assert sent(*half) == sent(*half, "model.moe.drop_policy=position") == sent() // 2 > 0
+
+
+def test_planner_traffic_reads_no_model_feature():
+    """What the model sends is read off its traced blocks (tools/block_trace.py), not restated: the planner's
+    layout and traffic code reads no attention kind, head count, ring, routing, capacity, precision or
+    recompute setting (a new attention kind, say sparse attention's indexer keys on the cp ring, is
+    planned by running)."""
+    tree = ast.parse((ROOT / "tools" / "plan_layout.py").read_text())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    features = {"attention", "mla", "mla_ring", "n_heads", "n_kv_heads", "head_size", "qk_norm", "qkv_bias", "dim",
+                "topk", "capacity_factor", "weighted_swiglu", "aux_loss_weight", "global_aux_loss_weight",
+                "fp8_dispatch", "precision", "recompute", "selective", "micro_batch", "seq_len"}
+    assert not read & features, read & features
 
 
 def test_zero1_traffic_is_two_psi_not_four():

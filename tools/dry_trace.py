@@ -27,6 +27,7 @@ import contextlib
 import sys
 import weakref
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -64,6 +65,17 @@ def balanced_select(scores_TE, bias_E, n_groups: int, topk_groups: int, topk: in
     k = torch.arange(topk, device=scores_TE.device).unsqueeze(0)
     group = (t * g + k % g) % G
     return group * per + ((t * g // G) * per_visit + k // g) % per
+
+
+def position_priority(cfg):
+    """cfg with an expert capacity's drop_policy "position": a traced router's affinities hold no values,
+    so "probability" has nothing to sort by (the kept copies' counts would be lost); every policy keeps
+    min(copies, capacity) of each expert, so the traced bytes and shapes are the same (only which tokens
+    keep their copies differs)."""
+    moe = cfg.model.moe
+    if moe.capacity_factor <= 0 or moe.drop_policy == "position":
+        return cfg
+    return replace(cfg, model=replace(cfg.model, moe=replace(moe, drop_policy="position")))
 
 
 class MemoryTracker:
