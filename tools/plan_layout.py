@@ -126,13 +126,14 @@ def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedul
     stage sends, one traced hidden tensor each (`stage_forwards`, `stage_sends`: the schedule's actions)."""
     rank, m = layout.dims.coords()["pp"], cfg.model
     runs = stage_forwards(schedule, rank) if schedule else {0: cfg.train.microbatches(layout.dims.dp)}
-    sent, met = Counter(), Counter()
+    sent, met = Counter(), {}  # (group, op) -> bytes; -> {part: runs of it}
     for st in layout.stages:
         for part in ["embed"] * st["first"] + [block_kind(m, i) for i in st["layers"]] + ["head"] * st["last"]:
-            met[part] += runs[st["id"]]
-            sent.update({key: runs[st["id"]] * n for key, n in traced.comm[part].items()})
-    what = "traced: " + ", ".join(f"{n} x {part}" for part, n in met.items())
-    out = [Traffic(g, op, n, what, ESTIMATE if op == "all_to_all" else "exact") for (g, op), n in sorted(sent.items())]
+            for key, n in traced.comm[part].items():
+                sent[key] += runs[st["id"]] * n
+                met.setdefault(key, Counter())[part] += runs[st["id"]]
+    out = [Traffic(g, op, n, "traced: " + ", ".join(f"{k} x {part}" for part, k in met[(g, op)].items()),
+                   ESTIMATE if op == "all_to_all" else "exact") for (g, op), n in sorted(sent.items())]
     if schedule:
         out.append(Traffic("pp", "send", stage_sends(schedule, rank) * traced.hidden, "stage activations / gradients"))
     return out
