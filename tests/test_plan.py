@@ -32,7 +32,8 @@ from moe_lc.parallel.zero import ZeroAdamW
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
 from tools.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
 from tools.block_trace import block_kind, forget_traces, trace_parts
-from tools.dry_trace import balanced_select
+from tools.dry_trace import HostLiterals, StepTracer, balanced_select
+from tools.meta_kernels import MetaKernels
 from tools.placement_semantics import zero_comm, zero_memory
 from tools.plan import plan
 
@@ -185,6 +186,23 @@ def test_traced_fp8_cached_bytes_equal_a_measured_forward_routed_alike(items):
     traced = estimate(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, 2, policy="selective", selective=selective,
                       fp8_cache=tuple(items))
     _assert_traced_equals_measured(traced, measured)
+
+
+def test_tracer_remembers_meta_kernels_only_where_they_make_fresh_tensors():
+    """The trace runs an op's meta kernel once per (inputs' metadata, other arguments) when the op makes
+    fresh tensors (tools/meta_kernels.py: a 128K ring repeats its shapes cp - 1 times): a repeat
+    gets new tensors of the same shape, stride and dtype; a scalar's type is part of the key; views and
+    in-place ops still run."""
+    x, i = torch.empty(4, 6, device="meta"), torch.empty(3, dtype=torch.int64, device="meta")  # no values
+    with StepTracer(), HostLiterals():
+        first = x.t() @ x
+        remembered = len(MetaKernels.seen)
+        again = x.t() @ x
+        assert len(MetaKernels.seen) == remembered and again.untyped_storage()._cdata != first.untyped_storage()._cdata
+        assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype)
+        assert [(i + 1).dtype, (i + 1.0).dtype, (i + 1).dtype] == [torch.int64, torch.float32, torch.int64]
+        assert x.view(24).untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert x.add_(1) is x
 
 
 def test_policies_keep_less_and_replay_more_from_none_to_selective_to_full():
