@@ -449,7 +449,7 @@ def test_module_entry_point_lists_the_traced_tensors_of_each_part():
 
 
 @pytest.mark.parametrize("recipe", ["deepseek_v3_671b.toml", "moe16b_128k.toml"])
-def test_full_scale_recipes_plan_with_unchecked_hooks_marked(recipe):
+def test_full_scale_recipes_plan_with_their_estimates_marked(recipe):
     cfg = load_config(RECIPES / recipe)
     p = plan(cfg, None, recipe)
     rank = p.worst()
