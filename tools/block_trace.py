@@ -140,19 +140,19 @@ def _trace_parallel(p: ParallelConfig) -> ParallelConfig:
 def _trace_mesh(p: ParallelConfig):
     """(parallel section, ParallelDims) of `_trace_parallel(p)`, at rank 0 (pipeline rank 0: every rank of
     a layout has groups of the same sizes), its groups torch's fake process group (no process, no data)."""
-    small = _trace_parallel(p)
-    world = small.pp * small.dp * small.cp * small.tp
+    traced = _trace_parallel(p)
+    world = traced.pp * traced.dp * traced.cp * traced.tp
     if world > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if dist.is_initialized():
-            raise RuntimeError("tools/block_trace.py traces tp/cp/ep layouts on a fake process group of its own: "
+            raise RuntimeError("tools/block_trace.py traces a layout on a fake process group of its own: "
                                "call the planner outside torch.distributed")
         dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        dims = ParallelDims.from_config(small, world, 0, "meta")
+        dims = ParallelDims.from_config(traced, world, 0, "meta")
         dims.init_groups()
-        yield small, dims
+        yield traced, dims
     finally:
         if world > 1:
             dist.destroy_process_group()
