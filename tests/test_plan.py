@@ -461,13 +461,14 @@ def test_full_scale_recipes_plan_with_their_estimates_marked(recipe):
 def test_671b_plan_takes_under_30_seconds_and_mirror_ranks_agree():
     """The traces cost a few blocks, not 61 layers: the 671B plan (16 pipeline ranks, every policy, the
     split backward's W) in under 30 s on a CPU. DualPipe's mirror ranks r and pp-1-r hold the same two
-    stages (in the other order): the same figures."""
+    stages (in the other order): the same figures, traffic included."""
     forget_traces()
     start = time.perf_counter()
     p = plan(load_config(RECIPES / "deepseek_v3_671b.toml"), None, "671b")
     assert time.perf_counter() - start < 30
     for r in range(8):
         a, b = p.ranks[r], p.ranks[15 - r]
-        assert (a.memory, a.transients, a.activations) == (b.memory, b.transients, b.activations), r
+        assert (a.memory, a.transients, a.activations, a.comm_per_step()) == \
+               (b.memory, b.transients, b.activations, b.comm_per_step()), r
         assert sorted(a.layers) == sorted(b.layers)
     assert "loss head" in p.ranks[0].transients and "loss head" not in p.ranks[7].transients
