@@ -30,7 +30,6 @@ from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_rep
 from moe_lc.lr_schedule import lr_at
 from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
-from moe_lc.model.dsa import dsa_lr_scale
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
@@ -38,7 +37,8 @@ from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.compile import apply_compile, running
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
-from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
+from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
+                                        zero_param_groups)
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero import ZeroOptimizer
 from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
@@ -99,7 +99,7 @@ class Trainer:
                                            p.compute_dtype, self.device, overlap=self.dims.overlap,
                                            store=self.parallel.wgrad_store)
         self.optimizer = ZeroOptimizer(
-            zero_param_groups(self.parallel, self.dims, dsa_lr_scale(cfg.model, t.lr)), self.dims["world"],
+            zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
             build_rule(t, p), grad_clip=t.grad_clip,
             bucket_mb=cfg.parallel.zero_bucket_mb, no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
         self.step = 0

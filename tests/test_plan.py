@@ -1,14 +1,16 @@
 """tools/plan.py: published ZeRO figures, and the planner held to measurement.
 
-Saved activations are traced (tools/block_trace.py: one block of each kind forward on the meta device):
-the traced bytes must equal what a real CPU forward keeps (`measure_saved_bytes`), part by part and
-under every recompute policy, and what a split backward leaves for W what the W closures of a real CPU
-backward hold. Optimizer-state bytes and counted communication bytes of real multi-rank runs
-(tests.harness.run_layout) must equal the plan exactly, and their saved activations the plan's (to the
-byte; EP's, which follow the routing while the trace routes evenly, within 10%). The 671B plan runs in
-under 30 s, and DualPipe's mirror ranks get the same figures.
+Saved activations and traffic are traced (tools/block_trace.py: one block of each kind forward and
+backward on the meta device): the traced bytes must equal what a real CPU forward keeps
+(`measure_saved_bytes`), part by part and under every recompute policy, and what a split backward
+leaves for W what the W closures of a real CPU backward hold. Optimizer-state bytes and counted
+communication bytes of real multi-rank runs (tests.harness.run_layout) must equal the plan exactly
+(the all-to-alls, which follow the routing while the trace routes evenly, within 10%), and their
+saved activations the plan's (to the byte; EP's within 10%). The 671B plan runs in under 30 s, and
+DualPipe's mirror ranks get the same figures.
 """
 
+import ast
 import gc
 import json
 import subprocess
@@ -31,7 +33,8 @@ from moe_lc.parallel.zero import ZeroOptimizer
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
 from tools.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
 from tools.block_trace import block_kind, forget_traces, trace_parts
-from tools.dry_trace import balanced_select
+from tools.dry_trace import HostLiterals, StepTracer, balanced_select
+from tools.meta_kernels import MetaKernels
 from tools.placement_semantics import zero_comm, zero_memory
 from tools.plan import plan
 
@@ -185,6 +188,23 @@ def test_traced_fp8_cached_bytes_equal_a_measured_forward_routed_alike(items):
     traced = estimate(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, 2, policy="selective", selective=selective,
                       fp8_cache=tuple(items))
     _assert_traced_equals_measured(traced, measured)
+
+
+def test_tracer_remembers_meta_kernels_only_where_they_make_fresh_tensors():
+    """The trace runs an op's meta kernel once per (inputs' metadata, other arguments) when the op makes
+    fresh tensors (tools/meta_kernels.py: a 128K ring repeats its shapes cp - 1 times): a repeat
+    gets new tensors of the same shape, stride and dtype; a scalar's type is part of the key; views and
+    in-place ops still run."""
+    x, i = torch.empty(4, 6, device="meta"), torch.empty(3, dtype=torch.int64, device="meta")  # no values
+    with StepTracer(), HostLiterals():
+        first = x.t() @ x
+        remembered = len(MetaKernels.seen)
+        again = x.t() @ x
+        assert len(MetaKernels.seen) == remembered and again.untyped_storage()._cdata != first.untyped_storage()._cdata
+        assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype)
+        assert [(i + 1).dtype, (i + 1.0).dtype, (i + 1).dtype] == [torch.int64, torch.float32, torch.int64]
+        assert x.view(24).untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert x.add_(1) is x
 
 
 def test_policies_keep_less_and_replay_more_from_none_to_selective_to_full():
@@ -342,6 +362,14 @@ OTHER_DIMS = [
     ("tp2-qk-norm-shared-gate", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", "model.qk_norm=full",
                                     "model.attn_out_bias=true", "model.moe.shared_expert_gate=true",
                                     "model.moe.shared_ffn_dim=64"], 0.0),
+    # what the hand-written formulas got wrong before the traffic was traced: MLA's latents gathered over tp
+    # beside the blocks' activations, and the gathers a full recomputation replays (up to the last tensor
+    # it needs: torch's non-reentrant checkpoint stops there)
+    ("tp2-mla-recompute-full", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", *MLA,
+                                   "recompute.policy=full"], None),
+    # DualPipeV hands the turn at the last rank over locally: no send (the schedule's actions say so)
+    ("pp2-dualpipev-mtp", 2, ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "train.micro_batch=1",
+                              "model.mtp.depth=1"], None),
 ]
 SLOW_DIMS = [("cp2-tp2", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1", "train.micro_batch=4"], 0.0),
              ("pp2-dualpipe-dp2", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=dualpipe",
@@ -357,6 +385,31 @@ def test_plan_matches_measurement_on_other_dims(name, world, overrides, act_rtol
 @pytest.mark.parametrize("name, world, overrides, act_rtol", SLOW_DIMS, ids=[x[0] for x in SLOW_DIMS])
 def test_plan_matches_measurement_on_composed_dims(name, world, overrides, act_rtol):
     _check_layout(name, world, overrides, act_rtol)
+
+
+def test_traced_all_to_all_keeps_the_share_an_expert_capacity_lets_through():
+    """Under EP with a capacity of half the balanced load, the traced dispatch sends half the rows: every
+    expert keeps ceil(0.5 T k / E) of its T k / E copies, whichever the drop policy picks (the trace drops
+    by position: its affinities hold no values; by probability it lost the kept counts)."""
+    def sent(*extra):
+        cfg = load_config(RECIPE, ["parallel.ep=2", "parallel.dp=2", "train.micro_batch=2", "train.seq_len=64", *extra])
+        return trace_parts(cfg, backward=True).comm["moe"][("ep", "all_to_all")]
+
+    half = ["model.moe.capacity_factor=0.5"]
+    assert sent(*half) == sent(*half, "model.moe.drop_policy=position") == sent() // 2 > 0
+
+
+def test_planner_traffic_reads_no_model_feature():
+    """What the model sends is read off its traced blocks (tools/block_trace.py), not restated: the planner's
+    layout and traffic code reads no attention kind, head count, ring, routing, capacity, precision or
+    recompute setting (a new attention kind, say sparse attention's indexer keys on the cp ring, is
+    planned by running)."""
+    tree = ast.parse((ROOT / "tools" / "plan_layout.py").read_text())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    features = {"attention", "mla", "mla_ring", "n_heads", "n_kv_heads", "head_size", "qk_norm", "qkv_bias", "dim",
+                "topk", "capacity_factor", "weighted_swiglu", "aux_loss_weight", "global_aux_loss_weight",
+                "fp8_dispatch", "precision", "recompute", "selective", "micro_batch", "seq_len"}
+    assert not read & features, read & features
 
 
 def test_zero1_traffic_is_two_psi_not_four():
@@ -398,7 +451,7 @@ def test_module_entry_point_lists_the_traced_tensors_of_each_part():
 
 
 @pytest.mark.parametrize("recipe", ["deepseek_v3_671b.toml", "moe16b_128k.toml"])
-def test_full_scale_recipes_plan_with_unchecked_hooks_marked(recipe):
+def test_full_scale_recipes_plan_with_their_estimates_marked(recipe):
     cfg = load_config(RECIPES / recipe)
     p = plan(cfg, None, recipe)
     rank = p.worst()
@@ -410,13 +463,14 @@ def test_full_scale_recipes_plan_with_unchecked_hooks_marked(recipe):
 def test_671b_plan_takes_under_30_seconds_and_mirror_ranks_agree():
     """The traces cost a few blocks, not 61 layers: the 671B plan (16 pipeline ranks, every policy, the
     split backward's W) in under 30 s on a CPU. DualPipe's mirror ranks r and pp-1-r hold the same two
-    stages (in the other order): the same figures."""
+    stages (in the other order): the same figures, traffic included."""
     forget_traces()
     start = time.perf_counter()
     p = plan(load_config(RECIPES / "deepseek_v3_671b.toml"), None, "671b")
     assert time.perf_counter() - start < 30
     for r in range(8):
         a, b = p.ranks[r], p.ranks[15 - r]
-        assert (a.memory, a.transients, a.activations) == (b.memory, b.transients, b.activations), r
+        assert (a.memory, a.transients, a.activations, a.comm_per_step()) == \
+               (b.memory, b.transients, b.activations, b.comm_per_step()), r
         assert sorted(a.layers) == sorted(b.layers)
     assert "loss head" in p.ranks[0].transients and "loss head" not in p.ranks[7].transients

@@ -1,12 +1,13 @@
-"""What one micro-batch keeps for backward on one rank, per block kind, traced on the meta device: the
-planner's activation figures (tools/activation_memory.py, tools/pipeline_memory.py) come from here.
+"""What one micro-batch keeps for backward and sends on one rank, per block kind, traced on the meta
+device: the planner's activation figures (tools/activation_memory.py, tools/pipeline_memory.py) and its
+traffic beyond ZeRO (tools/plan_layout.py `traced_traffic`) come from here.
 
 `trace_parts(cfg, loss_mask)` builds the rank's model as the trainer builds it (`build_rank_model`:
 tensor, expert and context parallelism, FP8 GEMMs, recomputation and FP8 caching from the recipe),
 materialized on the meta device, standing for an H100 as in tools/dryrun.py (or for a CPU, for the
 fp32 recipes: `runs_on_gpu`), and runs one piece of each kind forward under the dry run's tracer
-(tools/dry_trace.py: shadows for routing and split sizes, balanced routing) on meta tensors of the
-rank's local shapes:
+(tools/dry_trace.py: shadows for routing and split sizes, balanced routing, an expert capacity
+dropping by position) on meta tensors of the rank's local shapes:
 
     embed   the embedding phase on the trainer's inputs (`prepare_batch` of a (B, S+1) micro-batch)
     dense   one dense block, run as the model chains its phases (`Block.phases`); its input is a
@@ -17,13 +18,18 @@ rank's local shapes:
 
 It counts what autograd keeps, as `activation_memory.measure_saved_bytes` does on a real forward: the
 storages packed by saved-tensor hooks and the inputs held by non-reentrant checkpoints, each once (by
-the first piece that keeps it), parameters excluded. Bytes are per micro-batch on one rank.
+the first piece that keeps it), parameters excluded. With `backward`, each piece then runs its backward
+as a split schedule does, B then W: what B leaves for W is measured, and every collective the piece
+called forward, backward (a recomputation's replays) and in W is what comm.py counted on the mesh's
+groups, by (group, op). Bytes are per micro-batch on one rank.
 
-Cheap layout: a block keeps what it keeps whatever pp and dp are, so the model is built with one block
-of each kind (plus the MTP modules, which keep their kind) on a mesh of pp = 1 and the fewest dp
-ranks that hold the recipe's tp x cp x ep, whose groups are torch's fake process group in this process
-(what the dry run uses). A 61-layer model costs three traced blocks; results are cached per
-(model, micro-batch, precision, recompute, layout).
+Layout: a block keeps and sends what it does whatever the pipeline is, so the model is built with one
+block of each kind (plus the MTP modules, which keep their kind) and no pipeline split, on the recipe's
+own mesh (every group at its real size: a sum over "dp_cp_tp" spans dp and DualPipe's mirror ranks),
+whose groups are torch's fake process group in this process (what the dry run uses); a recipe whose
+dp is left to the world size is traced on pp = 1 and the fewest dp ranks that hold its tp x cp x ep.
+A 61-layer model costs three traced blocks; results are cached per (model, micro-batch, precision,
+recompute, layout).
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from moe_lc.ops.attention import resolved_backend
 from moe_lc.ops.device import meta_as_gpu
 from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
+from moe_lc.parallel.comm import CommCounter
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.parallelize import prepare_batch
-from .dry_trace import HostLiterals, StepTracer, balanced_select, held_checkpoint_inputs
+from .dry_trace import HostLiterals, StepTracer, balanced_select, held_checkpoint_inputs, position_priority
 
 PARTS = ("embed", "dense", "moe", "head", "rope")
 META = torch.device("meta")
@@ -56,12 +63,18 @@ class TracedParts:
 
     saved     bytes autograd keeps from the forward to the backward
     tensors   what they are: [(bytes, "module: op dtype[shape]")], largest first (plan.py --terms)
-    held      bytes a split backward's B leaves for its W (`_held_for_w`); only with `backward`
+    held      bytes a split backward's B leaves for its W (`_backward`); only with `backward`
+    comm      {(group, op): bytes} this rank sends while the part runs forward, backward (recompute
+              replays included) and W, as comm.py counts them, on the recipe's mesh; only with `backward`
+    hidden    bytes of the tensor between two blocks (B, S/cp, D), S/(cp tp) under SP: what a pipeline
+              stage sends the next one (its gradient comes back alike)
     """
 
     saved: dict[str, int]
     tensors: dict[str, list[tuple[int, str]]]
     held: dict[str, int]
+    comm: dict[str, dict[tuple[str, str], int]]
+    hidden: int
 
     def block(self, kind: str) -> int:
         return self.saved.get(kind, 0)
@@ -73,8 +86,9 @@ _CACHE: dict[tuple[str, bool, bool], TracedParts] = {}
 def trace_parts(cfg: Config, loss_mask: bool = False, backward: bool = False, head: bool = True) -> TracedParts:
     """The traced parts of `cfg` (its precision and recompute sections as they are: callers plan
     another policy by passing a replaced config). `backward`: also run each piece's backward as a
-    split schedule's B and measure what it leaves for W (`TracedParts.held`); not `head`: the blocks
-    only (the head's figures read 0). Cached; a trace that did more serves one that asks less."""
+    split schedule's B then W, measuring what B leaves for W (`TracedParts.held`) and what each piece
+    sends in all (`TracedParts.comm`); not `head`: the blocks only (the head's figures read 0). Cached;
+    a trace that did more serves one that asks less."""
     key = repr((cfg.model, cfg.precision, cfg.recompute, cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device,
                 _trace_parallel(cfg.parallel), loss_mask))
     for b, h in ((True, True), (backward, True), (True, head), (backward, head)):
@@ -113,29 +127,32 @@ def one_block_of_each_kind(m: ModelConfig) -> ModelConfig:
 
 
 def _trace_parallel(p: ParallelConfig) -> ParallelConfig:
-    """The cheapest layout with the recipe's tp, cp and ep (and the rest of its parallel section): pp = 1
-    and dp = ep / gcd(ep, cp tp)."""
+    """The layout the pieces run on: the recipe's own mesh, every group at its real size (what the
+    traffic needs: a balance loss's sum over "dp_cp_tp" spans dp, and DualPipe's mirror ranks); where dp
+    is left to the world size (dp = 0), the cheapest with its tp, cp and ep: pp = 1, dp = ep / gcd(ep, cp tp)."""
+    if p.dp:
+        return p
     return replace(p, pp=1, dp=p.ep // math.gcd(p.ep, p.cp * p.tp), pp_schedule="1f1b", pp_stage_layers=[],
                    microbatches=0)
 
 
 @contextlib.contextmanager
 def _trace_mesh(p: ParallelConfig):
-    """(parallel section, ParallelDims) of `_trace_parallel(p)`, at rank 0, its groups torch's fake process
-    group (no process, no data)."""
-    small = _trace_parallel(p)
-    world = small.dp * small.cp * small.tp
+    """(parallel section, ParallelDims) of `_trace_parallel(p)`, at rank 0 (pipeline rank 0: every rank of
+    a layout has groups of the same sizes), its groups torch's fake process group (no process, no data)."""
+    traced = _trace_parallel(p)
+    world = traced.pp * traced.dp * traced.cp * traced.tp
     if world > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if dist.is_initialized():
-            raise RuntimeError("tools/block_trace.py traces tp/cp/ep layouts on a fake process group of its own: "
+            raise RuntimeError("tools/block_trace.py traces a layout on a fake process group of its own: "
                                "call the planner outside torch.distributed")
         dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        dims = ParallelDims.from_config(small, world, 0, "meta")
+        dims = ParallelDims.from_config(traced, world, 0, "meta")
         dims.init_groups()
-        yield small, dims
+        yield traced, dims
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -183,6 +200,7 @@ class _SavedCounter:
 
 
 def _trace(cfg: Config, loss_mask: bool, backward: bool, head: bool) -> TracedParts:
+    cfg = position_priority(cfg)
     m = one_block_of_each_kind(cfg.model)
     gpu = runs_on_gpu(cfg)
     if not gpu:  # the kernel "auto" takes on a CPU, run on meta tensors (the meta device alone has none)
@@ -200,9 +218,10 @@ def _trace(cfg: Config, loss_mask: bool, backward: bool, head: bool) -> TracedPa
 
 def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: ModelConfig, t, dims: ParallelDims,
                   loss_mask: bool, head: bool, tracer: StepTracer) -> TracedParts:
-    """The embedding, one block of each kind and the head forward, each on a fresh input (B, S', D) shaped
-    like the embedding's output (with a `store`, the split backward's, then each one's B), counting what
-    each keeps."""
+    """The embedding, one block of each kind and the head forward, each block and the head on a fresh
+    input (B, S', D) shaped like the embedding's output, counting what each keeps; with a `store` (the
+    split backward's), then each one's backward as B, measuring what it leaves for W, and its W, counting
+    what each part sends in all."""
     tokens = torch.zeros(t.micro_batch, t.seq_len + 1, dtype=torch.int64, device=META)
     mask = torch.ones(t.micro_batch, t.seq_len, device=META) if loss_mask else None
     batch = prepare_batch(tokens, mask, dims, m.mtp.depth)
@@ -212,31 +231,51 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     hook.remove()
     counter = _SavedCounter(model, tracer)
     counter.skip |= {x.untyped_storage()._cdata for x in tables}
-    outputs = []
+    comm: dict[str, dict[tuple[str, str], int]] = {}
     with counter.counting():
-        h = chain[0](batch["inputs"])[0]
+        with _sent(dims.counter, comm.setdefault("embed", {})):
+            h = chain[0](batch["inputs"])[0]
+        outputs = [("embed", batch["inputs"], h)]
         for i, block in model.layers.items():
             kind = counter.part = block_kind(m, int(i))
             x = torch.empty_like(h).requires_grad_()
-            outputs.append((kind, x, run_phases(block.phases(*tables), x)))
+            with _sent(dims.counter, comm.setdefault(kind, {})):
+                outputs.append((kind, x, run_phases(block.phases(*tables), x)))
         if head:
             counter.part = "head"
             x = torch.empty_like(h).requires_grad_()
-            outputs.append(("head", x, chain[-1](x)[0]))
-    held = {kind: _held_for_w(model, tracer, store, x, y) for kind, x, y in outputs} if store is not None else {}
+            with _sent(dims.counter, comm.setdefault("head", {})):
+                outputs.append(("head", x, chain[-1](x)[0]))
+    held = {}
+    if store is not None:
+        for part, x, y in outputs:
+            with _sent(dims.counter, comm[part]):
+                held[part] = _backward(model, tracer, store, x, y)
     saved, tensors = counter.by_part()
     rope = {x.untyped_storage()._cdata: (x.untyped_storage().nbytes(), f"rope: {str(x.dtype)[6:]}{list(x.shape)}")
             for x in tables}
     saved["rope"], tensors["rope"] = sum(n for n, _ in rope.values()), sorted(rope.values(), reverse=True)
-    return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held)
+    return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if store is not None else {},
+                       h.numel() * h.element_size())
 
 
-def _held_for_w(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore, x: torch.Tensor,
-                y: torch.Tensor) -> int:
-    """Bytes B of a split backward leaves for W: y's backward runs as B (`store` deferring), and what it
-    created that is still alive afterwards, other than parameters and the gradients of them and of x, is
-    what the queued W closures hold (output gradients, inputs B rebuilt or re-quantized for the wgrad
-    GEMM). The queue is dropped after."""
+@contextlib.contextmanager
+def _sent(counter: CommCounter, into: dict[tuple[str, str], int]):
+    """Add to `into` what this rank sends inside, {(group, op): bytes} as comm.py counts it (an op called
+    with nothing to send keeps its key, as in the trainer's metrics)."""
+    calls, sent = dict(counter.calls), dict(counter.bytes)
+    yield
+    for key, n in counter.calls.items():
+        if n > calls.get(key, 0):
+            into[key] = into.get(key, 0) + counter.bytes[key] - sent.get(key, 0)
+
+
+def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore, x: torch.Tensor,
+              y: torch.Tensor) -> int:
+    """y's backward as a split schedule runs it, B (`store` deferring) then W -> the bytes B leaves for W:
+    what B created that is still alive after it, other than parameters and the gradients of them and of
+    x, is what the queued W closures hold (output gradients, inputs B rebuilt or re-quantized for the
+    wgrad GEMM). W runs after (its collectives, e.g. a replicated kv head's gradient rows, count)."""
     before = list(tracer.memory.live.values())  # held, so that no entry's id is reused
     known = {id(e) for e in before}
     with store.deferring():
@@ -245,7 +284,7 @@ def _held_for_w(model: torch.nn.Module, tracer: StepTracer, store: WeightGradSto
     other = {t.untyped_storage()._cdata for t in (*params, *(p.grad for p in params), x.grad) if t is not None}
     new = [e for e in tracer.memory.live.values() if id(e) not in known]
     held = sum(e[1] for e in new if e[0]() is not None and e[0]()._cdata not in other)
-    store.take()
+    WeightGradStore.run(store.take())
     for p in params:
         p.grad = None
     return held

@@ -1,7 +1,8 @@
 """One training step on the meta device, watched op by op: the machinery behind tools/dryrun.py.
 
 Meta tensors have shapes and dtypes but no data, so a step of a 671B model's rank costs no memory.
-Three things make the trainer's own code run on them unchanged (`StepTracer`, a TorchDispatchMode):
+Three things make the trainer's own code run on them unchanged, and a fourth fast (`StepTracer`, a
+TorchDispatchMode):
 
   shadows     small tensors (<= SHADOW_LIMIT elements) whose inputs are all known carry their real
               values on the CPU beside them: token ids, routing choices, counts, split sizes.
@@ -15,6 +16,9 @@ Three things make the trainer's own code run on them unchanged (`StepTracer`, a 
               in a category: parameters / gradients / optimizer (the ZeRO buffers, labelled
               after the build), saved activations (packed by autograd's saved-tensor hooks),
               transients (the rest). The peak is kept with its breakdown.
+  kernels     an op without values that makes fresh tensors runs its meta kernel (many are Python:
+              torch._refs) once per inputs' metadata and other arguments; a repeat gets new empty
+              tensors of the outputs' shapes (tools/meta_kernels.py): layers, ring steps and micro-batches repeat.
 
 Routing needs one more stand-in: a router's top-k on data-free scores has no values, so the dry run
 gives each router a balanced choice (`balanced_select`): every expert receives the same number of
@@ -27,6 +31,7 @@ import contextlib
 import sys
 import weakref
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from moe_lc.parallel.pipeline.overlap import PhasedRun
+from .meta_kernels import MetaKernels
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 21
@@ -64,6 +70,17 @@ def balanced_select(scores_TE, bias_E, n_groups: int, topk_groups: int, topk: in
     k = torch.arange(topk, device=scores_TE.device).unsqueeze(0)
     group = (t * g + k % g) % G
     return group * per + ((t * g // G) * per_visit + k // g) % per
+
+
+def position_priority(cfg):
+    """cfg with an expert capacity's drop_policy "position": a traced router's affinities hold no values,
+    so "probability" has nothing to sort by (the kept copies' counts would be lost); every policy keeps
+    min(copies, capacity) of each expert, so the traced bytes and shapes are the same (only which tokens
+    keep their copies differs)."""
+    moe = cfg.model.moe
+    if moe.capacity_factor <= 0 or moe.drop_policy == "position":
+        return cfg
+    return replace(cfg, model=replace(cfg.model, moe=replace(moe, drop_policy="position")))
 
 
 class MemoryTracker:
@@ -186,6 +203,8 @@ class StepTracer(TorchDispatchMode):
 
         inputs = _meta_tensors((args, kwargs))
         known = all(t in self.shadows for t in inputs)
+        if not known:  # no values to carry: the outputs' metadata is all there is (`MetaKernels`)
+            return self._unknown_values(func, args, kwargs)
         try:
             out, failed = func(*args, **kwargs), None
         except (NotImplementedError, RuntimeError) as exc:  # a shape that depends on data
@@ -210,11 +229,19 @@ class StepTracer(TorchDispatchMode):
             outs = _meta_tensors(out)
         elif failed is not None:
             raise failed
-        elif func._schema.is_mutable:  # written with unknown values: its shadow is stale
+        for t in outs:
+            self.memory.track(t, func.__name__)
+        return out
+
+    def _unknown_values(self, func, args, kwargs):
+        """An op on tensors of which some carry no values: run it on meta (its outputs' metadata from
+        `MetaKernels` when it makes fresh tensors it was seen making before); what it writes loses its shadow."""
+        out = MetaKernels.made(func, args, kwargs)
+        if func._schema.is_mutable:  # written with unknown values: its shadow is stale
             for arg, value in zip(func._schema.arguments, args):
                 if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
                     self.shadows.pop(value, None)
-        for t in outs:
+        for t in _meta_tensors(out):
             self.memory.track(t, func.__name__)
         return out
 

@@ -37,7 +37,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend warns once per group about hooks
 
@@ -48,7 +47,7 @@ from moe_lc.config import ConfigError, load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.train import Trainer
 from .dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
-from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select
+from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
 from .plan import plan
 
 META = torch.device("meta")
@@ -87,19 +86,9 @@ class DryTrainer(Trainer):
         return None, MetaLoader(self.cfg, self.cfg.train.microbatches(self.dims.dp))
 
 
-def _position_priority(cfg):
-    """cfg with an expert capacity's drop_policy 'position': the traced router's affinities hold no values,
-    so 'probability' has nothing to sort by; every policy keeps min(copies, capacity) of each expert, so
-    the traced bytes and shapes are the same (only which tokens keep their copies differs)."""
-    moe = cfg.model.moe
-    if moe.capacity_factor <= 0 or moe.drop_policy == "position":
-        return cfg
-    return replace(cfg, model=replace(cfg.model, moe=replace(moe, drop_policy="position")))
-
-
 def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     """Build and step global rank `rank` of `world` under the tracer -> its report (bytes, counts)."""
-    cfg = _position_priority(cfg)
+    cfg = position_priority(cfg)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}

@@ -1,22 +1,40 @@
-"""Saved activations of a pipeline rank through its schedule: what the planner (tools/plan.py) adds to
-the per-stage figures of tools/activation_memory.py once stages run as the pipeline runtime runs
-them (moe_lc/parallel/pipeline/runtime.py, overlap.py): the phases each stage's forward is cut into,
-counted from its built model, and what a split backward keeps for its W, traced
-(tools/block_trace.py). Held to traced steps by tools/dryrun.py.
+"""A pipeline rank through its schedule: what the planner (tools/plan.py) adds to the per-stage figures
+of tools/activation_memory.py and tools/block_trace.py once stages run as the pipeline runtime runs
+them (moe_lc/parallel/pipeline/runtime.py, overlap.py). Memory: the phases each stage's forward is cut
+into, counted from its built model, and what a split backward keeps for its W, traced. Traffic: how
+many micro-batches the rank runs through each stage and how many tensors it sends, read off the
+schedule's actions (the schedule is data: schedule_ir.py). Held to traced steps by tools/dryrun.py.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from moe_lc.config import Config
 from moe_lc.parallel.build import pipeline_plan
+from moe_lc.parallel.pipeline.schedule_ir import FB, SEND_B, SEND_F, B, CommGroup, F, W, compute_parts
 from .block_trace import block_kind, trace_parts
 
 
 def pipeline_schedule(cfg: Config, deg):
     """The recipe's schedule as the trainer builds it (None without PP)."""
     return pipeline_plan(cfg, cfg.train.microbatches(deg.dp))[0]
+
+
+def stage_forwards(schedule, rank: int) -> Counter:
+    """{stage id: micro-batches `rank` runs through that stage per step} (F and the F of an F&B; each
+    one's backward runs on the same rank): under DualPipe each micro-batch meets one of the rank's two
+    stages."""
+    return Counter(schedule.stage_of(rank, part.chunk, part.mb) for a in schedule.actions[rank]
+                   if not isinstance(a, CommGroup) for part in compute_parts(a) if isinstance(part, F))
+
+
+def stage_sends(schedule, rank: int) -> int:
+    """Tensors `rank` sends per step: a stage's output for each SEND_F, an input gradient for each SEND_B
+    (a hand-over between two stages of the rank sends nothing)."""
+    return sum(op.op in (SEND_F, SEND_B) for a in schedule.actions[rank] if isinstance(a, CommGroup) for op in a.ops)
 
 
 def stage_sizes(stages: list[dict], per_stage: list) -> dict[int, float]:
@@ -42,8 +60,6 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
     phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
     the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
     head's logits), on top of everything its forward saved."""
-    from moe_lc.parallel.pipeline.schedule_ir import FB, B, F, W
-
     held, spikes = held or {}, spikes or {}
     saved, waiting = {}, {}  # (stage, mb) -> bytes
     now = extra = most = peak = 0.0

@@ -4,14 +4,17 @@
                          [--terms] [--json]
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
-(no memory; tools/plan_layout.py), saved activations traced from the model code, one block of each
-kind forward on the meta device (tools/block_trace.py, tools/activation_memory.py), walked through the
-rank's pipeline schedule (tools/pipeline_memory.py). The tool
-prints the placement table (where each state lives on each dim), memory per rank by state, the
-transient working sets and the peak, saved activations under each recompute policy and the bytes this
-rank sends per optimizer step, keyed like the trainer's metrics ("comm/<group>/<op>_bytes").
-tools/dryrun.py holds all of it to one traced training step at the recipe's real size. Runs from the
-repo root without installing.
+(no memory; tools/plan_layout.py). Activations and traffic come from running the model code: the
+embedding, one block of each kind and the head, forward and backward on the meta device on fake
+process groups of the recipe's mesh (tools/block_trace.py), give the bytes each keeps for backward
+(tools/activation_memory.py) and the bytes comm.py counts it sending, recompute replays included; the
+rank's pipeline schedule gives how often each runs, what is in flight at once and the stage sends
+(tools/pipeline_memory.py). ZeRO-1's collectives come from its bucket sizes, the trainer's own
+all-reduces once a step from `plan_layout.trainer_traffic`. The tool prints the placement table (where
+each state lives on each dim), memory per rank by state, the transient working sets and the peak, saved
+activations under each recompute policy and the bytes this rank sends per optimizer step, keyed like
+the trainer's metrics ("comm/<group>/<op>_bytes"). tools/dryrun.py holds all of it to one traced
+training step at the recipe's real size. Runs from the repo root without installing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (before torch) the traces' fake process groups warn per group
 
@@ -41,7 +44,7 @@ from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
-from .plan_layout import HOOKS, RankLayout, rank_layouts, trainer_traffic
+from .plan_layout import RankLayout, rank_layouts, traced_traffic, trainer_traffic
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -134,9 +137,10 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision))
     pdtype = "fp32" if c == 4 else "bf16"
     rows, buckets = [], layout.zero_buckets(cfg)
-    for group, params in sorted(layout.local_params().items()):
+    for zero_group, params in sorted(layout.local_params(cfg).items()):
+        group, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
         n = dims[group].size
-        local = sum(buckets[group])
+        local = sum(buckets[zero_group])
         model_dims = {"pp": (dims.pp, "S")}
         if group == "dp_cp":
             model_dims["tp"] = (dims.tp, "S")
@@ -145,9 +149,10 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         scale = 1
         for size, _ in model_dims.values():
             scale *= size
-        part, numel = PARTS[group], local * scale
+        part = PARTS[group] + (f" (lr x {lr_scale})" if lr_scale else "")
+        numel = local * scale
         pad = local - sum(k for _, k in params)
-        note = f"{len(buckets[group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
+        note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
         rows += [StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note),
                  StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
                                 "full-size main-grad buffer, reduce-scattered per bucket"),
@@ -234,11 +239,12 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
     layouts = rank_layouts(cfg, world)
     deg = layouts[0].dims
+    cfg = cfg.replace(parallel=replace(cfg.parallel, dp=deg.dp))  # the blocks are traced on this mesh
     policy = cfg.recompute.policy
     ranks = []
     schedule = pipeline_schedule(cfg, deg)
-    if schedule is not None and schedule.split_backward:  # one trace gives the saved and the held bytes
-        trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
+    # one trace, forward and backward: the saved bytes, what a split backward holds, and what each part sends
+    traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
     for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
@@ -250,10 +256,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
         rows.append(StatePlacement("activations", "saved", int(numel) if float(numel).is_integer() else numel, 1,
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
-        c = compute_bytes(cfg)
-        sends = traffic(rows) + trainer_traffic(cfg, deg, stages)
-        for hook in HOOKS:
-            sends += hook(cfg, deg, stages, c)
+        sends = traffic(rows) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

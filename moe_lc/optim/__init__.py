@@ -11,7 +11,7 @@ from moe_lc.optim.adamw import AdamW
 from moe_lc.optim.rule import OwnedParam, ShardView, StateSpec, UpdateRule
 from moe_lc.optim.sgd import SGD
 
-__all__ = ["RULES", "AdamW", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule"]
+__all__ = ["RULES", "AdamW", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule", "recipe_rule"]
 
 RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "sgd": SGD}
 
@@ -19,3 +19,8 @@ RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "sgd": SGD}
 def build_rule(train, precision) -> UpdateRule:
     """The rule train.optimizer names, with its [train] hyperparameters (and precision.adam_moments)."""
     return RULES[train.optimizer].from_config(train, precision)
+
+
+def recipe_rule(cfg) -> UpdateRule:
+    """`build_rule` of a whole recipe (moe_lc.config.Config)."""
+    return build_rule(cfg.train, cfg.precision)

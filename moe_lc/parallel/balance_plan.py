@@ -8,8 +8,9 @@ the sums over their holders that the losses of moe_lc/model/balance_losses.py ta
 
 Only counts travel (fp32, no gradient), once per MoE layer and training forward that computes the
 loss: the sequence-wise loss sends B * E values, the global-batch loss E + 1; z-loss and capacity
-send nothing (tools/plan_layout.py counts the bytes). Under sequence parallelism each tp rank routes
-its S / tp shard of every sequence (tensor_plan.py: the router is replicated on the sequence shard).
+send nothing (the planner counts these bytes in its traced blocks, tools/block_trace.py). Under
+sequence parallelism each tp rank routes its S / tp shard of every sequence (tensor_plan.py: the
+router is replicated on the sequence shard).
 """
 
 from __future__ import annotations

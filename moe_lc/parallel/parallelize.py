@@ -142,17 +142,32 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
             "docs": docs if document_mask else None}
 
 
+def param_lr_scale(cfg):
+    """name -> the learning-rate scale of that parameter under the recipe (moe_lc.config.Config), or None
+    when every parameter takes train.lr: DeepSeek Sparse Attention's indexer rate and warm-up freeze
+    (moe_lc/model/dsa.py)."""
+    from moe_lc.model.dsa import dsa_lr_scale
+
+    return dsa_lr_scale(cfg.model, cfg.train.lr)
+
+
+def zero_group_of(name: str, grad_group: str, lr_scale=None) -> tuple[str, float]:
+    """(ZeRO group name, lr scale) of a parameter: its gradient group, split by learning-rate scale (a
+    group of scale s != 1 is named "<gradient group>*s"). The planner lays out the same groups."""
+    scale = float(lr_scale(name)) if lr_scale is not None else 1.0
+    return (grad_group if scale == 1.0 else f"{grad_group}*{scale:g}"), scale
+
+
 def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
     """[(group name, [(param name, param, placement)], Group, lr scale)] for ZeroOptimizer, one per gradient
-    group and learning-rate scale (`lr_scale(param name) -> float`, default 1 for all; e.g. DeepSeek Sparse
-    Attention's indexer rate, model/dsa.py), each in single-device order (so DualPipe's mirror ranks lay out
-    the same flat buffers). A group of scale s != 1 is named "<gradient group>*s"."""
+    group and learning-rate scale (`lr_scale(param name) -> float`, `param_lr_scale`; default 1 for all),
+    each in single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
     by_group: dict[tuple[str, float], list] = {}
     for name, p, place in result.named_parameters():
         if p.requires_grad:
-            scale = float(lr_scale(name)) if lr_scale is not None else 1.0
-            by_group.setdefault((place.grad_group, scale), []).append((name, p, place))
-    return [(g if s == 1.0 else f"{g}*{s:g}", params, dims[g], s) for (g, s), params in sorted(by_group.items())]
+            by_group.setdefault((*zero_group_of(name, place.grad_group, lr_scale), place.grad_group), []).append(
+                (name, p, place))
+    return [(g, params, dims[grad], s) for (g, s, grad), params in sorted(by_group.items())]
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:
