@@ -92,6 +92,8 @@ def test_zero_layout_matches_the_optimizer_built_in_process(n, bucket_mb, moment
 
 MLA = ["model.attention=mla", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
        "model.mla.v_head_dim=16"]
+DSA = MLA + ["model.mla.q_lora_rank=48", "model.dsa.enabled=true", "model.dsa.index_topk=16",
+             "model.dsa.index_n_heads=4", "model.dsa.index_head_dim=16"]
 TRACE_CASES = {
     "gqa-fp32": [], "gqa-bf16": ["precision.recipe=bf16"],
     "softmax-aux-B1": ["model.moe.score_func=softmax", "model.moe.aux_loss_weight=0.01", "train.micro_batch=1"],
@@ -367,6 +369,14 @@ OTHER_DIMS = [
     # it needs: torch's non-reentrant checkpoint stops there)
     ("tp2-mla-recompute-full", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", *MLA,
                                    "recompute.policy=full"], None),
+    # DeepSeek Sparse Attention (issue #46): the indexer keys and the latent blocks on the cp ring, in the sparse
+    # stage (a selection pass, the sparse attention and its target, the loss's backward) and in the warm-up
+    # (three passes beside MLA's own dense ring); under tp the head-summed target all-reduced. Nothing about
+    # DSA is written in the planner: it runs the blocks.
+    ("cp2-dsa", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4", *DSA], None),
+    ("cp2-dsa-warmup", 2, ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4", *DSA, "model.dsa.stage=warmup"],
+     None),
+    ("tp2-dsa", 2, ["parallel.tp=2", "parallel.dp=1", "train.micro_batch=4", *DSA], None),
     # DualPipeV hands the turn at the last rank over locally: no send (the schedule's actions say so)
     ("pp2-dualpipev-mtp", 2, ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "train.micro_batch=1",
                               "model.mtp.depth=1"], None),

@@ -49,6 +49,7 @@ from .plan_layout import RankLayout, rank_layouts, traced_traffic, trainer_traff
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
 PARTS = {"dp_cp": "dense", "dp_cp_tp": "tp-replicated", "edp": "experts"}
+FROZEN = " (frozen)"  # a ZeRO group of learning-rate scale 0 (zero.py: no reduce-scatter, no all-gather)
 DIM_ORDER = ("pp", "dp", "cp", "tp", "ep", "dp_cp", "dp_cp_tp", "edp")
 
 
@@ -149,7 +150,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         scale = 1
         for size, _ in model_dims.values():
             scale *= size
-        part = PARTS[group] + (f" (lr x {lr_scale})" if lr_scale else "")
+        part = PARTS[group] + (FROZEN if lr_scale == "0" else f" (lr x {lr_scale})" if lr_scale else "")
         numel = local * scale
         pad = local - sum(k for _, k in params)
         note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
@@ -231,7 +232,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     else:
         out["step"] = max(out["recompute replay"], head)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision).update_bytes_per_element)
-    out["optimizer step"] = per_elem * max(sum(b) // deg[g].size for g, b in buckets.items())
+    out["optimizer step"] = per_elem * max(sum(b) // deg[g.split("*")[0]].size for g, b in buckets.items())
     return out
 
 
@@ -256,7 +257,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
         rows.append(StatePlacement("activations", "saved", int(numel) if float(numel).is_integer() else numel, 1,
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
-        sends = traffic(rows) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
+        moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
+        sends = traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

@@ -199,6 +199,9 @@ class ShardedParams:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a deferred weight gradient: its W pass delivers it (and calls us) later
             return
+        if self.lr_scale == 0:  # frozen: its gradient is dropped, never reduced (nor the group's norm)
+            p.grad = None
+            return
         main_grad, b = self._slot[id(p)]
         main_grad.add_(p.grad)
         p.grad = None
@@ -212,9 +215,10 @@ class ShardedParams:
         b.launched = True
 
     def finish_grad_sync(self) -> None:
-        """Launch buckets whose gradients never all arrived (unused parameters), wait for all."""
+        """Launch buckets whose gradients never all arrived (unused parameters), wait for all (a frozen
+        group launches none)."""
         for b in self.buckets:
-            if not b.launched:
+            if not b.launched and self.lr_scale != 0:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
@@ -260,9 +264,9 @@ class ZeroOptimizer:
     mesh dims.
 
     groups: [(name, [(param name, param, placement)], Group[, lr scale])] (parallelize.zero_param_groups): a
-    group's learning rate is lr x its scale (default 1); a group of scale 0 is frozen: its master is never
-    updated (bit-unchanged) and its gradients leave the norm (DeepSeek Sparse Attention's warm-up trains only
-    the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
+    group's learning rate is lr x its scale (default 1); a group of scale 0 is frozen: its gradients are
+    dropped as they arrive (never reduced, out of the norm) and its master never updated, so neither its
+    reduce-scatter nor its all-gather runs (DeepSeek Sparse Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
     the squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
     of parameters weight decay leaves alone.
     """
