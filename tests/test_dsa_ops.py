@@ -139,7 +139,7 @@ def test_sparse_stage_kl_and_gradients_equal_autograd_reference():
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])
 def test_warmup_kl_mass_and_gradients_equal_dense_reference(monkeypatch, docs):
     monkeypatch.setattr(dsa_warmup, "KEY_TILE", 7)
-    monkeypatch.setattr(dsa_warmup, "QUERY_TILE", 11)
+    monkeypatch.setattr(dsa_ring, "TILE_ELEMS", 11 * H * 7)  # 11 query rows a tile
     x = inputs()
     layout = RingLayout.one_device(S, docs)
     mask = dense_mask(docs)

@@ -86,8 +86,8 @@ class AttentionSpec:
     # optional ("module:name")
     core_flops: str | None = None  # (m, seq_len) -> forward FLOPs per token of its attention core; None: causal
     #                                dense attention over S/2 keys (model/counting.py)
-    extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale) -> decisions only this kind has,
-    #                                on every layout (parallel/layer_plan.py)
+    extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale, selective recompute items) ->
+    #                                decisions only this kind has, on every layout (parallel/layer_plan.py)
 
     def seams(self, cp: int, mla_ring: str = "latent") -> CoreSeams:
         """The seams for context-parallel degree `cp` and `parallel.mla_ring`."""

@@ -135,17 +135,16 @@ def mla_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
 
 def dsa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> list[Piece]:
     """DeepSeek Sparse Attention (the "dsa" kind's `hf_pieces`): MLA's pieces and the indexer's (transformers'
-    DeepseekV32Indexer: wq_b, wk, k_norm weight and bias, weights_proj). Its RoPE is half-split like ours, so
-    no row is permuted."""
+    DeepseekV32Indexer: wq_b, wk and weights_proj as the rows of our wkw, k_norm weight and bias). Its RoPE is
+    half-split like ours, so no row is permuted."""
     d, a = cfg.dsa, cfg.mla
     G, E, D = d.index_n_heads, d.index_head_dim, cfg.dim
     x, y = f"{ours}.indexer", f"{theirs}.indexer"
-    return mla_pieces(cfg, ours, theirs, interleaved) + [
+    return mla_pieces(cfg, ours, theirs, interleaved) + _rows(
+        f"{x}.wkw.weight", [(f"{y}.wk.weight", (E, D)), (f"{y}.weights_proj.weight", (G, D))]) + [
         Piece(f"{x}.wq.weight", (0, 0), f"{y}.wq_b.weight", (G * E, a.q_lora_rank)),
-        Piece(f"{x}.wk.weight", (0, 0), f"{y}.wk.weight", (E, D)),
         Piece(f"{x}.k_norm.weight", (0,), f"{y}.k_norm.weight", (E,)),
-        Piece(f"{x}.k_norm.bias", (0,), f"{y}.k_norm.bias", (E,)),
-        Piece(f"{x}.weights_proj.weight", (0, 0), f"{y}.weights_proj.weight", (G, D))]
+        Piece(f"{x}.k_norm.bias", (0,), f"{y}.k_norm.bias", (E,))]
 
 
 # a family's MoE block: its module name, and each expert's gate / up / down weight names

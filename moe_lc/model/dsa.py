@@ -9,6 +9,7 @@ E indexer head dim, k = model.dsa.index_topk.
       q_I = rope(wq(q_norm(c_q)))              (B, S, G, E)   [indexer.wq_b], RoPE on the first Dr dims
       k_I = rope(LayerNorm(wk(x)))             (B, S, E)      [indexer.wk, indexer.k_norm], one key per token
       w   = weights_proj(x) * G^-0.5           (B, S, G)      [indexer.weights_proj]
+    (wk and weights_proj are one Linear here, `wkw` = [wk; weights_proj]: x is kept once for its W.)
       I(t, s) = sum_g w(t, g) relu(E^-0.5 q_I(t, g) . k_I(s));  S_t = top-k visible s of I(t, .)
     Its inputs are detached: no gradient reaches the main model from the indexer (report, section 2.1).
     RoPE here is the half-split layout (the main MLA's is DeepSeek's interleaved one, which the converter
@@ -36,10 +37,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.rope import apply_rope
+from moe_lc.model.saved_tensors import recompute_from
 from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseLatentAttention, selected_probs, split_wkv
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
 from moe_lc.ops.dsa_warmup import IndexerKLDense, head_lse
@@ -74,9 +77,8 @@ class LightningIndexer(nn.Module):
         d = cfg.dsa
         self.n_heads, self.head_dim, self.topk = d.index_n_heads, d.index_head_dim, d.index_topk
         self.wq = Linear(cfg.mla.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = Linear(cfg.dim, self.head_dim)
+        self.wkw = Linear(cfg.dim, self.head_dim + self.n_heads)  # [wk; weights_proj]
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = Linear(cfg.dim, self.n_heads)
         self.scale = self.head_dim ** -0.5
 
     @property
@@ -85,16 +87,21 @@ class LightningIndexer(nn.Module):
         return self.head_dim + self.n_heads
 
     def project_tokens(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """(B, S_x, D) -> (B, S_x, E + G): per token, so it runs on sequence-parallel shards."""
-        return torch.cat([self.wk(x_BSD), self.weights_proj(x_BSD)], dim=-1)
+        """(B, S_x, D) -> (B, S_x, E + G) = [wk(x), weights_proj(x)]: per token, so it runs on sequence-parallel
+        shards."""
+        return self.wkw(x_BSD)
 
     def heads(self, q_lat, tok, cos, sin):
         """q_lat (B, S, Cq) normalized query latent, tok (B, S, E + G) -> q (B,S,G,E), k (B,S,E), w (B,S,G) fp32."""
         B, S, _ = tok.shape
         k, w = tok.split([self.head_dim, self.n_heads], dim=-1)
-        q = apply_rope(self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_norm(k).view(B, S, 1, self.head_dim), cos, sin).view(B, S, self.head_dim)
-        return q, k, w.float() * self.n_heads ** -0.5
+        return self.queries(q_lat, cos, sin), k, w.float() * self.n_heads ** -0.5
+
+    def queries(self, q_lat, cos, sin):
+        """q_lat (B, S, Cq) -> the indexer's roped queries (B, S, G, E)."""
+        B, S, _ = q_lat.shape
+        return apply_rope(self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
 
 
 class LocalSparseCore:
@@ -120,6 +127,7 @@ class DSAttention(MLAttention):
         self.stage = cfg.dsa.stage
         self.sparse_core = LocalSparseCore()
         self.aux_loss_scale = 1.0
+        self.keep_latents = False  # selective "mla_up": keep only the latents; q and the key rows rebuilt
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
         """stats: the step's ForwardStats (the indexer loss's sums are booked there in backward)."""
@@ -162,20 +170,38 @@ class DSAttention(MLAttention):
     # -- the two stages --------------------------------------------------------------------------------
     def _sparse(self, q_src, c_kv, k_r, tok, cos, sin, docs, stats):
         core, B, S = self.sparse_core, c_kv.shape[0], c_kv.shape[1]
-        q_lat = self.q_norm(q_src)
-        q_idx, k_idx, w_idx = self.indexer.heads(q_lat.detach(), tok, cos, sin)
+        train = self.training and torch.is_grad_enabled()
+        with torch.no_grad():  # the indexer's input (detached: report section 2.1), so nothing kept for it
+            q_lat = self.q_norm(q_src)
+        q_idx, k_idx, w_idx = self.indexer.heads(q_lat, tok, cos, sin)
         sel, scores = select(core.ring, core.layout(S, docs), q_idx, w_idx, k_idx, self.indexer.scale,
                              self.indexer.topk)
-        q = self.rope_q(self.wq_b(q_lat), cos, sin)
-        kv = self.latent_rows(c_kv, k_r, cos, sin)
-        out, lse = self.replay(partial(_sparse_attention, self, sel), q, kv)
-        if self.training and torch.is_grad_enabled():
+        prepare = partial(self._queries_and_rows, cos=cos, sin=sin)
+        attend = partial(_sparse_attention, self, sel)
+        if train and self.keep_latents:  # the latents stay; q and the key rows are rebuilt for backward
+            q, kv = checkpoint(prepare, q_src, c_kv, k_r, use_reentrant=False)
+            out, lse = recompute_from((q_src, c_kv, k_r), (q, kv), prepare, lambda *qkv: self.replay(attend, *qkv))
+        else:
+            q, kv = prepare(q_src, c_kv, k_r)
+            out, lse = self.replay(attend, q, kv)
+        if train:
             p = selected_probs(core.ring, q.detach(), kv.detach(), self.wkv_b.weight.detach(), self.nope_dim, lse, sel,
                                self.softmax_scale, core.reduce_heads)
-            loss = IndexerKLSparse.apply(q_idx, w_idx, k_idx, sel, scores, p, self.indexer.scale, self._share(B, S),
-                                         core.ring, self._sink(stats, B, S))
+            # the loss keeps the query latent (MLA keeps it anyway), not the indexer's queries: rebuilt from it
+            share, sink = self._share(B, S), self._sink(stats, B, S)
+            loss = recompute_from(q_src.detach(), q_idx, self._indexer_queries_from_latent(cos, sin),
+                                  lambda q: IndexerKLSparse.apply(q, w_idx, k_idx, sel, scores, p, self.indexer.scale,
+                                                                  share, core.ring, sink))
             out = AttachLoss.apply(out, loss)
         return out
+
+    def _indexer_queries_from_latent(self, cos, sin):
+        """c_q -> the indexer's roped queries (B, S, G, E): q_norm, then the indexer's wq and RoPE."""
+        return lambda q_src: self.indexer.queries(self.q_norm(q_src), cos, sin)
+
+    def _queries_and_rows(self, q_src, c_kv, k_r, cos, sin):
+        """(q (B, S, H, Dn + Dr) roped, the key rows (B, S, Ckv + Dr)) from the latents."""
+        return self.rope_q(self.wq_b(self.q_norm(q_src)), cos, sin), self.latent_rows(c_kv, k_r, cos, sin)
 
     def _warmup(self, q_src, c_kv, k_r, tok, cos, sin, docs, stats):
         out = self.attend(self, q_src, c_kv, k_r, cos, sin, docs)

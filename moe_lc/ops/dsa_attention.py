@@ -31,11 +31,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_lc.ops.attention_backends import lse_merge_weights
-from moe_lc.ops.dsa_ring import QUERY_TILE, ring_visit, ring_visit_grads, row_tiles
+from moe_lc.ops.dsa_ring import ring_visit, ring_visit_grads, row_tiles, tile_rows
 from moe_lc.ops.dsa_select import Selection
 from moe_lc.ops.sparse_attention import gather_rows, latent_backward, latent_forward, latent_probs
 
-KEY_TILE = 1024  # key columns of the dense (warm-up) passes: (rows, H, keys) fp32 temporaries
 
 
 def _slots_idx(block):
@@ -73,19 +72,19 @@ class SparseLatentAttention(torch.autograd.Function):
 
         ring_visit(ring, [kv.contiguous()], visit)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, wkv, out, lse)
-        ctx.sel, ctx.scale, ctx.nope_dim, ctx.ring = sel, scale, nope_dim, ring
+        ctx.save_for_backward(q, kv, wkv, out, lse, sel.positions)
+        ctx.sel, ctx.scale, ctx.nope_dim, ctx.ring = sel.with_positions(None), scale, nope_dim, ring
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, kv, wkv, out, lse = ctx.saved_tensors
+        q, kv, wkv, out, lse, positions = ctx.saved_tensors
         w_uk, w_uv = split_wkv(wkv, q.shape[2], ctx.nope_dim)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dw_uk, dw_uv = torch.zeros_like(w_uk, dtype=torch.float32), torch.zeros_like(w_uv, dtype=torch.float32)
-        groups = ctx.sel.groups()
+        groups = ctx.sel.with_positions(positions).groups()
 
         def visit(src, blocks):
             block = groups.block(src)
@@ -146,20 +145,20 @@ class IndexerKLSparse(torch.autograd.Function):
     def forward(ctx, q, w, k, sel: Selection, scores: Tensor, p: Tensor, scale: float, share: float, ring, sink=None):
         log_q = torch.log_softmax(scores, dim=-1)  # -inf at empty slots, where p = 0
         soft = log_q.exp()
-        ctx.save_for_backward(q, w, k)
-        ctx.dI = (soft - p).masked_fill_(~sel.valid, 0.0)
-        ctx.sel, ctx.scale, ctx.share, ctx.ring, ctx.sink = sel, scale, share, ring, sink
+        dI = (soft - p).masked_fill_(~sel.valid, 0.0).to(q.dtype)  # kept in the compute dtype
+        ctx.save_for_backward(q, w, k, dI, sel.positions)
+        ctx.sel, ctx.scale, ctx.share, ctx.ring, ctx.sink = sel.with_positions(None), scale, share, ring, sink
         ctx.kl = _kl_rows(p, log_q).double().sum()
         return (ctx.kl * share).float()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, w, k = ctx.saved_tensors
-        dI = ctx.dI * (grad.float() * ctx.share)
+        q, w, k, dI, positions = ctx.saved_tensors
+        dI = dI.float() * (grad.float() * ctx.share)
         dq, dw = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(w, dtype=torch.float32)
         B, T, E = k.shape
-        groups = ctx.sel.groups()
+        groups = ctx.sel.with_positions(positions).groups()
 
         def visit(src, blocks):
             block = groups.block(src)
@@ -168,7 +167,8 @@ class IndexerKLSparse(torch.autograd.Function):
             slots, idx = _slots_idx(block)
             dk = torch.zeros(B * T, E, dtype=torch.float32, device=k.device)
             base = torch.arange(B, device=k.device)[:, None, None] * T
-            for r in row_tiles(q.shape[1], QUERY_TILE):
+            rows = tile_rows(B * slots.shape[-1] * max(q.shape[2], E))  # (rows, G, m) logits, (rows, m, E) keys
+            for r in row_tiles(q.shape[1], rows, q.is_meta):
                 ids = idx[:, r].clamp_min(0)
                 d = torch.gather(dI[:, r], -1, slots[:, r].clamp_min(0)).masked_fill_(slots[:, r] < 0, 0.0)
                 dq_t, dw_t, dkeys = _indexer_grads(q[:, r], w[:, r], gather_rows(blocks[0], ids), d, ctx.scale)

@@ -120,9 +120,19 @@ def ring_visit_grads(ring, blocks: list[Tensor], visit, n_grads: int) -> list[Te
     return acc_in_flight.wait()
 
 
-def row_tiles(n: int, size: int) -> list[slice]:
-    """[lo, lo + size) slices covering 0 .. n."""
-    return [slice(lo, min(lo + size, n)) for lo in range(0, n, size)]
+TILE_ELEMS = 1 << 23  # elements of the largest fp32 temporary one tile of a pass may make (32 MiB)
+
+
+def row_tiles(n: int, size: int, meta: bool = False) -> list[slice]:
+    """[lo, lo + size) slices covering 0 .. n; with `meta` (shapes only: a dry run) the first alone, whose
+    working memory every tile repeats (tracing them all would cost minutes at 128K and tell nothing more)."""
+    tiles = [slice(lo, min(lo + size, n)) for lo in range(0, n, size)]
+    return tiles[:1] if meta else tiles
+
+
+def tile_rows(per_row: int, cap: int = QUERY_TILE) -> int:
+    """Query rows per tile so that rows x per_row elements stay near TILE_ELEMS (1 .. cap)."""
+    return max(1, min(cap, TILE_ELEMS // max(1, per_row)))
 
 
 @torch.no_grad()

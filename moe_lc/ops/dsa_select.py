@@ -177,6 +177,11 @@ class Selection:
     def valid(self) -> Tensor:
         return self.positions >= 0
 
+    def with_positions(self, positions: Tensor) -> "Selection":
+        """The same selection over `positions` as autograd gave them back (a Function saves them as a tensor,
+        so what backward keeps is counted and hooked like any saved activation)."""
+        return Selection(positions, self.locate, self.n_ranks, self.block_rows)
+
     def groups(self) -> Groups:
         """The slots grouped by owning rank (see `Groups`)."""
         pos = self.positions.long()

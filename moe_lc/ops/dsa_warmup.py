@@ -11,7 +11,7 @@ decomposes per key block: KL_t = sum_s p log p - sum_s p I + logsumexp_s I(t, s)
 the last one online; one ring pass over the latent and indexer blocks together gives it, and the share of
 p's mass on the indexer's current top-k (`dsa/topk_mass`: how much of the dense attention the sparse stage
 would keep). Backward visits both again: dI = softmax(I) - p, through the indexer's ReLU-weighted heads;
-the indexer keys' gradients travel home with them. Every block is cut into KEY_TILE columns and QUERY_TILE
+the indexer keys' gradients travel home with them. Every block is cut into KEY_TILE columns and tiles of
 rows, so (rows, H, keys) fp32 temporaries stay bounded at any length.
 """
 
@@ -21,11 +21,16 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from moe_lc.ops.dsa_ring import QUERY_TILE, RingLayout, row_tiles, ring_visit, ring_visit_grads
+from moe_lc.ops.dsa_ring import RingLayout, ring_visit, ring_visit_grads, row_tiles, tile_rows
 from moe_lc.ops.dsa_select import Selection, indexer_scores, visible
 from moe_lc.ops.sparse_attention import absorb_queries
 
 KEY_TILE = 1024
+
+
+def _rows(q_main: Tensor, w: Tensor) -> int:
+    """Query rows per tile: (rows, H, keys) scores and (rows, G, keys) indexer logits near TILE_ELEMS."""
+    return tile_rows(q_main.shape[0] * max(q_main.shape[2], w.shape[2]) * KEY_TILE)
 
 
 def _tile_mask(layout: RingLayout, q_pos, k_pos, q_doc, k_doc, qt, kt):
@@ -50,10 +55,10 @@ def head_lse(ring, layout: RingLayout, q: Tensor, kv: Tensor, w_uk: Tensor, scal
     def visit(src, blocks):
         k_pos = layout.positions(src, q.device)
         k_doc = layout.doc_ids(k_pos)
-        for qt in row_tiles(q.shape[1], QUERY_TILE):
+        for qt in row_tiles(q.shape[1], tile_rows(q.shape[0] * q.shape[2] * KEY_TILE), q.is_meta):
             q_abs = absorb_queries(q[:, qt], w_uk)
-            for kt in row_tiles(k_pos.shape[0], KEY_TILE):
-                if k_pos[kt].min() > q_pos[qt].max():
+            for kt in row_tiles(k_pos.shape[0], KEY_TILE, q.is_meta):
+                if not q.is_meta and k_pos[kt].min() > q_pos[qt].max():
                     continue
                 s = _main_scores(q_abs, blocks[0][:, kt], _tile_mask(layout, q_pos, k_pos, q_doc, k_doc, qt, kt),
                                  scale)
@@ -92,6 +97,7 @@ class IndexerKLDense(torch.autograd.Function):
         ctx.scale_main, ctx.scale_index, ctx.share, ctx.reduce_heads, ctx.n_heads = (scale_main, scale_index, share,
                                                                                      reduce_heads, n_heads)
         B, Q = q_idx.shape[:2]
+        meta = q_idx.is_meta
         q_pos = layout.positions(layout.rank, q_idx.device)
         q_doc = layout.doc_ids(q_pos)
         plogp, pI, mass = (torch.zeros(B, Q, dtype=torch.float64, device=q_idx.device) for _ in range(3))
@@ -103,10 +109,10 @@ class IndexerKLDense(torch.autograd.Function):
             k_pos = layout.positions(src, q_idx.device)
             k_doc = layout.doc_ids(k_pos)
             chosen = groups.block(src) if groups is not None else None
-            for qt in row_tiles(Q, QUERY_TILE):
+            for qt in row_tiles(Q, _rows(q_main, w), meta):
                 qm = absorb_queries(q_main[:, qt], w_uk)
-                for kt in row_tiles(k_pos.shape[0], KEY_TILE):
-                    if k_pos[kt].min() > q_pos[qt].max():
+                for kt in row_tiles(k_pos.shape[0], KEY_TILE, meta):
+                    if not meta and k_pos[kt].min() > q_pos[qt].max():
                         continue
                     t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt, qm)
                     plogp[:, qt] += torch.where(t.p > 0, t.p * t.p.clamp_min(1e-38).log(), 0.0).sum(-1).double()
@@ -130,6 +136,7 @@ class IndexerKLDense(torch.autograd.Function):
         q_idx, w, k_idx = ctx.saved_tensors
         ctx.inputs = (q_idx, w)
         layout, scale = ctx.layout, ctx.scale_index
+        meta = q_idx.is_meta
         q_pos = layout.positions(layout.rank, q_idx.device)
         q_doc = layout.doc_ids(q_pos)
         dq, dw = torch.zeros_like(q_idx, dtype=torch.float32), torch.zeros_like(w, dtype=torch.float32)
@@ -139,10 +146,10 @@ class IndexerKLDense(torch.autograd.Function):
             k_pos = layout.positions(src, q_idx.device)
             k_doc = layout.doc_ids(k_pos)
             dk = torch.zeros_like(blocks[0], dtype=torch.float32)
-            for qt in row_tiles(q_idx.shape[1], QUERY_TILE):
+            for qt in row_tiles(q_idx.shape[1], _rows(ctx.q_main, w), meta):
                 qm = absorb_queries(ctx.q_main[:, qt], ctx.w_uk)
-                for kt in row_tiles(k_pos.shape[0], KEY_TILE):
-                    if k_pos[kt].min() > q_pos[qt].max():
+                for kt in row_tiles(k_pos.shape[0], KEY_TILE, meta):
+                    if not meta and k_pos[kt].min() > q_pos[qt].max():
                         continue
                     t = _Tile(ctx, blocks, q_pos, k_pos, q_doc, k_doc, qt, kt, qm)
                     soft = torch.exp(t.I - ctx.lse_idx[:, qt, None])  # 0 where not seen

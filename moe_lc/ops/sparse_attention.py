@@ -28,9 +28,12 @@ from torch import Tensor
 TILE_ELEMS = 1 << 23
 
 
-def _tiles(Q: int, B: int, m: int, H: int, Dk: int) -> list[slice]:
+def _tiles(Q: int, B: int, m: int, H: int, Dk: int, meta: bool = False) -> list[slice]:
+    """Query-row tiles whose (rows, m, Dk) gathered keys and (rows, H, m) scores stay near TILE_ELEMS; on the
+    meta device (a dry run) the first alone (its working memory is every tile's)."""
     rows = max(1, TILE_ELEMS // max(1, B * m * max(H, Dk)))
-    return [slice(lo, min(lo + rows, Q)) for lo in range(0, Q, rows)]
+    tiles = [slice(lo, min(lo + rows, Q)) for lo in range(0, Q, rows)]
+    return tiles[:1] if meta else tiles
 
 
 def gather_rows(kv: Tensor, idx: Tensor) -> Tensor:
@@ -62,7 +65,7 @@ def latent_forward(q: Tensor, kv: Tensor, idx: Tensor, w_uk: Tensor, w_uv: Tenso
     out = q.new_zeros(B, Q, H, w_uv.shape[1], dtype=torch.float32)
     lse = q.new_full((B, H, Q), float("-inf"), dtype=torch.float32)
     pad = idx < 0
-    for r in _tiles(Q, B, idx.shape[-1], H, kv.shape[-1]):
+    for r in _tiles(Q, B, idx.shape[-1], H, kv.shape[-1], q.is_meta):
         keys = gather_rows(kv, idx[:, r].clamp_min(0))
         p, l = _probs(absorb_queries(q[:, r], w_uk), keys, pad[:, r], None, scale)
         out[:, r] = torch.einsum("bqhc,hvc->bqhv", torch.einsum("bqhm,bqmc->bqhc", p, keys[..., :C]), w_uv.float())
@@ -76,7 +79,7 @@ def latent_probs(q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, w_uk: Tensor, 
     B, Q, H, _ = q.shape
     out = q.new_zeros(B, Q, idx.shape[-1], dtype=torch.float32)
     pad = idx < 0
-    for r in _tiles(Q, B, idx.shape[-1], H, kv.shape[-1]):
+    for r in _tiles(Q, B, idx.shape[-1], H, kv.shape[-1], q.is_meta):
         p, _ = _probs(absorb_queries(q[:, r], w_uk), gather_rows(kv, idx[:, r].clamp_min(0)), pad[:, r],
                       lse[:, :, r].transpose(1, 2), scale)
         out[:, r] = p.sum(2)
@@ -97,7 +100,7 @@ def latent_backward(dout: Tensor, q: Tensor, kv: Tensor, idx: Tensor, out: Tenso
     delta = (dout.float() * out.float()).sum(-1)  # (B, Q, H): sum(dout_latent * out_latent), in Dv space
     pad = idx < 0
     base = torch.arange(B, device=idx.device)[:, None, None] * T
-    for r in _tiles(Q, B, idx.shape[-1], H, Dk):
+    for r in _tiles(Q, B, idx.shape[-1], H, Dk, q.is_meta):
         ids = idx[:, r].clamp_min(0)
         keys = gather_rows(kv, ids)
         q_abs = absorb_queries(q[:, r], w_uk)

@@ -53,10 +53,12 @@ class ParallelSparseCore:
         return f"ParallelSparseCore(cp={self.cp}, tp={self.tp})"
 
 
-def dsa_layer_plan(attn: nn.Module, dims: ParallelDims | None, plan, aux_loss_scale: float) -> None:
+def dsa_layer_plan(attn: nn.Module, dims: ParallelDims | None, plan, aux_loss_scale: float, items: set) -> None:
     """The DSA kind's own decisions on every layout (its registry entry's `extra_plan`): the indexer loss's
-    share of the step, and under cp or tp the sparse core that runs its ring passes there."""
-    plan.set(attn, aux_loss_scale=aux_loss_scale)
+    share of the step; under selective "mla_up" the sparse stage keeps only MLA's latents and rebuilds the
+    queries and key rows in backward, as MLA's up-projections are (`keep_latents`); under cp or tp the
+    sparse core that runs its ring passes there."""
+    plan.set(attn, aux_loss_scale=aux_loss_scale, keep_latents="mla_up" in items)
     if dims is not None and (dims.cp > 1 or dims.tp > 1):
         plan.set(attn, sparse_core=ParallelSparseCore(dims))
 

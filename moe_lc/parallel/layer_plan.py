@@ -53,7 +53,8 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core"})
+                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
+                     "keep_latents"})
 
 
 @dataclass
@@ -149,14 +150,15 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
 
         rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
         context_parallel_plan(model, dims, plan, {t: load(core) for t, core in rings.items() if core is not None})
-    for module in model.modules():  # what only some attention kinds decide (DSA's sparse core and loss share)
+    recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
+    items = set(recompute.selective) if recompute.policy == "selective" else set()
+    for module in model.modules():  # what only some attention kinds decide (DSA's sparse core, loss share, replays)
         kind = module_kinds().get(type(module))
         if kind is not None and kind.extra_plan is not None:
-            load(kind.extra_plan)(module, dims, plan, aux_loss_scale)
+            load(kind.extra_plan)(module, dims, plan, aux_loss_scale, items)
     gemms = _gemms(model, precision, device)
     for linear, g in gemms.items():
         plan.set(linear, gemms=g)
-    recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
     _seams(model, plan, recompute, cache, cp, mla_ring)
     if "linear" in cache:
         _keep_inputs(model, plan, list(gemms), recompute, cache)
