@@ -135,6 +135,10 @@ class DSAttention(MLAttention):
         attend = self._warmup if self.stage == "warmup" else self._sparse
         return self.out_proj(self.wo, lambda: attend(q_src, c_kv, k_r, tok, cos, sin, docs, stats))
 
+    def same_input_linears(self) -> list:
+        """Linears that read one tensor in turn (the layer plan lets them share one FP8 copy of it)."""
+        return [self.wa, self.indexer.wkw]
+
     def dsa_latents(self, x_BSD: torch.Tensor):
         """x -> (c_q (B, S, Cq), c_kv (B, S, Ckv), k_r (B, S, Dr) not yet roped, the indexer's per-token part
         (B, S, E + G)), all gathered together under sequence parallelism. The indexer reads x detached."""

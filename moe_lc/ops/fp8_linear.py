@@ -150,6 +150,25 @@ class KeepFp8ForWgrad(HoldFp8ForWgrad):
         return self.restore(saved, counts, gemms)
 
 
+class SharedFp8ForWgrad(KeepFp8ForWgrad):
+    """`KeepFp8ForWgrad` for several Linears that read the same input in turn (DeepSeek Sparse Attention's
+    wa and its indexer's wkw both read the normalized x): the input is quantized once and every one of them
+    saves that copy. Only for stateless scaling (blockwise, tensorwise: the copy is the same whoever makes
+    it), so the numbers are those of separate copies. The copy is remembered until a save of another input."""
+
+    def __init__(self):
+        self._last = None  # (the input's identity, its saved copy)
+
+    def save(self, x2, counts, gemms):
+        key = (x2.untyped_storage()._cdata, x2.storage_offset(), tuple(x2.shape), x2._version, counts is None)
+        if self._last is not None and self._last[0] == key:
+            saved, self._last = self._last[1], None
+            return saved
+        saved = super().save(x2, counts, gemms)
+        self._last = (key, saved)
+        return saved
+
+
 def fp8_gemms(n: int, scaling: str = "blockwise", backend: str = "auto", device=None) -> list[Fp8Gemms]:
     """FP8 GEMMs for `n` eligible Linears / GroupedLinears (the layer plan picks them,
     moe_lc/parallel/layer_plan.py): stateless recipes share one Fp8Gemms, delayed scaling gets one per

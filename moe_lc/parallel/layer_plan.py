@@ -43,7 +43,7 @@ from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, fp32_l
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, swiglu_replayed
 from moe_lc.model.seams import run_now
-from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
+from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, SharedFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements
@@ -161,7 +161,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         plan.set(linear, gemms=g)
     _seams(model, plan, recompute, cache, cp, mla_ring)
     if "linear" in cache:
-        _keep_inputs(model, plan, list(gemms), recompute, cache)
+        _keep_inputs(model, plan, gemms, recompute, cache)
     if pipelined:
         plan.wgrad_store = WeightGradStore()
         for m in model.modules():
@@ -217,13 +217,15 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
                 plan.set(module, out_proj=attn_out_fp8_cached)
 
 
-def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: list, recompute: RecomputeConfig,
+def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: dict, recompute: RecomputeConfig,
                  cache: set[str]) -> None:
-    """FP8 cache item "linear": every FP8 Linear keeps its input for W as its GEMM quantizes it, except where
+    """FP8 cache item "linear" ({FP8 Linear: its GEMMs}): every FP8 Linear keeps its input for W as its GEMM
+    quantizes it, except where
     another part keeps that input in the compute dtype anyway (an FP8 copy would only add bytes; such a
     Linear still holds a deferred W's operands in FP8): attention's wo (the core keeps its output), a down
     projection whose input is recomputed, the shared experts' up projection while the router's replay
-    keeps their common input."""
+    keeps their common input. Linears that read one tensor in turn (`same_input_linears` of a module) share
+    one FP8 copy under stateless scaling."""
     items = set(recompute.selective) if recompute.policy == "selective" else set()
     swiglu_rebuilt = "swiglu" in items or "swiglu" in cache
     elsewhere, attention = set(), tuple(module_kinds())
@@ -234,6 +236,12 @@ def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: list, recompute
             elsewhere.add(module.w2)
         elif isinstance(module, MoE) and module.shared is not None and "router" in items:
             elsewhere.add(module.shared.w13)
+    shared = {}  # Linears an attention module says read one input (`same_input_linears`): one FP8 copy
+    for module in model.modules():
+        group = [m for m in getattr(module, "same_input_linears", lambda: [])() if m in fp8_linears]
+        if len(group) > 1 and all(fp8_linears[m].history is None for m in group):  # stateless scaling
+            keep = SharedFp8ForWgrad()
+            shared.update((linear, keep) for linear in group)
     for linear in fp8_linears:
-        plan.set(linear, keep_input=HoldFp8ForWgrad() if linear in elsewhere else KeepFp8ForWgrad())
+        plan.set(linear, keep_input=HoldFp8ForWgrad() if linear in elsewhere else shared.get(linear, KeepFp8ForWgrad()))
 
