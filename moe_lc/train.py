@@ -161,7 +161,7 @@ class Trainer:
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
-        metrics.update(balance_routers(self.model, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
+        metrics.update(balance_routers(self.model, stats, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))
         metrics.update(dsa_metrics(stats, m.dsa.stage if m.dsa.enabled else None, self.dims, self.device))

@@ -18,13 +18,12 @@ rules; this file holds the pieces, and the model never imports it):
                  router     the fp32 copy of the router's input (its gate runs in fp32), rebuilt
                             from the compute-dtype input, which the experts keep anyway
 
-Recomputed forwards must not count expert loads twice: `checkpointed` switches the routers of the
-replayed region off while it replays.
+Recomputed forwards must not count expert loads twice: under "full" a block's replay runs its router
+again in backward, with the phase state (`ctx`) of the forward it replays; the router's `count_loads`
+seam `first_forward` books the first run of each micro-batch's forward only (the layer plan's rule).
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -41,34 +40,21 @@ POLICIES = names(RecomputePolicy)
 SELECTIVE_ITEMS = names(RecomputeItem)
 
 
-@contextmanager
-def _routers_muted(module: nn.Module | None):
-    routers = [m for m in module.modules() if hasattr(m, "count_loads")] if module is not None else []
-    saved = [r.count_loads for r in routers]
-    for r in routers:
-        r.count_loads = False
-    try:
-        yield
-    finally:
-        for r, flag in zip(routers, saved):
-            r.count_loads = flag
-
-
-def checkpointed(fn, *args, owner: nn.Module | None = None):
-    """fn(*args) whose activations are recomputed in backward (non-reentrant checkpoint). The replay
-    runs with `owner`'s routers muted so expert loads are counted once. Without grad: fn(*args)."""
+def checkpointed(fn, *args):
+    """fn(*args) whose activations are recomputed in backward (non-reentrant checkpoint). Without grad:
+    fn(*args)."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    calls = [0]
+    return checkpoint(fn, *args, use_reentrant=False)
 
-    def run(*a):
-        calls[0] += 1
-        if calls[0] == 1:
-            return fn(*a)
-        with _routers_muted(owner):
-            return fn(*a)
 
-    return checkpoint(run, *args, use_reentrant=False)
+def first_forward(ctx: dict) -> bool:
+    """The router's `count_loads` seam under full recomputation: True on the first run of a micro-batch's
+    MoE phases (`ctx`, the phase state a block's forward makes once and its replays reuse), False in
+    the replays, so that each micro-batch's routing is booked once."""
+    first = "counted" not in ctx
+    ctx["counted"] = True
+    return first
 
 
 def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,9 @@ attribute, so the rules can be resolved in any order and none reads what another
     GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
     recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
                                                .attend, .out_proj                  model/fp8_cache.py)
+    load counting: which runs of a router's    Router.count_loads                `_seams` (a block's replay under
+      forward book its routing in the step's                                       full recomputation runs the
+      ForwardStats (once per micro-batch)                                          router again)
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
     the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
@@ -39,9 +42,10 @@ from moe_lc.config.attention_kinds import load, module_kinds
 from moe_lc.model.block import Block
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.fp8_cache import attn_out_fp8_cached, swiglu_fp8_cached
-from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, fp32_logits
+from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, each_forward, fp32_logits
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, swiglu_replayed
+from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, first_forward, fp32_logits_replayed,
+                                    swiglu_replayed)
 from moe_lc.model.seams import run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
@@ -53,7 +57,8 @@ from moe_lc.parallel.placement import Placements
 # (tests/test_layer_plan.py reads this set).
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
-                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core"})
+                     "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
+                     "count_loads"})
 
 
 @dataclass
@@ -197,11 +202,12 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
     for module in model.modules():
         kind = kinds.get(type(module))
         if isinstance(module, Block):
-            plan.set(module, replay=partial(checkpointed, owner=module) if policy == "full" else run_now)
+            plan.set(module, replay=checkpointed if policy == "full" else run_now)
         elif isinstance(module, RMSNorm):
             plan.set(module, replay=checkpointed if "norm" in items else run_now)
-        elif isinstance(module, Router):
-            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits)
+        elif isinstance(module, Router):  # a block's replay runs its router again: the first run books
+            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits,
+                     count_loads=first_forward if policy == "full" else each_forward)
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
                      swiglu_replayed if "swiglu" in items else swiglu_then)
