@@ -108,7 +108,7 @@ class Transformer(nn.Module):
         self.loss_fn = CrossEntropySum()
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
-        self.mtp_embed = None  # seam: a Borrowed embedding for MTP on a stage without one (moe_lc/model/seams.py)
+        self.mtp_embed = None  # seam: the Borrowed embedding MTP uses on a stage without one (moe_lc/model/seams.py)
         self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,

@@ -21,6 +21,9 @@ attribute, so the rules can be resolved in any order and none reads what another
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
     the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
+    the MTP modules' embedding: the model's,   Transformer.mtp_embed             `resolve_layer_plan`
+      borrowed (a pipeline stage with MTP
+      and without the embedding calls it)
     the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
 
@@ -46,7 +49,7 @@ from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, each_f
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, first_forward, fp32_logits_replayed,
                                     swiglu_replayed)
-from moe_lc.model.seams import run_now
+from moe_lc.model.seams import Borrowed, run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
 from moe_lc.parallel.mesh import ParallelDims
@@ -58,7 +61,7 @@ from moe_lc.parallel.placement import Placements
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
-                     "count_loads"})
+                     "count_loads", "mtp_embed"})
 
 
 @dataclass
@@ -130,6 +133,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         from moe_lc.parallel.tensor_plan import tensor_parallel_plan
 
         tensor_parallel_plan(model, dims, placements, plan)
+    if getattr(model, "mtp", None) is not None and model.embed is not None:  # the embedding TP decided, if it did
+        plan.set(model, mtp_embed=Borrowed(plan.get(model, "embed", model.embed)))
     for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
         placements.set_group(experts.parameters(), "edp")
     if ep > 1 and moes:
