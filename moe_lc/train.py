@@ -8,6 +8,7 @@ the step's token count, so losses and gradients are the same under any valid lay
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -36,7 +37,6 @@ from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
-from moe_lc.parallel.compile import apply_compile, running
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.parallelize import full_state_dict, no_weight_decay_names, prepare_batch, zero_param_groups
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
@@ -89,8 +89,7 @@ class Trainer:
         self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
                                          route=self.route)
         self.model = self.parallel.module.train()
-        # train.compile: the compute regions compiled (meta tensors, the dry run's, have nothing to compile)
-        self.compile_watch = apply_compile(self.parallel) if t.compile and self.device.type != "meta" else None
+        self.compile_watch = self.parallel.compile_watch  # train.compile: the layer plan compiled the regions
         self.runtime = None
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
@@ -150,7 +149,7 @@ class Trainer:
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
         self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
-        with running(self.compile_watch):
+        with self.compile_watch.watching() if self.compile_watch is not None else contextlib.nullcontext():
             loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens, len(sources))
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])

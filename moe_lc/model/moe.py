@@ -18,7 +18,7 @@ from moe_lc.model.balance_losses import TokenShards, balance_loss_shares, enable
 from moe_lc.model.capacity import dropped_copies, drop_over_capacity, expert_capacity
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.forward_stats import ForwardStats
-from moe_lc.model.seams import through
+from moe_lc.model.seams import run_now, through
 from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
 from moe_lc.ops.regions import region
@@ -91,7 +91,8 @@ class Router(nn.Module):
     (balance_losses.TokenShards; a parallel layout swaps in the mesh's). Seam `count_loads`: (the MoE
     layer's phase state of one micro-batch forward) -> whether this run of the forward books its counts:
     `each_forward` by default; under full recomputation, whose replays run the router again in backward,
-    the layer plan plugs in one that books the first run only (moe_lc/model/recompute.py).
+    the layer plan plugs in one that books the first run only (moe_lc/model/recompute.py). Seam
+    `run_region` runs its compiled regions (moe_lc/model/seams.py).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -113,6 +114,7 @@ class Router(nn.Module):
         self.count_loads = each_forward
         self.select = route
         self.logits = fp32_logits
+        self.run_region = run_now
 
     def init_buffers(self) -> None:
         """Zero the balancing bias (after the model was built on the meta device)."""
@@ -126,8 +128,8 @@ class Router(nn.Module):
         """`forward`'s three, and the fp32 logits (T, E) the z-loss reads. stats: where this forward books
         the tokens it routed to each expert (None: it books nothing)."""
         logits_TE = self.logits(self.gate, x_TD)
-        idx_TK, weights_TK, scores_TE, counts_E = score_and_route(
-            logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
+        idx_TK, weights_TK, scores_TE, counts_E = self.run_region(
+            score_and_route, logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
             self.group_score, self.norm_topk_prob, self.scaling)
         if stats is not None:
             stats.add_routing(self, loads=counts_E.float())
@@ -156,7 +158,8 @@ class Router(nn.Module):
         names = enabled_losses(*weights.values())
         if not names:
             return None
-        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards)
+        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards,
+                                     self.run_region)
         if stats is not None:
             with torch.no_grad():
                 sums = torch.zeros(len(weights), dtype=torch.float32, device=shares.device)
@@ -175,23 +178,25 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP.
-    Seam `activation` as SwiGLU's (moe_lc/model/seams.py)."""
+    Seams `activation`, `run_region` as SwiGLU's (moe_lc/model/seams.py)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.activation = swiglu_then
+        self.run_region = run_now
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,); weight: (T,) fp32 gate weight of each
         row, applied to the SwiGLU output (weighted_swiglu), or None -> (T, D)."""
-        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T)
+        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T, run_region=self.run_region)
 
 
 class TokenDispatcher:
     """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical.
-    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch).
+    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch); `run_region`: the
+    seam that runs its compiled regions (the layer plan's, as a module's).
 
     The trip is cut where the MoE layer's phases are cut (dispatch | experts | combine), so that a
     pipeline can run other work while rows are in flight: `dispatch` and `return_rows` may hand back
@@ -199,6 +204,7 @@ class TokenDispatcher:
     groups the arrived rows by local expert. Local dispatch moves nothing and returns tensors."""
 
     fp8_tokens = False
+    run_region = staticmethod(run_now)
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int, dropping: bool = False):
         """-> (rows for this rank's experts (tensor or Transfer), counts (E_local,), handle). `dropping`:
@@ -281,7 +287,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
         T, K = idx_TK.shape
-        rows, counts, order = sort_by_expert(x_TD, idx_TK, n_experts, dropping)
+        rows, counts, order = self.run_region(sort_by_expert, x_TD, idx_TK, n_experts, dropping)
         return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K, rows.shape[0])
 
     def sort_weights(self, weights_TK, handle):
@@ -290,7 +296,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def combine(self, y_back, weights_TK, handle):
         order, T, K, _ = handle
-        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
+        return self.run_region(unsort_and_sum, pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

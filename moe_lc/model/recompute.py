@@ -35,6 +35,7 @@ from moe_lc.model.mla import attend
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.moe import fp32_logits
 from moe_lc.model.saved_tensors import recompute_from
+from moe_lc.model.seams import run_now
 
 POLICIES = names(RecomputePolicy)
 SELECTIVE_ITEMS = names(RecomputeItem)
@@ -57,17 +58,18 @@ def first_forward(ctx: dict) -> bool:
     return first
 
 
-def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,
+                    run_region=run_now) -> torch.Tensor:
     """The `activation` seam under selective "swiglu": down(swiglu(gate_up, weight), *args) keeping only
     gate_up (and the gate weights) for backward: the activation is checkpointed and the copy `down` would
     save is rebuilt from them."""
     if not torch.is_grad_enabled():
-        return swiglu_then(down, gate_up, *args, weight=weight)
+        return swiglu_then(down, gate_up, *args, weight=weight, run_region=run_region)
     if weight is None:
-        h = checkpointed(swiglu, gate_up)
-        return recompute_from(gate_up, h, swiglu, down, *args)
-    h = checkpointed(swiglu, gate_up, weight)
-    return recompute_from((gate_up, weight), (h,), lambda g, w: (swiglu(g, w),), down, *args)
+        h = checkpointed(run_region, swiglu, gate_up)
+        return recompute_from(gate_up, h, lambda g: run_region(swiglu, g), down, *args)
+    h = checkpointed(run_region, swiglu, gate_up, weight)
+    return recompute_from((gate_up, weight), (h,), lambda g, w: (run_region(swiglu, g, w),), down, *args)
 
 
 def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
@@ -83,7 +85,7 @@ def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> to
     def qkv(q_src, c_kv, k_r):
         B, S, _ = c_kv.shape
         q, kv = mla.up_project(q_src, c_kv)
-        return mla.rope_qkv(q, kv, apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
+        return mla.rope_qkv(q, kv, mla.run_region(apply_rope, k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
 
     q, k, v = checkpoint(qkv, q_src, c_kv, k_r, use_reentrant=False)
     return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale, docs)

@@ -234,7 +234,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, y_back, weights_TK, handle):
         """Returned expert outputs (T*K, D) -> token order -> (weighted) sum over K -> (T, D)."""
         order, regroup, send, recv, T, K = handle
-        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
+        return self.run_region(unsort_and_sum, pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 @dataclass

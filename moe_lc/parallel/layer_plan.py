@@ -26,6 +26,9 @@ attribute, so the rules can be resolved in any order and none reads what another
       and without the embedding calls it)
     the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
+    compiling (train.compile): every module's  .run_region (and the dispatcher's) `_compiled` (runners and
+      regions through torch.compile, booked                                        watch: parallel/compile.py)
+      to its block in the rank's CompileWatch
 
 What the model declares about itself (the output head and router stay in the compute dtype, the
 router's W is never deferred) is set by its constructors (`fp8_eligible`, `defer_wgrad`) and only read here.
@@ -52,6 +55,7 @@ from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, fir
 from moe_lc.model.seams import Borrowed, run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+from moe_lc.parallel.compile import CompileWatch, compiled_runners
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements
 
@@ -61,7 +65,7 @@ from moe_lc.parallel.placement import Placements
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
-                     "count_loads", "mtp_embed"})
+                     "count_loads", "mtp_embed", "run_region"})
 
 
 @dataclass
@@ -71,11 +75,13 @@ class LayerPlan:
     split lets go).
 
     wgrad_store: the store every deferring Linear pushes its weight-gradient GEMM to under a pipeline
-    schedule (its runtime decides when a B is split), None without PP."""
+    schedule (its runtime decides when a B is split), None without PP. compile_watch: the rank's
+    CompileWatch when its regions run compiled (train.compile), else None."""
 
     model: InitVar[nn.Module]
     settings: dict[str, dict[str, object]] = field(default_factory=dict)
     wgrad_store: WeightGradStore | None = None
+    compile_watch: CompileWatch | None = None
 
     def __post_init__(self, model: nn.Module):
         self._names = {id(m): name for name, m in model.named_modules()}
@@ -117,14 +123,16 @@ def _short(value) -> str:
 def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, placements: Placements | None = None, *,
                        expert_dispatch: str = "flat", mla_ring: str = "latent", precision: PrecisionConfig | None = None,
                        recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                       device: torch.device | None = None, pipelined: bool = False, route=None) -> LayerPlan:
+                       device: torch.device | None = None, pipelined: bool = False, route=None,
+                       compiled: bool = False) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
     dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
     takes an attention kind's `expanded_ring`); placements: where parameter shards are recorded (a fresh table
     when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
     route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
-    FP8 kernels will run (checked up front)."""
+    FP8 kernels will run (checked up front); compiled: the regions run through torch.compile (train.compile;
+    not on the meta device: the dry run's tensors have nothing to compile)."""
     plan, placements = LayerPlan(model), placements if placements is not None else Placements()
     precision = precision or PrecisionConfig()
     tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
@@ -175,6 +183,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         for m in model.modules():
             if isinstance(m, (Linear, GroupedLinear)) and m.defer_wgrad:
                 plan.set(m, wgrad_store=plan.wgrad_store)
+    if compiled and (device is None or device.type != "meta"):
+        plan.compile_watch = _compiled(model, plan)
     return plan
 
 
@@ -183,6 +193,23 @@ def apply_layer_plan(model: nn.Module, dims: ParallelDims | None = None, **optio
     plan = resolve_layer_plan(model, dims, **options)
     plan.apply(model)
     return plan
+
+
+def _compiled(model: nn.Module, plan: LayerPlan) -> CompileWatch:
+    """train.compile: every module with a `run_region` seam, and every MoE layer's dispatcher (the plan's
+    own: a local one unless another rule gave the layer one), runs its regions compiled, booked to the
+    module's block (moe_lc/parallel/compile.py). Returns the rank's CompileWatch."""
+    watch = CompileWatch()
+    names = [name for name, m in model.named_modules() if hasattr(m, "run_region") or isinstance(m, MoE)]
+    runners = compiled_runners(names, watch)
+    for name, module in model.named_modules():
+        if hasattr(module, "run_region"):
+            plan.set(module, run_region=runners[name])
+        if isinstance(module, MoE):
+            if plan.get(module, "dispatcher") is None:
+                plan.set(module, dispatcher=LocalDispatcher())
+            plan.get(module, "dispatcher").run_region = runners[name]
+    return watch
 
 
 def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Module, object]:
