@@ -129,8 +129,8 @@ class Router(nn.Module):
         the tokens it routed to each expert (None: it books nothing)."""
         logits_TE = self.logits(self.gate, x_TD)
         idx_TK, weights_TK, scores_TE, counts_E = self.run_region(
-            score_and_route, logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
-            self.group_score, self.norm_topk_prob, self.scaling)
+            score_and_route, logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups,
+            self.topk_groups, self.topk, self.group_score, self.norm_topk_prob, self.scaling)
         if stats is not None:
             stats.add_routing(self, loads=counts_E.float())
         return idx_TK, weights_TK, scores_TE, logits_TE

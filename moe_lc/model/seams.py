@@ -22,6 +22,12 @@ decides, in one place, what each module gets.
               both ends on one rank).
   dispatcher  an MoE layer's `TokenDispatcher` (moe.py): local by default; expert parallelism plugs in
               an all-to-all one whose rows travel as `Transfer`s between the layer's phases.
+  run_region  `module.run_region(region, *args)` runs one of the module's compiled regions
+              (moe_lc/ops/regions.py): `run_now` by default, the plain function; `train.compile` plugs
+              in the rank's compiled runner (moe_lc/parallel/compile.py). A dispatcher has one too.
+  count_loads a router's `count_loads(ctx)`: whether this run of an MoE layer's forward (`ctx`, its
+              phase state) books its routing in the step's ForwardStats; every run by default,
+              the first only where full recomputation replays the router (moe_lc/model/recompute.py).
 """
 
 from __future__ import annotations
