@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
-from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
+from moe_lc.config import Config, ConfigError, load_config, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report, source_names
 from moe_lc.lr_schedule import lr_at
@@ -74,14 +74,15 @@ class Trainer:
         t, p = cfg.train, cfg.precision
         self.device = device if device is not None else resolve_device(t.device)
         self.threads = cpu_threads.apply_threads(t.threads, "train.threads")  # before any parallel op
-        self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.dims = ParallelDims.from_config(cfg.parallel, world, rank, self.device.type)
         self.dims.init_groups()
+        self.microbatches = t.microbatches(self.dims.dp)  # per step on each pipeline (data-parallel rank)
+        # (schedule, stage layers) under pp > 1; the recipe's rules already refused what cannot be scheduled
+        self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches)
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
         self.tokenizer, self.loader = self.build_data()
-        self.microbatches = t.microbatches(self.dims.dp)
         if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
             reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
             if reason is not None:
@@ -126,12 +127,6 @@ class Trainer:
         return tokenizer, StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
     # -- one optimizer step ---------------------------------------------------------------------------
-    @staticmethod
-    def microbatches_per_pipeline(cfg: Config) -> int:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
-        return cfg.train.microbatches(dp)
-
     def train_step(self) -> StepResult:
         t, m, d = self.cfg.train, self.cfg.model, self.cfg.data
         first_sample = self.loader.samples_consumed

@@ -115,8 +115,7 @@ def one_block_of_each_kind(m: ModelConfig) -> ModelConfig:
 def _trace_parallel(p: ParallelConfig) -> ParallelConfig:
     """The cheapest layout with the recipe's tp, cp and ep (and the rest of its parallel section): pp = 1
     and dp = ep / gcd(ep, cp tp)."""
-    return replace(p, pp=1, dp=p.ep // math.gcd(p.ep, p.cp * p.tp), pp_schedule="1f1b", pp_stage_layers=[],
-                   microbatches=0)
+    return replace(p, pp=1, dp=p.ep // math.gcd(p.ep, p.cp * p.tp), pp_schedule="1f1b", pp_stage_layers=[])
 
 
 @contextlib.contextmanager
