@@ -95,7 +95,8 @@ class LightningIndexer(nn.Module):
         B, S, _ = tok.shape
         k, w = tok.split([self.head_dim, self.n_heads], dim=-1)
         q = self.run_region(apply_rope, self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        k = self.run_region(apply_rope, self.k_norm(k).view(B, S, 1, self.head_dim), cos, sin).view(B, S, self.head_dim)
+        k = self.run_region(apply_rope, self.k_norm(k).view(B, S, 1, self.head_dim), cos, sin)
+        k = k.view(B, S, self.head_dim)
         return q, k, w.float() * self.n_heads ** -0.5
 
 

@@ -190,7 +190,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,); weight: (T,) fp32 gate weight of each
         row, applied to the SwiGLU output (weighted_swiglu), or None -> (T, D)."""
-        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T, run_region=self.run_region)
+        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T,
+                               run_region=self.run_region)
 
 
 class TokenDispatcher:

@@ -98,7 +98,8 @@ class CrossEntropy16(torch.autograd.Function):
         out = torch.empty_like(logits_TV)
         for start in range(0, len(logits_TV), CrossEntropy16.ROWS):
             rows = slice(start, start + CrossEntropy16.ROWS)
-            out[rows] = ctx.run_region(rows_loss_grad, logits_TV[rows], labels_T[rows], lse_T[rows], grad_T[rows, None])
+            out[rows] = ctx.run_region(rows_loss_grad, logits_TV[rows], labels_T[rows], lse_T[rows],
+                                       grad_T[rows, None])
         return out, None, None
 
 
