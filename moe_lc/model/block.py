@@ -41,8 +41,8 @@ class Block(nn.Module):
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
         recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
-        `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the micro-batch's packed
-        documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
+        `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the
+        micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
         return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
                 for fn in self._phases(cos, sin, stats, docs)]
 
