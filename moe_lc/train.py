@@ -8,6 +8,7 @@ the step's token count, so losses and gradients are the same under any valid lay
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 from moe_lc import checkpoint as ckpt
 from moe_lc import faults, run_dir
-from moe_lc.config import Config, ConfigError, load_config, resolve_degrees, to_toml
+from moe_lc.config import Config, ConfigError, load_config, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report, source_names
 from moe_lc.lr_schedule import lr_at
@@ -35,7 +36,6 @@ from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
-from moe_lc.parallel.compile import apply_compile, running
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
                                         zero_param_groups)
@@ -74,14 +74,15 @@ class Trainer:
         t, p = cfg.train, cfg.precision
         self.device = device if device is not None else resolve_device(t.device)
         self.threads = cpu_threads.apply_threads(t.threads, "train.threads")  # before any parallel op
-        self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches_per_pipeline(cfg))
         rank, world = init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.dims = ParallelDims.from_config(cfg.parallel, world, rank, self.device.type)
         self.dims.init_groups()
+        self.microbatches = t.microbatches(self.dims.dp)  # per step on each pipeline (data-parallel rank)
+        # (schedule, stage layers) under pp > 1; the recipe's rules already refused what cannot be scheduled
+        self.schedule, self.stage_layers = pipeline_plan(cfg, self.microbatches)
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
         self.tokenizer, self.loader = self.build_data()
-        self.microbatches = t.microbatches(self.dims.dp)
         if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
             reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
             if reason is not None:
@@ -89,8 +90,7 @@ class Trainer:
         self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
                                          route=self.route)
         self.model = self.parallel.module.train()
-        # train.compile: the compute regions compiled (meta tensors, the dry run's, have nothing to compile)
-        self.compile_watch = apply_compile(self.parallel) if t.compile and self.device.type != "meta" else None
+        self.compile_watch = self.parallel.compile_watch  # train.compile: the layer plan compiled the regions
         self.runtime = None
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
@@ -127,12 +127,6 @@ class Trainer:
         return tokenizer, StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
 
     # -- one optimizer step ---------------------------------------------------------------------------
-    @staticmethod
-    def microbatches_per_pipeline(cfg: Config) -> int:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = resolve_degrees(cfg.parallel, world)[0]["dp"]
-        return cfg.train.microbatches(dp)
-
     def train_step(self) -> StepResult:
         t, m, d = self.cfg.train, self.cfg.model, self.cfg.data
         first_sample = self.loader.samples_consumed
@@ -150,7 +144,7 @@ class Trainer:
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
         self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
-        with running(self.compile_watch):
+        with self.compile_watch.watching() if self.compile_watch is not None else contextlib.nullcontext():
             loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens, len(sources))
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
@@ -161,7 +155,7 @@ class Trainer:
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
-        metrics.update(balance_routers(self.model, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
+        metrics.update(balance_routers(self.model, stats, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))
         metrics.update(dsa_metrics(stats, m.dsa.stage if m.dsa.enabled else None, self.dims, self.device))

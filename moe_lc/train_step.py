@@ -3,8 +3,9 @@ reduced over the mesh, the ZeRO-1 update, the routers' bias update, and the step
 
 Every micro-batch loss is the summed token loss divided by the step's token count (over every
 data-parallel rank), so losses and gradients are the same under any valid layout. The forwards report
-their MTP and aux losses in the step's `ForwardStats`, and the result is a `StepResult`; nothing is
-stashed on modules or on the trainer for the logger to read back.
+their MTP and aux losses and what their routers routed in the step's `ForwardStats`, and the result is a
+`StepResult`; nothing is stashed on modules or on the trainer for the logger to read back, and no
+counter is read off a module (tests/test_step_counts.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from moe_lc.model.balance_losses import LOSS_NAMES, enabled_losses
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.parallel import comm
-from moe_lc.parallel.expert import dispatcher_counters, expert_parallel_metrics
+from moe_lc.parallel.expert import expert_parallel_metrics, spread_counters
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 
@@ -116,25 +117,27 @@ def document_attention_metrics(batches: list[dict], dims: ParallelDims, device: 
 
 
 @torch.no_grad()
-def balance_routers(model, dims: ParallelDims, frozen: bool = False) -> dict:
-    """Sum the step's expert loads (the routers' counts) over every router replica, nudge each bias, and
-    return the MoE metrics: one all-reduce, which also carries each layer's `balance_columns` (the
-    auxiliary losses' shares, the dropped copies) and under expert parallelism the dispatchers' counters
-    (in fp64 then: counts are exact in either dtype), and one transfer to the host. Metrics per MoE
-    layer L: moe/imbalance/layer{L} (max / mean load), moe/bias_range/layer{L}, moe/load/layer{L}
-    (E floats: token copies per expert, as routed, dropped ones included), each enabled loss's
-    moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds, its
-    mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
+def balance_routers(model, stats: ForwardStats, dims: ParallelDims, frozen: bool = False) -> dict:
+    """Sum the step's expert loads (`stats.routing`, booked by the routers) over every router replica, nudge
+    each bias, and return the MoE metrics: one all-reduce, which also carries each layer's
+    `balance_columns` (the auxiliary losses' shares, the dropped copies) and under expert parallelism the
+    dispatchers' spread (in fp64 then: counts are exact in either dtype), and one transfer to the host.
+    Metrics per MoE layer L: moe/imbalance/layer{L} (max / mean load), moe/bias_range/layer{L},
+    moe/load/layer{L} (E floats: token copies per expert, as routed, dropped ones included), each enabled
+    loss's moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds,
+    its mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
     `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max). frozen: the biases
     stay (DeepSeek Sparse Attention's warm-up trains the indexers only)."""
     moes = model.moe_layers()
     if not moes:
         return {}
-    loads = torch.stack([m.router.expert_load for m in moes.values()])  # (L, E) fp32, this rank's
+    rows = [stats.routing.get(m.router, {}) for m in moes.values()]
+    loads = torch.stack([row.get("loads", torch.zeros_like(m.router.expert_bias))
+                         for m, row in zip(moes.values(), rows)])  # (L, E) fp32, this rank's
     n_experts = loads.shape[1]
-    extra, names = balance_columns(moes)  # (L, X) fp32
+    extra, names = balance_columns(moes, rows)  # (L, X) fp32
     loads = torch.cat([loads, extra], dim=1)
-    counters = dispatcher_counters(moes.values())  # (L, N + 4) fp64, None without expert parallelism
+    counters = spread_counters(moes.values(), stats.routing)  # (L, N + 4) fp64, None without expert parallelism
     if counters is None:
         comm.all_reduce(loads, dims["dp_cp_tp"])
     else:
@@ -166,20 +169,20 @@ def balance_routers(model, dims: ParallelDims, frozen: bool = False) -> dict:
     return metrics
 
 
-def balance_columns(moes: dict) -> tuple[torch.Tensor, list[str]]:
-    """(L, X) fp32 of this rank's step sums per MoE layer, then reset: each enabled auxiliary loss's
-    weighted shares (`Router.loss_sums`), and the copies dropped over capacity; and the X column names
-    (X = `balance_losses.stat_columns` of the recipe's [model.moe])."""
+def balance_columns(moes: dict, rows: list[dict]) -> tuple[torch.Tensor, list[str]]:
+    """(L, X) fp32 of this rank's step sums per MoE layer, from its `ForwardStats.routing` row (`rows`, in
+    `moes` order): each enabled auxiliary loss's weighted shares, and the copies dropped over capacity;
+    and the X column names (X = `balance_losses.stat_columns` of the recipe's [model.moe])."""
     first = next(iter(moes.values()))
     names = enabled_losses(first.aux_loss_weight, first.router.z_loss_weight, first.router.global_aux_loss_weight)
     columns = [LOSS_NAMES.index(n) for n in names]
-    rows = []
-    for moe in moes.values():
-        r = moe.router
-        rows.append(torch.cat([r.loss_sums[columns], r.dropped_load.view(1)[:int(r.capacity_factor > 0)]]))
-        r.loss_sums.zero_()
-        r.dropped_load.zero_()
-    return torch.stack(rows), names + ["dropped_fraction"] * int(first.router.capacity_factor > 0)
+    capacity = int(first.router.capacity_factor > 0)
+    out = []
+    for moe, row in zip(moes.values(), rows):
+        zero = torch.zeros((), dtype=torch.float32, device=moe.router.expert_bias.device)
+        losses = row.get("losses", zero.expand(len(LOSS_NAMES)))
+        out.append(torch.cat([losses[columns], row.get("dropped", zero).view(1)[:capacity]]))
+    return torch.stack(out), names + ["dropped_fraction"] * capacity
 
 
 def forward_backward(model, runtime: PipelineRuntime | None, batches: list[dict], scale: float,

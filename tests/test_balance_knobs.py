@@ -13,6 +13,7 @@ import torch
 from moe_lc.config import ConfigError, load_config
 from moe_lc.model.balance_losses import TokenShards, global_aux_loss, sequence_aux_loss, z_loss
 from moe_lc.model.capacity import drop_over_capacity, expert_capacity
+from moe_lc.model.forward_stats import ForwardStats
 from tests.harness import RECIPES, assert_equivalent, reference, run_layout, run_workers
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -139,13 +140,14 @@ def test_dropped_copies_add_nothing_and_the_rest_is_the_dense_routing(weighted_s
     """MoE with a capacity == the same MoE without one whose dropped copies have gate weight 0."""
     moe = _moe(0.5, weighted_swiglu=weighted_swiglu).train()
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(3))
-    out = moe(x)
-    assert moe.router.dropped_load.item() > 0
+    stats = ForwardStats()
+    out = moe(x, stats)
+    assert stats.routing[moe.router]["dropped"].item() > 0
     idx, w, scores, logits = moe.router.route_and_score(x.view(-1, 32))
     sent = moe.router.drop_over_capacity(idx, scores)
     moe.router.capacity_factor = 0.0
     real = moe.router.route_and_score
-    moe.router.route_and_score = lambda x_TD: (idx, w.masked_fill(sent == 8, 0.0), scores, logits)
+    moe.router.route_and_score = lambda x_TD, stats=None: (idx, w.masked_fill(sent == 8, 0.0), scores, logits)
     torch.testing.assert_close(out, moe(x))
     moe.router.route_and_score = real
 

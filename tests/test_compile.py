@@ -13,8 +13,8 @@ import torch
 from moe_lc.config import PrecisionConfig, RecomputeConfig, load_config
 from moe_lc.model.ffn import swiglu
 from moe_lc.model.transformer import build_model
-from moe_lc.ops.regions import Region, compiled_regions
-from moe_lc.parallel.compile import CompileWatch, running
+from moe_lc.ops.regions import Region
+from moe_lc.parallel.compile import CompiledRegions, CompileWatch
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.train import run
 from tests.harness import FAST, RECIPES, TOLERANCE, LayoutResult, compare, reference, run_layout
@@ -139,12 +139,13 @@ def test_the_watch_counts_graph_breaks_and_recompiles():
         return y * 2
 
     watch = CompileWatch()
-    with running(watch):
+    run = CompiledRegions(watch, "test", {})
+    with watch.watching():
         region = Region(scaled)
-        region(torch.ones(3))
-        region(torch.ones(3))
+        run(region, torch.ones(3))
+        run(region, torch.ones(3))
         assert watch.counts()["compile/recompiles"] == 0
-        region(torch.ones(5))
+        run(region, torch.ones(5))
         torch.compile(broken)(torch.ones(2))
     counts = watch.counts()
     assert counts["compile/recompiles"] == 1 and counts["compile/graph_breaks"] == 1, counts
@@ -158,9 +159,9 @@ def test_a_region_refuses_a_graph_break():
         return x + 1
 
     region = Region(breaks)
-    assert torch.equal(region(torch.ones(2)), torch.full((2,), 2.0))  # off: the plain function
-    with compiled_regions(), pytest.raises(torch._dynamo.exc.Unsupported):
-        region(torch.ones(2))
+    assert torch.equal(region(torch.ones(2)), torch.full((2,), 2.0))  # called itself: the plain function
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        CompiledRegions(CompileWatch(), "test", {})(region, torch.ones(2))
 
 
 def test_expert_rows_compile_once_for_every_count():
@@ -168,11 +169,12 @@ def test_expert_rows_compile_once_for_every_count():
     included) and one graph serves them all, with the numbers of the eager function."""
     torch._dynamo.reset_code_caches()  # SwiGLU's graphs of earlier tests here would count as recompiles
     watch = CompileWatch()
-    with running(watch):
+    run = CompiledRegions(watch, "test", {})
+    with watch.watching():
         for rows in (37, 5, 1, 0, 64):
             gate_up = torch.randn(rows, 2 * 24, requires_grad=True)
             weight = torch.rand(rows, requires_grad=True)
-            got = swiglu(gate_up, weight)
+            got = run(swiglu, gate_up, weight)
             got.sum().backward()
             want = swiglu.fn(gate_up, weight)
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), rows
@@ -205,11 +207,12 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
     saved, grads = {}, {}
     for on in (False, True):
         model = build_model(cfg.model, seed=0)
-        apply_layer_plan(model, precision=precision, recompute=recompute)
+        plan = apply_layer_plan(model, precision=precision, recompute=recompute, compiled=on)
+        assert isinstance(model.layers["0"].attn_norm.run_region, CompiledRegions) == on  # the plan decides it
+        assert (plan.compile_watch is not None) == on
         loss = []
-        with compiled_regions(on):
-            saved[on] = measure_saved_bytes(model, lambda: loss.append(model(tokens[:, :-1], labels=tokens[:, 1:])))
-            loss[0].backward()
+        saved[on] = measure_saved_bytes(model, lambda: loss.append(model(tokens[:, :-1], labels=tokens[:, 1:])))
+        loss[0].backward()
         grads[on] = {n: p.grad for n, p in model.named_parameters()}
     layers = [part for part in saved[False] if part.startswith("layer")]
     assert saved[True]["layer0"] == saved[False]["layer0"]
@@ -220,3 +223,26 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
     for name, want in grads[False].items():
         rel = ((grads[True][name] - want).norm() / want.norm()).item()
         assert rel <= rtol, (name, rel)
+
+
+def test_every_region_runs_through_a_run_region_seam():
+    """A region called directly runs eagerly under train.compile too: in the package every region is
+    handed to a `run_region` seam (moe_lc/model/seams.py), never called by name. (The scan finds the
+    regions by their decorator, and a planted direct call.)"""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "moe_lc"
+    trees = {path: ast.parse(path.read_text()) for path in sorted(root.rglob("*.py"))}
+    regions = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               and any("region" in ast.unparse(d) for d in node.decorator_list)}
+    assert {"rms_norm", "apply_rope", "swiglu", "score_and_route", "token_losses"} <= regions, regions
+
+    def direct_calls(tree):  # regions are module functions, called by their name (methods may share one)
+        return [ast.unparse(n) for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) in regions]
+
+    assert direct_calls(ast.parse("y = apply_rope(x, cos, sin)\nz = self.run_region(apply_rope, x, cos, sin)\n")) \
+        == ["apply_rope(x, cos, sin)"]
+    found = [f"{path.relative_to(root)}: {call}" for path, tree in trees.items() for call in direct_calls(tree)]
+    assert not found, found

@@ -114,7 +114,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
                                for p, g in zip(experts.parameters(), ref_grads))}
     return {"errs": errs, "counts": counts.tolist(), "arrived": _ids(xs), "phases": phases,
             "pairs": _ids(arrived) if mode == "hierarchical" else None,
-            "stats": named_counters(d.counters(), d.topo.n_nodes)}
+            "stats": named_counters(d.spread(idx_all[mine]), d.topo.n_nodes)}
 
 
 def _rel(a, b):

@@ -144,3 +144,22 @@ def test_nothing_sets_a_module_attribute_while_the_model_trains(layout):
     overrides = ["train.steps=2", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=1", *layout]
     for rank, seen in enumerate(run_workers(_train_watching_setattr, world, overrides, timeout_s=300)):
         assert not seen, f"rank {rank}: module attributes set after build: {sorted(set(seen))}"
+
+
+def test_the_plan_lends_mtp_the_embedding_a_pipeline_stage_lacks():
+    """mtp_embed is a decision of the plan (the model's embedding, borrowed): under DualPipe the last stage's
+    chunk, which holds the MTP modules and no embedding, calls the one its rank's first stage holds; no other
+    chunk borrows it."""
+    from moe_lc.parallel.pipeline import build_schedule
+    from moe_lc.parallel.pipeline.stage import split_for_rank, stage_layers
+
+    cfg = load_config(RECIPE, ["model.mtp.depth=1"])
+    model = build_model(cfg.model, seed=0)
+    plan = apply_layer_plan(model)
+    assert "<model>.mtp_embed = Borrowed(Embedding)" in plan.describe()
+    schedule = build_schedule("dualpipe", 2, 4)
+    union, chunks, _ = split_for_rank(model, schedule, 0, stage_layers(cfg.model, schedule.n_stages, 128))
+    (last,) = [c for c in chunks if c.mtp is not None]
+    assert last.embed is None and last.mtp_embed.module is union.embed is model.embed
+    assert all(c.mtp_embed is None for c in chunks if c is not last)
+    assert not any("mtp_embed" in name for name, _ in last.named_parameters())  # borrowed, not registered twice

@@ -5,6 +5,7 @@ import torch
 
 from moe_lc.config import load_config
 from moe_lc.config import RecomputeConfig
+from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.model.transformer import build_model
 from moe_lc.train import run
@@ -36,8 +37,8 @@ def test_router_recompute_is_exact_in_bf16(tmp_path):
     assert all(torch.equal(again.final_state[k], v) for k, v in base.final_state.items())
 
 
-def saved_bytes(model, tokens):
-    """Bytes of distinct storages autograd keeps for backward during one forward."""
+def saved_bytes(model, tokens, stats=None):
+    """Bytes of distinct storages autograd keeps for backward during one forward (booking into `stats`)."""
     seen = {}
 
     def pack(t):
@@ -45,7 +46,7 @@ def saved_bytes(model, tokens):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:], stats=stats)
     return sum(seen.values()), loss
 
 
@@ -57,13 +58,15 @@ def test_recompute_policies_save_less_and_count_loads_once():
                           ("selective", ("norm", "swiglu", "attention")), ("full", ())]:
         model = build_model(cfg, seed=0)
         apply_layer_plan(model, recompute=RecomputeConfig(policy=policy, selective=list(items)))
-        nbytes, loss = saved_bytes(model, tokens)
-        loss.backward()
-        loads = torch.stack([m.router.expert_load for m in model.moe_layers().values()])
+        stats = ForwardStats()
+        nbytes, loss = saved_bytes(model, tokens, stats)
+        loss.backward()  # replays the routers under "full"
+        loads = torch.stack([stats.routing[m.router]["loads"] for m in model.moe_layers().values()])
         results[(policy, items)] = (nbytes, loss.item(), loads)
     none_bytes, none_loss, none_loads = results[("none", ())]
     ladder = [results[k][0] for k in results]
     assert ladder == sorted(ladder, reverse=True) and ladder[-1] < 0.25 * none_bytes, ladder
+    assert none_loads.sum() == 2 * 64 * cfg.moe.topk * len(none_loads)  # each routed copy once
     for nbytes, loss, loads in results.values():
         assert loss == none_loss
         assert torch.equal(loads, none_loads)  # a replayed router does not count its tokens again

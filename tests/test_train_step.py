@@ -74,9 +74,12 @@ def test_forward_backward_and_the_step_metrics_without_a_trainer():
         ref(b["inputs"], positions=b["positions"], labels=b["labels"], mtp=b["mtp"], stats=seen)
         for moe_ref, moe in zip(ref.moe_layers().values(), moes.values()):
             per_forward[moe].append(seen.aux_losses[moe_ref].item())
-    router_metrics = balance_routers(model, dims)
+    biases = {name: moe.router.expert_bias.clone() for name, moe in moes.items()}
+    router_metrics = balance_routers(model, stats, dims)
     for name, moe in moes.items():
         assert router_metrics[f"moe/aux_loss/layer{name}"] == pytest.approx(sum(per_forward[moe]), rel=1e-6)
         assert sum(router_metrics[f"moe/load/layer{name}"]) == n_tokens * moe.router.topk  # each copy once
-        assert moe.router.expert_load.sum() == 0  # the bias update took the step's loads
+        load = stats.routing[moe.router]["loads"]  # the bias update took the step's loads
+        assert torch.equal(moe.router.expert_bias - biases[name],
+                           moe.router.bias_update_speed * torch.sign(load.mean() - load))
     assert router_metrics["moe/imbalance_max"] == max(router_metrics[f"moe/imbalance/layer{n}"] for n in moes)

@@ -132,8 +132,7 @@ def _trace_parallel(p: ParallelConfig) -> ParallelConfig:
     is left to the world size (dp = 0), the cheapest with its tp, cp and ep: pp = 1, dp = ep / gcd(ep, cp tp)."""
     if p.dp:
         return p
-    return replace(p, pp=1, dp=p.ep // math.gcd(p.ep, p.cp * p.tp), pp_schedule="1f1b", pp_stage_layers=[],
-                   microbatches=0)
+    return replace(p, pp=1, dp=p.ep // math.gcd(p.ep, p.cp * p.tp), pp_schedule="1f1b", pp_stage_layers=[])
 
 
 @contextlib.contextmanager

@@ -88,10 +88,9 @@ def fewest_microbatches(cfg: Config, microbatches: int) -> int:
 
 def with_microbatches(cfg: Config, dp: int, microbatches: int) -> Config:
     """cfg whose step has `microbatches` micro-batches per pipeline (train.global_batch = microbatches x
-    micro_batch x dp; parallel.microbatches, when the recipe states it, likewise)."""
+    micro_batch x dp)."""
     train = replace(cfg.train, global_batch=microbatches * cfg.train.micro_batch * dp)
-    parallel = replace(cfg.parallel, microbatches=microbatches if cfg.parallel.microbatches else 0)
-    return replace(cfg, train=train, parallel=parallel)
+    return replace(cfg, train=train)
 
 
 def input_bytes(cfg: Config, cp: int, microbatches: int) -> int:

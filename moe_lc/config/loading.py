@@ -30,6 +30,13 @@ MOVED_MODEL_KEYS = {
                                "topk_groups", "score_func", "routed_scaling_factor", "bias_update_speed",
                                "aux_loss_weight")},
 }
+# keys a recipe may no longer set: dotted name -> what to write instead. parallel.microbatches could only
+# restate (or contradict) the count the batch keys give, the one count the loader, the pipeline schedule
+# and the balance loss's share all use.
+REMOVED_KEYS = {
+    "parallel.microbatches": "the micro-batches per step are train.global_batch / (train.micro_batch * dp), "
+                             "derived; set train.micro_batch or train.global_batch instead",
+}
 INT_LIMIT = 2**62  # sizes and counts beyond this are typos; refusing them beats hanging in an allocation
 
 
@@ -147,7 +154,9 @@ def _build(cls, table: dict, path: str, errors: list[str]):
     for key, value in table.items():
         where = f"{path}.{key}"
         if key not in hints:
-            if path == "model" and key in MOVED_MODEL_KEYS:
+            if where in REMOVED_KEYS:
+                errors.append(f"{where} was removed: {REMOVED_KEYS[where]}")
+            elif path == "model" and key in MOVED_MODEL_KEYS:
                 new = MOVED_MODEL_KEYS[key]
                 sub, _, leaf = new.partition(".")
                 errors.append(f"{where} moved to model.{new}: write it as `{leaf} = ...` under [model.{sub}] "

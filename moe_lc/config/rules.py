@@ -176,9 +176,6 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
     if per_step > 0 and t.global_batch % per_step:
         e.append(f"train.global_batch={t.global_batch} must be divisible by micro_batch*dp={per_step} "
                  f"(micro_batch={t.micro_batch}, dp={d['dp']})")
-    elif per_step > 0 and p.microbatches and p.microbatches != n_micro:
-        e.append(f"parallel.microbatches={p.microbatches} must equal global_batch/(micro_batch*dp)="
-                 f"{n_micro} (or 0 to derive it)")
     if p.pp > 1 and per_step > 0 and t.global_batch % per_step == 0:
         chunks = p.pp_chunks if p.pp_schedule == "interleaved_1f1b" else None
         e += [f"parallel.pp_schedule={p.pp_schedule!r} with pp={p.pp} and {n_micro} micro-batches: "

@@ -39,7 +39,6 @@ class ParallelConfig:
     pp_schedule: PPSchedule = f("1f1b", "pipeline schedule")
     pp_chunks: int = f(2, "model chunks per rank for interleaved_1f1b")
     pp_stage_layers: list[int] = f([], "blocks per pipeline stage (empty = balanced by estimated cost)")
-    microbatches: int = f(0, "micro-batches per step per pipeline; 0 = global_batch / (micro_batch * dp)")
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
     mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
     cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
@@ -71,7 +70,7 @@ class ParallelConfig:
                          "> 0 (e.g. '50:2': 50 us, 2 GB/s), or '' (off)")
         for name in ("pp", "cp", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
             positive(e, f"parallel.{name}", getattr(self, name))
-        for name in ("dp", "ranks_per_node", "microbatches"):
+        for name in ("dp", "ranks_per_node"):
             non_negative(e, f"parallel.{name}", getattr(self, name))
         if self.timeout_s > 10**8:
             e.append(f"parallel.timeout_s={self.timeout_s} must be <= 1e8 (about 3 years)")

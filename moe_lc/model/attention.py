@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim ** -0.5  # YaRN's temperature is in cos/sin (rope.py), as in transformers
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
+        self.run_region = run_now
         self.out_proj = project_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in (q, k, v))
         if self.qk_norm == "head":  # one (Dh,) weight for every head (Qwen3, GLM-4.5)
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.run_region(apply_rope, q, cos, sin), self.run_region(apply_rope, k, cos, sin), v
 
 
 # --------------------------------------------------------------------------- counts from the config alone

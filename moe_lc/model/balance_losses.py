@@ -17,13 +17,15 @@ of the same sequences (or of the whole batch), and P is this rank's tokens' part
 gradient is exactly the local one and the router's gradient sum over dp x cp x tp is the single-device
 gradient. `MoE.aux_loss_scale` (1 / (micro-batches * dp)) then makes the step's mean. `TokenShards`
 says how the tokens are split and does those sums: one device here, the mesh's groups under a parallel
-layout (moe_lc/parallel/balance_plan.py).
+layout (moe_lc/parallel/balance_plan.py). `run_region`: the router's seam that runs the compiled regions
+(moe_lc/model/seams.py; the plain functions by default).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_lc.model.seams import run_now
 from moe_lc.ops.regions import region
 
 
@@ -54,7 +56,7 @@ def _counts(idx: torch.Tensor, n_experts: int, rows: int) -> torch.Tensor:
 
 
 def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts: int,
-                      shards: TokenShards | None = None) -> torch.Tensor:
+                      shards: TokenShards | None = None, run_region=run_now) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, mean over sequences: sum_e f_e * P_e where
     f_e = E/(K*S) * (tokens of the sequence routed to e), P_e = mean over tokens of normalized affinity.
     With `shards` splitting the sequences over n > 1 ranks: this rank's share (module docstring); the
@@ -65,7 +67,7 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, idx_BSK: torch.Tensor, n_experts
     counts_BE = _counts(idx_BSK, n_experts, B)
     if n > 1:
         counts_BE = shards.sum_over_sequences(counts_BE)
-    return _sequence_balance(scores_BSE, counts_BE, K, S * n, n == 1)
+    return run_region(_sequence_balance, scores_BSE, counts_BE, K, S * n, n == 1)
 
 
 @region
@@ -78,14 +80,15 @@ def _sequence_balance(scores_BSE: torch.Tensor, counts_BE: torch.Tensor, K: int,
     return (f_BE * p_BE).sum(-1).mean()
 
 
-def global_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+def global_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor, shards: TokenShards,
+                    run_region=run_now) -> torch.Tensor:
     """This rank's share of E * sum_e f_e * P_e over the tokens of every data-parallel rank's micro-batch:
     f_e from the copies per expert summed over `shards.sum_over_batch` (no gradient), P_e this rank's
     part of the mean normalized affinity of one data-parallel rank's micro-batch (T * n tokens)."""
     T, K = idx_TK.shape
     E = scores_TE.shape[-1]
     stats = torch.cat([_counts(idx_TK, E, 1)[0], torch.full((1,), float(T), device=idx_TK.device)])
-    return _global_balance(scores_TE, shards.sum_over_batch(stats), K, T * shards.n)
+    return run_region(_global_balance, scores_TE, shards.sum_over_batch(stats), K, T * shards.n)
 
 
 @region
@@ -96,10 +99,10 @@ def _global_balance(scores_TE: torch.Tensor, stats_E1: torch.Tensor, K: int, tok
     return E * (f_E * (_normalized(scores_TE).sum(0) / tokens)).sum()
 
 
-def z_loss(logits_TE: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+def z_loss(logits_TE: torch.Tensor, shards: TokenShards, run_region=run_now) -> torch.Tensor:
     """This rank's share of the mean over one data-parallel rank's micro-batch (T * n tokens) of
     logsumexp(logits)^2: the sum over its tokens over T * n."""
-    return _z_loss(logits_TE, logits_TE.shape[0] * shards.n)
+    return run_region(_z_loss, logits_TE, logits_TE.shape[0] * shards.n)
 
 
 @region
@@ -124,7 +127,7 @@ def stat_columns(moe_cfg) -> int:
 
 
 def balance_loss_shares(weights: dict[str, float], logits_TE: torch.Tensor, scores_TE: torch.Tensor,
-                        idx_TK: torch.Tensor, n_seqs: int, shards: TokenShards) -> torch.Tensor:
+                        idx_TK: torch.Tensor, n_seqs: int, shards: TokenShards, run_region=run_now) -> torch.Tensor:
     """(n,) fp32: each enabled loss (weights[name] > 0, LOSS_NAMES order) times its weight, this rank's
     share. logits, scores: the router's fp32 logits and pre-bias affinities (T, E); idx: the routed
     (pre-drop) experts (T, K); n_seqs: B, the sequences the T tokens come from."""
@@ -132,9 +135,10 @@ def balance_loss_shares(weights: dict[str, float], logits_TE: torch.Tensor, scor
     parts = []
     if weights["aux_loss"] > 0:
         view = (n_seqs, T // n_seqs, -1)
-        parts.append(weights["aux_loss"] * sequence_aux_loss(scores_TE.view(view), idx_TK.view(view), E, shards))
+        parts.append(weights["aux_loss"] * sequence_aux_loss(scores_TE.view(view), idx_TK.view(view), E, shards,
+                                                             run_region))
     if weights["z_loss"] > 0:
-        parts.append(weights["z_loss"] * z_loss(logits_TE, shards))
+        parts.append(weights["z_loss"] * z_loss(logits_TE, shards, run_region))
     if weights["global_aux_loss"] > 0:
-        parts.append(weights["global_aux_loss"] * global_aux_loss(scores_TE, idx_TK, shards))
+        parts.append(weights["global_aux_loss"] * global_aux_loss(scores_TE, idx_TK, shards, run_region))
     return torch.stack(parts)

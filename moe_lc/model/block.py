@@ -33,15 +33,16 @@ class Block(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
-        return self.replay(lambda x: run_phases(self._phases(cos, sin, stats, docs), x), x_BSD)
+        phases = self._phases(cos, sin, stats, docs)  # made once: a replay reruns them with this forward's state
+        return self.replay(lambda x: run_phases(phases, x), x_BSD)
 
     def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
         recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
-        `ForwardStats`, where an MoE block records its aux loss. `docs`: the micro-batch's packed
-        documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
+        `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the
+        micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
         return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
                 for fn in self._phases(cos, sin, stats, docs)]
 
@@ -58,7 +59,7 @@ class Block(nn.Module):
         moe, ctx = self.ffn, {}
 
         def dispatch(h):
-            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h)))
+            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h), stats))
 
         def experts(h, *state):
             return (h, *moe.expert_phase(ctx, *state))

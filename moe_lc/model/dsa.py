@@ -43,6 +43,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.saved_tensors import recompute_from
+from moe_lc.model.seams import run_now
 from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseLatentAttention, selected_probs, split_wkv
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
 from moe_lc.ops.dsa_warmup import IndexerKLDense, head_lse
@@ -80,6 +81,7 @@ class LightningIndexer(nn.Module):
         self.wkw = Linear(cfg.dim, self.head_dim + self.n_heads)  # [wk; weights_proj]
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.scale = self.head_dim ** -0.5
+        self.run_region = run_now
 
     @property
     def token_dim(self) -> int:
@@ -95,13 +97,14 @@ class LightningIndexer(nn.Module):
         """q_lat (B, S, Cq) normalized query latent, tok (B, S, E + G) -> q (B,S,G,E), k (B,S,E), w (B,S,G) fp32."""
         B, S, _ = tok.shape
         k, w = tok.split([self.head_dim, self.n_heads], dim=-1)
-        k = apply_rope(self.k_norm(k).view(B, S, 1, self.head_dim), cos, sin).view(B, S, self.head_dim)
+        k = self.run_region(apply_rope, self.k_norm(k).view(B, S, 1, self.head_dim), cos, sin)
+        k = k.view(B, S, self.head_dim)
         return self.queries(q_lat, cos, sin), k, w.float() * self.n_heads ** -0.5
 
     def queries(self, q_lat, cos, sin):
         """q_lat (B, S, Cq) -> the indexer's roped queries (B, S, G, E)."""
         B, S, _ = q_lat.shape
-        return apply_rope(self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        return self.run_region(apply_rope, self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
 
 
 class LocalSparseCore:
@@ -157,7 +160,7 @@ class DSAttention(MLAttention):
     def latent_rows(self, c_kv, k_r, cos, sin):
         """The shared key rows [kv_norm(c_kv), rope(k_r)] (B, S, Ckv + Dr)."""
         B, S, _ = c_kv.shape
-        k_r = apply_rope(k_r.view(B, S, 1, self.rope_dim), cos, sin).view(B, S, self.rope_dim)
+        k_r = self.run_region(apply_rope, k_r.view(B, S, 1, self.rope_dim), cos, sin).view(B, S, self.rope_dim)
         return torch.cat([self.kv_norm(c_kv), k_r], dim=-1)
 
     def _share(self, B: int, S: int) -> float:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lc.model.seams import run_now
 from moe_lc.ops.linear import Linear
 from moe_lc.ops.regions import region
 
@@ -19,20 +20,24 @@ def swiglu(gate_up: torch.Tensor, weight: torch.Tensor | None = None) -> torch.T
     return h if weight is None else h * weight.to(h.dtype).unsqueeze(-1)
 
 
-def swiglu_then(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The default `activation` seam: down(swiglu(gate_up, weight), *args)."""
-    return down(swiglu(gate_up, weight), *args)
+def swiglu_then(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,
+                run_region=run_now) -> torch.Tensor:
+    """The default `activation` seam: down(swiglu(gate_up, weight), *args), swiglu through the module's
+    `run_region`."""
+    return down(run_region(swiglu, gate_up, weight), *args)
 
 
 class SwiGLU(nn.Module):
     """w2(silu(x W1^T) * (x W3^T)).  W1 and W3 are fused in w13: (2*hidden, dim), column-parallel
-    under TP as two sections; w2: (dim, hidden), row-parallel. Seam `activation` (moe_lc/model/seams.py)."""
+    under TP as two sections; w2: (dim, hidden), row-parallel. Seams `activation`, `run_region`
+    (moe_lc/model/seams.py)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w13 = Linear(dim, 2 * hidden)
         self.w2 = Linear(hidden, dim)
         self.activation = swiglu_then
+        self.run_region = run_now
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.w2, self.w13(x_BSD))
+        return self.activation(self.w2, self.w13(x_BSD), run_region=self.run_region)

@@ -18,7 +18,14 @@ class ForwardStats:
     on this rank (None until a forward with MTP targets ran).
     aux_losses: {MoE layer: its weighted auxiliary losses summed (0-dim fp32, detached; this rank's share,
     balance_losses.py) of the latest forward that computed one}. The step's metrics of each loss come
-    from the routers' `loss_sums`, summed over the step and the mesh.
+    from `routing`, summed over the step and the mesh.
+    routing: {Router: {count: this rank's sum over the step's micro-batches}}, detached, on the router's
+    device, booked once per micro-batch forward (moe.py, `MoE.dispatch_phase`): "loads" (E,) fp32 token
+    copies routed to each expert (dropped ones included), "losses" (3,) fp32 the weighted auxiliary losses'
+    shares (balance_losses.LOSS_NAMES order, zero where off), "dropped" () fp32 the copies dropped over
+    capacity, "spread" (N + 4,) fp64 the expert-parallel dispatcher's counters (parallel/expert.py); a
+    count a forward did not make is absent. The trainer reads them after the backward
+    (moe_lc/train_step.py: the load metrics and the routers' bias update).
     n_sources: data sources to book the next-token loss by (0: not booked); source_losses: (2, n_sources)
     fp64, each source's summed token loss and its token count over this rank's rows (zeros on a rank
     without the head).
@@ -29,6 +36,7 @@ class ForwardStats:
     mtp_loss_sums: torch.Tensor | None = None
     dsa: torch.Tensor | None = None
     aux_losses: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)
     n_sources: int = 0
     source_losses: torch.Tensor | None = None
 
@@ -36,6 +44,12 @@ class ForwardStats:
         """Add one forward's per-depth summed MTP losses (D fp32 scalars)."""
         sums = torch.stack([x.detach().double() for x in losses])
         self.mtp_loss_sums = sums if self.mtp_loss_sums is None else self.mtp_loss_sums + sums
+
+    def add_routing(self, router, **counts: torch.Tensor) -> None:
+        """Add one forward's routing counts of `router` (names and shapes: see `routing`)."""
+        row = self.routing.setdefault(router, {})
+        for name, value in counts.items():
+            row[name] = value if name not in row else row[name] + value
 
     def add_dsa(self, kl_sum, mass_sum, count) -> None:
         """Add one DSA layer's indexer-loss sums of one micro-batch (see `dsa`)."""

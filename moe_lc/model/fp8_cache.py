@@ -27,42 +27,44 @@ import torch
 
 from moe_lc.model.ffn import swiglu, swiglu_then
 from moe_lc.model.saved_tensors import enclosing_hooks, recompute_from
-from moe_lc.model.seams import project_now
+from moe_lc.model.seams import project_now, run_now
 from moe_lc.ops.fp8_storage import Fp8Tiles
 from moe_lc.ops.linear import KeepInput
 
 
 class _SwiGLUFromFp8(torch.autograd.Function):
     """h = swiglu(gate_up, weight), computed from gate_up itself; backward reads gate_up from its FP8
-    tiles (data, scale), saved instead of it. weight: (T,) fp32 gates or None."""
+    tiles (data, scale), saved instead of it. weight: (T,) fp32 gates or None; run_region: the module's
+    seam that runs swiglu."""
 
     @staticmethod
-    def forward(ctx, gate_up, weight, data, scale):
+    def forward(ctx, run_region, gate_up, weight, data, scale):
         ctx.save_for_backward(data, scale, weight)
-        ctx.dtype = gate_up.dtype
-        return swiglu(gate_up, weight)
+        ctx.dtype, ctx.run_region = gate_up.dtype, run_region
+        return run_region(swiglu, gate_up, weight)
 
     @staticmethod
     def backward(ctx, dh):
         data, scale, weight = ctx.saved_tensors
         with torch.enable_grad():
             g = Fp8Tiles(data, scale, ctx.dtype).dequantize().requires_grad_()
-            w = weight.detach().requires_grad_() if weight is not None and ctx.needs_input_grad[1] else weight
+            w = weight.detach().requires_grad_() if weight is not None and ctx.needs_input_grad[2] else weight
             inputs = [g] + ([w] if w is not weight else [])
-            grads = torch.autograd.grad(swiglu(g, w), inputs, dh)
-        return grads[0], grads[1] if len(grads) > 1 else None, None, None
+            grads = torch.autograd.grad(ctx.run_region(swiglu, g, w), inputs, dh)
+        return None, grads[0], grads[1] if len(grads) > 1 else None, None, None
 
 
-def swiglu_fp8_cached(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_fp8_cached(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,
+                      run_region=run_now) -> torch.Tensor:
     """The `activation` seam under item "swiglu": down(swiglu(gate_up, weight), *args) keeping gate|up
     only as FP8 tiles; the copy of the SwiGLU output `down` would save is rebuilt from them in backward."""
     if not torch.is_grad_enabled():
-        return swiglu_then(down, gate_up, *args, weight=weight)
+        return swiglu_then(down, gate_up, *args, weight=weight, run_region=run_region)
     tiles, dtype = Fp8Tiles.quantize(gate_up), gate_up.dtype
-    h = _SwiGLUFromFp8.apply(gate_up, weight, *tiles.tensors)
+    h = _SwiGLUFromFp8.apply(run_region, gate_up, weight, *tiles.tensors)
 
     def remake(data, scale, w=None):
-        return (swiglu(Fp8Tiles(data, scale, dtype).dequantize(), w),)
+        return (run_region(swiglu, Fp8Tiles(data, scale, dtype).dequantize(), w),)
 
     sources = tiles.tensors + ((weight,) if weight is not None else ())
     return recompute_from(sources, (h,), remake, down, *args)

@@ -67,6 +67,7 @@ class MLAttention(nn.Module):
         self.softmax_scale = qk_dim ** -0.5 * mscale * mscale
         self.core = LocalAttention(cfg.attn_backend)
         self.replay = run_now
+        self.run_region = run_now
         self.attend = attend
         self.out_proj = project_now
 
@@ -95,7 +96,7 @@ class MLAttention(nn.Module):
     def rope_q(self, q, cos, sin):
         """q (B, S, H*(Dn+Dr)) -> (B, S, H, Dn+Dr) with RoPE on each head's last Dr dims (h: local heads)."""
         q_nope, q_r = rearrange(q, "b s (h d) -> b s h d", h=self.n_heads).split([self.nope_dim, self.rope_dim], dim=-1)
-        return torch.cat([q_nope, apply_rope(q_r, cos, sin)], dim=-1)
+        return torch.cat([q_nope, self.run_region(apply_rope, q_r, cos, sin)], dim=-1)
 
     def rope_qkv(self, q, kv, k_r, cos, sin):
         """q, kv as up_project returns them, roped k_r (B, S, 1, Dr) -> the core's q, k (B, S, H, Dn+Dr), v."""
@@ -113,7 +114,7 @@ def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Ten
     queries' RoPE and the core -> (B, S, H, Dv)."""
     B, S, _ = c_kv.shape
     q, kv = mla.up_project(q_src, c_kv)
-    k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin)  # one rotated key for every head
+    k_r = mla.run_region(apply_rope, k_r.view(B, S, 1, mla.rope_dim), cos, sin)  # one rotated key for every head
     return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin, docs)
 
 
@@ -161,7 +162,7 @@ class MLADecode:
     def cached(attn: MLAttention, c_kv, k_r, cos, sin):
         """What it caches of n tokens: kv_norm(c_kv) (B, n, C) and the roped shared key (B, n, Dr)."""
         B, n, _ = k_r.shape
-        return attn.kv_norm(c_kv), apply_rope(k_r.view(B, n, 1, attn.rope_dim), cos, sin)[:, :, 0]
+        return attn.kv_norm(c_kv), attn.run_region(apply_rope, k_r.view(B, n, 1, attn.rope_dim), cos, sin)[:, :, 0]
 
     @staticmethod
     def prefill(attn: MLAttention, x_BSD, cos, sin):

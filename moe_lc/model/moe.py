@@ -18,7 +18,7 @@ from moe_lc.model.balance_losses import TokenShards, balance_loss_shares, enable
 from moe_lc.model.capacity import dropped_copies, drop_over_capacity, expert_capacity
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.forward_stats import ForwardStats
-from moe_lc.model.seams import through
+from moe_lc.model.seams import run_now, through
 from moe_lc.ops.fp8_storage import FP8Rounded
 from moe_lc.ops.linear import GroupedLinear, Linear
 from moe_lc.ops.regions import region
@@ -66,6 +66,11 @@ def score_and_route(logits_TE: torch.Tensor, bias_E: torch.Tensor, select, score
     return idx_TK, weights_TK * scaling, scores_TE, expert_counts(idx_TK, bias_E.shape[0])
 
 
+def each_forward(ctx: dict) -> bool:
+    """The router's default `count_loads` seam: every training forward books what it routed."""
+    return True
+
+
 def fp32_logits(gate, x_TD: torch.Tensor) -> torch.Tensor:
     """The router's `logits` seam: gate(x) in fp32 (the gate's Linear keeps the fp32 copy for backward)."""
     return gate(x_TD.float())
@@ -74,16 +79,20 @@ def fp32_logits(gate, x_TD: torch.Tensor) -> torch.Tensor:
 class Router(nn.Module):
     """Affinities, selection and gate weights.  gate: (E, D), computed in fp32 (never FP8).
 
-    Buffers: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed);
-    `expert_load` (E,) fp32, tokens routed to each expert since the last bias update (the one count of
-    expert loads: the bias update and the load metrics read it; expert-parallel dispatchers do not).
-    `loss_sums` (3,) fp32, the weighted auxiliary losses' shares (balance_losses.LOSS_NAMES order) and
-    `dropped_load` () fp32, the copies dropped over capacity, both summed since the last step's metrics.
+    Buffer: `expert_bias` (E,) fp32, the aux-loss-free balancing bias (checkpointed), nudged after each
+    step by `update_bias` from the step's loads. What a training forward routes is booked in the step's
+    `ForwardStats` (forward_stats.py), never kept here: the tokens routed to each expert (the one count
+    of expert loads: the bias update and the load metrics read it), the weighted auxiliary losses' shares
+    (balance_losses.LOSS_NAMES order) and the copies dropped over capacity.
     Seam `select`: (scores, bias, n_groups, topk_groups, topk, group_score) -> idx (T, K), `route` by
     default (the dry run swaps in a balanced choice it knows the values of). Seam `logits`: (gate, x) ->
     fp32 logits, `fp32_logits` by default (recomputation rebuilds the fp32 copy instead of keeping it).
     `token_shards`: how a micro-batch's tokens are split over ranks, for the balance losses' sums
-    (balance_losses.TokenShards; a parallel layout swaps in the mesh's).
+    (balance_losses.TokenShards; a parallel layout swaps in the mesh's). Seam `count_loads`: (the MoE
+    layer's phase state of one micro-batch forward) -> whether this run of the forward books its counts:
+    `each_forward` by default; under full recomputation, whose replays run the router again in backward,
+    the layer plan plugs in one that books the first run only (moe_lc/model/recompute.py). Seam
+    `run_region` runs its compiled regions (moe_lc/model/seams.py).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -101,94 +110,94 @@ class Router(nn.Module):
         # fp32 copy of the input and the logits' gradient from B until W
         self.gate.defer_wgrad = False
         self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
-        self.register_buffer("expert_load", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32), persistent=False)
-        self.register_buffer("loss_sums", torch.zeros(3, dtype=torch.float32), persistent=False)
-        self.register_buffer("dropped_load", torch.zeros((), dtype=torch.float32), persistent=False)
         self.token_shards = TokenShards()
-        self.count_loads = True  # switched off while a recomputed forward replays this router
+        self.count_loads = each_forward
         self.select = route
         self.logits = fp32_logits
+        self.run_region = run_now
 
     def init_buffers(self) -> None:
-        """Zero the balancing state (after the model was built on the meta device)."""
+        """Zero the balancing bias (after the model was built on the meta device)."""
         self.expert_bias.zero_()
-        self.expert_load.zero_()
-        self.loss_sums.zero_()
-        self.dropped_load.zero_()
 
     def forward(self, x_TD: torch.Tensor):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         return self.route_and_score(x_TD)[:3]
 
-    def route_and_score(self, x_TD: torch.Tensor):
-        """`forward`'s three, and the fp32 logits (T, E) the z-loss reads."""
+    def route_and_score(self, x_TD: torch.Tensor, stats: ForwardStats | None = None):
+        """`forward`'s three, and the fp32 logits (T, E) the z-loss reads. stats: where this forward books
+        the tokens it routed to each expert (None: it books nothing)."""
         logits_TE = self.logits(self.gate, x_TD)
-        idx_TK, weights_TK, scores_TE, counts_E = score_and_route(
-            logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups, self.topk_groups, self.topk,
-            self.group_score, self.norm_topk_prob, self.scaling)
-        if self.training and self.count_loads:
-            with torch.no_grad():
-                self.expert_load += counts_E.float()
+        idx_TK, weights_TK, scores_TE, counts_E = self.run_region(
+            score_and_route, logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups,
+            self.topk_groups, self.topk, self.group_score, self.norm_topk_prob, self.scaling)
+        if stats is not None:
+            stats.add_routing(self, loads=counts_E.float())
         return idx_TK, weights_TK, scores_TE, logits_TE
 
-    def drop_over_capacity(self, idx_TK: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    def drop_over_capacity(self, idx_TK: torch.Tensor, scores_TE: torch.Tensor,
+                           stats: ForwardStats | None = None) -> torch.Tensor:
         """idx (T, K) -> the copies sent to experts: idx itself without a capacity, else with the copies
-        over each expert's capacity (T tokens of this call) set to the phantom id E (capacity.py)."""
+        over each expert's capacity (T tokens of this call) set to the phantom id E (capacity.py), whose
+        number this forward books in `stats` (None: nowhere)."""
         if self.capacity_factor <= 0:
             return idx_TK
         capacity = expert_capacity(idx_TK.shape[0], self.topk, self.n_experts, self.capacity_factor)
         sent_TK = drop_over_capacity(idx_TK, scores_TE, capacity, self.drop_policy)
-        if self.training and self.count_loads:
-            self.dropped_load += dropped_copies(sent_TK, self.n_experts)
+        if stats is not None:
+            stats.add_routing(self, dropped=dropped_copies(sent_TK, self.n_experts))
         return sent_TK
 
-    def balance_losses(self, aux_loss_weight: float, logits_TE, scores_TE, idx_TK, n_seqs: int):
+    def balance_losses(self, aux_loss_weight: float, logits_TE, scores_TE, idx_TK, n_seqs: int,
+                       stats: ForwardStats | None = None):
         """The enabled auxiliary losses' weighted shares summed (0-dim fp32, to attach to the output), or
-        None when none is on; their detached values are added to `loss_sums` (training forwards)."""
+        None when none is on; their detached values (3,) fp32 in LOSS_NAMES order, zero where a loss is
+        off, are booked in `stats` (None: nowhere)."""
         weights = {"aux_loss": aux_loss_weight, "z_loss": self.z_loss_weight,
                    "global_aux_loss": self.global_aux_loss_weight}
         names = enabled_losses(*weights.values())
         if not names:
             return None
-        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards)
-        if self.count_loads:
+        shares = balance_loss_shares(weights, logits_TE, scores_TE, idx_TK, n_seqs, self.token_shards,
+                                     self.run_region)
+        if stats is not None:
             with torch.no_grad():
-                self.loss_sums[[list(weights).index(n) for n in names]] += shares.detach()
+                sums = torch.zeros(len(weights), dtype=torch.float32, device=shares.device)
+                sums[[list(weights).index(n) for n in names]] += shares.detach()
+            stats.add_routing(self, losses=sums)
         return shares.sum()
 
     @torch.no_grad()
-    def update_bias(self, load_E: torch.Tensor | None = None, frozen: bool = False) -> None:
+    def update_bias(self, load_E: torch.Tensor, frozen: bool = False) -> None:
         """bias_e += speed * sign(mean load - load_e) (not when `frozen`: a stage that trains other parts
-        only); then reset the load counter.
-
-        `load_E` is the load summed over every replica of this router and every micro-batch of the
-        step (the caller all-reduces it under data/context/tensor parallelism); default: local load.
-        """
-        load_E = self.expert_load if load_E is None else load_E
+        only). `load_E` (E,) is the step's load summed over every replica of this router and every
+        micro-batch (the trainer sums the step's `ForwardStats` over data/context/tensor parallelism)."""
         if self.bias_update_speed > 0 and not frozen:  # (an all-zero load moves nothing: sign(0) = 0; no host sync to ask)
             self.expert_bias += self.bias_update_speed * torch.sign(load_E.mean() - load_E)
-        self.expert_load.zero_()
 
 
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP.
-    Seam `activation` as SwiGLU's (moe_lc/model/seams.py)."""
+    Seams `activation`, `run_region` as SwiGLU's (moe_lc/model/seams.py)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.activation = swiglu_then
+        self.run_region = run_now
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,); weight: (T,) fp32 gate weight of each
         row, applied to the SwiGLU output (weighted_swiglu), or None -> (T, D)."""
-        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T)
+        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T,
+                               run_region=self.run_region)
 
 
 class TokenDispatcher:
     """Moves routed token copies to their experts and back. Strategies: local, all-to-all, hierarchical.
-    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch).
+    `fp8_tokens`: token copies reach the experts FP8-rounded (precision.fp8_dispatch); `run_region`: the
+    seam that runs its compiled regions (the layer plan's, as a module's).
 
     The trip is cut where the MoE layer's phases are cut (dispatch | experts | combine), so that a
     pipeline can run other work while rows are in flight: `dispatch` and `return_rows` may hand back
@@ -196,6 +205,7 @@ class TokenDispatcher:
     groups the arrived rows by local expert. Local dispatch moves nothing and returns tensors."""
 
     fp8_tokens = False
+    run_region = staticmethod(run_now)
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int, dropping: bool = False):
         """-> (rows for this rank's experts (tensor or Transfer), counts (E_local,), handle). `dropping`:
@@ -205,6 +215,11 @@ class TokenDispatcher:
     def sort_weights(self, weights_TK: torch.Tensor, handle):
         """Gate weights (T, K) -> (T',) travelling as the dispatched rows do (tensor or Transfer)."""
         raise NotImplementedError
+
+    def spread(self, idx_TK: torch.Tensor) -> torch.Tensor | None:
+        """How the routed copies idx (T, K) spread over ranks and nodes, for the step's metrics (a counter
+        vector the MoE layer books in the step's ForwardStats), or None where nothing spreads (local)."""
+        return None
 
     def arrange(self, rows: torch.Tensor, handle) -> torch.Tensor:
         """Arrived rows (or their gate weights) -> grouped by local expert, as counts says."""
@@ -273,7 +288,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
         T, K = idx_TK.shape
-        rows, counts, order = sort_by_expert(x_TD, idx_TK, n_experts, dropping)
+        rows, counts, order = self.run_region(sort_by_expert, x_TD, idx_TK, n_experts, dropping)
         return FP8Rounded.apply(rows) if self.fp8_tokens else rows, counts, (order, T, K, rows.shape[0])
 
     def sort_weights(self, weights_TK, handle):
@@ -282,7 +297,7 @@ class LocalDispatcher(TokenDispatcher):
 
     def combine(self, y_back, weights_TK, handle):
         order, T, K, _ = handle
-        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
+        return self.run_region(unsort_and_sum, pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -319,28 +334,35 @@ class MoE(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
         ctx = {}
-        state = through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD))))
+        state = through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD, stats))))
         return self.combine_phase(ctx, *state, stats=stats)
 
     # The forward in three phases (route + dispatch, experts, combine + shared), so that a pipeline
     # can interleave two micro-batches' phases and hide one's token exchange behind the other's
     # compute (DualPipe's F&B): rows leave at the end of a phase and arrive at the start of the next
     # (as `Transfer`s under expert parallelism). Tensors flow through the arguments (a phased run
-    # detaches them at every boundary); `ctx` carries only non-differentiable routing state, and
-    # combine records the aux loss in the step's `stats` (its metric) when given one.
-    def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor):
+    # detaches them at every boundary); `ctx` carries only non-differentiable routing state, dispatch
+    # books the routing and combine records the aux loss in the step's `stats` when given one.
+    def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor, stats: ForwardStats | None = None):
         """x (B, S, D) -> (x, rows for this rank's experts, gate weights (T, K), or (T',) travelling with
-        the rows under weighted_swiglu[, aux loss])."""
+        the rows under weighted_swiglu[, aux loss]). A training forward books its routing in the step's
+        `stats` (the expert loads, aux-loss shares, dropped copies and the dispatcher's spread), once per
+        micro-batch: a replay of this phase (full recomputation) runs with the forward's `ctx` and the
+        router's `count_loads` seam tells it apart."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        idx_TK, weights_TK, scores_TE, logits_TE = self.router.route_and_score(x_TD)
-        sent_TK = self.router.drop_over_capacity(idx_TK, scores_TE)
+        book = stats if stats is not None and self.training and self.router.count_loads(ctx) else None
+        idx_TK, weights_TK, scores_TE, logits_TE = self.router.route_and_score(x_TD, book)
+        sent_TK = self.router.drop_over_capacity(idx_TK, scores_TE, book)
+        spread = self.dispatcher.spread(sent_TK) if book is not None else None
+        if spread is not None:
+            book.add_routing(self.router, spread=spread)
         rows, ctx["counts"], ctx["handle"] = self.dispatcher.dispatch(x_TD, sent_TK, self.n_experts,
                                                                       dropping=sent_TK is not idx_TK)
         if self.weighted_swiglu:
             weights_TK = self.dispatcher.sort_weights(weights_TK, ctx["handle"])
         if self.training and torch.is_grad_enabled():
-            aux = self.router.balance_losses(self.aux_loss_weight, logits_TE, scores_TE, idx_TK, B)
+            aux = self.router.balance_losses(self.aux_loss_weight, logits_TE, scores_TE, idx_TK, B, book)
             if aux is not None:
                 return x_BSD, rows, weights_TK, aux
         return x_BSD, rows, weights_TK

@@ -19,16 +19,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight over the last dim.  x: (..., dim); weight: (dim,), replicated under TP.
-    Seam `replay` runs the fp32 math (see moe_lc/model/seams.py)."""
+    Seam `replay` runs the fp32 math, `run_region` its compiled region (see moe_lc/model/seams.py)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, *, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.replay = run_now
+        self.run_region = run_now
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.replay(self._norm, x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.run_region(rms_norm, x, self.weight, self.eps)

@@ -54,7 +54,8 @@ class WideRMSNorm(RMSNorm):
         self.sum_squares = this_rank_only
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return scale_rows(x, self.sum_squares(row_sum_squares(x)), self.width, self.weight, self.eps)
+        sum_squares = self.sum_squares(self.run_region(row_sum_squares, x))
+        return self.run_region(scale_rows, x, sum_squares, self.width, self.weight, self.eps)
 
 
 def qk_norms(kind: str, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):

@@ -18,13 +18,12 @@ rules; this file holds the pieces, and the model never imports it):
                  router     the fp32 copy of the router's input (its gate runs in fp32), rebuilt
                             from the compute-dtype input, which the experts keep anyway
 
-Recomputed forwards must not count expert loads twice: `checkpointed` switches the routers of the
-replayed region off while it replays.
+Recomputed forwards must not count expert loads twice: under "full" a block's replay runs its router
+again in backward, with the phase state (`ctx`) of the forward it replays; the router's `count_loads`
+seam `first_forward` books the first run of each micro-batch's forward only (the layer plan's rule).
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -36,52 +35,41 @@ from moe_lc.model.mla import attend
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.moe import fp32_logits
 from moe_lc.model.saved_tensors import recompute_from
+from moe_lc.model.seams import run_now
 
 POLICIES = names(RecomputePolicy)
 SELECTIVE_ITEMS = names(RecomputeItem)
 
 
-@contextmanager
-def _routers_muted(module: nn.Module | None):
-    routers = [m for m in module.modules() if hasattr(m, "count_loads")] if module is not None else []
-    saved = [r.count_loads for r in routers]
-    for r in routers:
-        r.count_loads = False
-    try:
-        yield
-    finally:
-        for r, flag in zip(routers, saved):
-            r.count_loads = flag
-
-
-def checkpointed(fn, *args, owner: nn.Module | None = None):
-    """fn(*args) whose activations are recomputed in backward (non-reentrant checkpoint). The replay
-    runs with `owner`'s routers muted so expert loads are counted once. Without grad: fn(*args)."""
+def checkpointed(fn, *args):
+    """fn(*args) whose activations are recomputed in backward (non-reentrant checkpoint). Without grad:
+    fn(*args)."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    calls = [0]
-
-    def run(*a):
-        calls[0] += 1
-        if calls[0] == 1:
-            return fn(*a)
-        with _routers_muted(owner):
-            return fn(*a)
-
-    return checkpoint(run, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
-def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None) -> torch.Tensor:
+def first_forward(ctx: dict) -> bool:
+    """The router's `count_loads` seam under full recomputation: True on the first run of a micro-batch's
+    MoE phases (`ctx`, the phase state a block's forward makes once and its replays reuse), False in
+    the replays, so that each micro-batch's routing is booked once."""
+    first = "counted" not in ctx
+    ctx["counted"] = True
+    return first
+
+
+def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,
+                    run_region=run_now) -> torch.Tensor:
     """The `activation` seam under selective "swiglu": down(swiglu(gate_up, weight), *args) keeping only
     gate_up (and the gate weights) for backward: the activation is checkpointed and the copy `down` would
     save is rebuilt from them."""
     if not torch.is_grad_enabled():
-        return swiglu_then(down, gate_up, *args, weight=weight)
+        return swiglu_then(down, gate_up, *args, weight=weight, run_region=run_region)
     if weight is None:
-        h = checkpointed(swiglu, gate_up)
-        return recompute_from(gate_up, h, swiglu, down, *args)
-    h = checkpointed(swiglu, gate_up, weight)
-    return recompute_from((gate_up, weight), (h,), lambda g, w: (swiglu(g, w),), down, *args)
+        h = checkpointed(run_region, swiglu, gate_up)
+        return recompute_from(gate_up, h, lambda g: run_region(swiglu, g), down, *args)
+    h = checkpointed(run_region, swiglu, gate_up, weight)
+    return recompute_from((gate_up, weight), (h,), lambda g, w: (run_region(swiglu, g, w),), down, *args)
 
 
 def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Tensor:
@@ -97,7 +85,7 @@ def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> to
     def qkv(q_src, c_kv, k_r):
         B, S, _ = c_kv.shape
         q, kv = mla.up_project(q_src, c_kv)
-        return mla.rope_qkv(q, kv, apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
+        return mla.rope_qkv(q, kv, mla.run_region(apply_rope, k_r.view(B, S, 1, mla.rope_dim), cos, sin), cos, sin)
 
     q, k, v = checkpoint(qkv, q_src, c_kv, k_r, use_reentrant=False)
     return recompute_from((q_src, c_kv, k_r), (q, k, v), qkv, mla.core, mla.softmax_scale, docs)

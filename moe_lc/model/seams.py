@@ -18,9 +18,16 @@ decides, in one place, what each module gets.
               keeps that output once, in FP8, for both the core's backward and wo's weight gradient.
   gemms / tp  the one Linear's GEMMs (fp8 plugs in there) and tensor-parallel role (moe_lc/ops/linear.py).
   mtp_embed   the embedding the MTP modules use on a pipeline stage that holds none: a `Borrowed`
-              reference to the one of the rank's first stage (DualPipe keeps both ends on one rank).
+              reference to the model's embedding, which the rank's first stage holds (DualPipe keeps
+              both ends on one rank).
   dispatcher  an MoE layer's `TokenDispatcher` (moe.py): local by default; expert parallelism plugs in
               an all-to-all one whose rows travel as `Transfer`s between the layer's phases.
+  run_region  `module.run_region(region, *args)` runs one of the module's compiled regions
+              (moe_lc/ops/regions.py): `run_now` by default, the plain function; `train.compile` plugs
+              in the rank's compiled runner (moe_lc/parallel/compile.py). A dispatcher has one too.
+  count_loads a router's `count_loads(ctx)`: whether this run of an MoE layer's forward (`ctx`, its
+              phase state) books its routing in the step's ForwardStats; every run by default,
+              the first only where full recomputation replays the router (moe_lc/model/recompute.py).
 """
 
 from __future__ import annotations
@@ -37,19 +44,17 @@ def project_now(wo, attend):
 
 
 class Borrowed:
-    """Calls `owner.<name>` without owning it: a plain object, so the module it reaches is not
-    registered twice (its parameters stay where they are) and a later swap of `owner.<name>` (e.g. a
-    vocab-parallel embedding) is what gets called."""
+    """Calls `module` without owning it: a plain object, so the module it reaches is not registered twice
+    (its parameters stay where they are, under their owner's names)."""
 
-    def __init__(self, owner, name: str):
-        self.owner, self.name = owner, name
-
-    @property
-    def module(self):
-        return getattr(self.owner, self.name)
+    def __init__(self, module):
+        self.module = module
 
     def __call__(self, *args):
         return self.module(*args)
+
+    def __repr__(self) -> str:
+        return f"Borrowed({type(self.module).__name__})"
 
 
 class Transfer:

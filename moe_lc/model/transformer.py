@@ -20,6 +20,7 @@ from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
+from moe_lc.model.seams import run_now
 from moe_lc.ops.linear import Linear
 from moe_lc.ops.regions import region
 
@@ -56,7 +57,12 @@ class CrossEntropySum(nn.Module):
     loss_mask (B, S) or None. Summed (not averaged) so the trainer can divide by the step's token
     count, which keeps the loss identical under any split of the batch. 16-bit logits go through
     `CrossEntropy16`, which keeps them instead of an fp32 log-softmax. `token_losses` gives the
-    per-token losses (B, S) fp32 that are summed (the head books them per data source)."""
+    per-token losses (B, S) fp32 that are summed (the head books them per data source). Seam
+    `run_region` runs the compiled regions (moe_lc/model/seams.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.run_region = run_now
 
     def forward(self, logits_BSV, labels_BS, loss_mask_BS=None):
         return masked_sum(self.token_losses(logits_BSV, labels_BS), loss_mask_BS)
@@ -64,8 +70,8 @@ class CrossEntropySum(nn.Module):
     def token_losses(self, logits_BSV, labels_BS):
         logits_TV, labels_T = logits_BSV.flatten(0, 1), labels_BS.flatten()
         if logits_BSV.dtype in (torch.bfloat16, torch.float16):
-            return CrossEntropy16.apply(logits_TV, labels_T).view_as(labels_BS)
-        return token_losses(logits_TV, labels_T).view_as(labels_BS)
+            return CrossEntropy16.apply(logits_TV, labels_T, self.run_region).view_as(labels_BS)
+        return self.run_region(token_losses, logits_TV, labels_T).view_as(labels_BS)
 
 
 class CrossEntropy16(torch.autograd.Function):
@@ -73,15 +79,17 @@ class CrossEntropy16(torch.autograd.Function):
     time. Backward keeps the logits themselves (2 bytes an entry) and each row's fp32 log-sum-exp,
     not an fp32 log-softmax (4 bytes an entry), and no full fp32 copy of the logits ever exists: at
     DeepSeek-V3's 129K vocabulary that is 1 GiB less per 4K-token micro-batch and head, kept from the
-    forward to the backward of the last pipeline stage, and ~3 GiB less working memory."""
+    forward to the backward of the last pipeline stage, and ~3 GiB less working memory. run_region: the
+    loss module's seam that runs the regions."""
 
     ROWS = 1024
 
     @staticmethod
-    def forward(ctx, logits_TV, labels_T):
-        lse_T = torch.cat([rows_logsumexp(c) for c in logits_TV.split(CrossEntropy16.ROWS)])
+    def forward(ctx, logits_TV, labels_T, run_region):
+        lse_T = torch.cat([run_region(rows_logsumexp, c) for c in logits_TV.split(CrossEntropy16.ROWS)])
         ce_T = lse_T - logits_TV.gather(1, labels_T.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits_TV, labels_T, lse_T)
+        ctx.run_region = run_region
         return ce_T
 
     @staticmethod
@@ -90,8 +98,9 @@ class CrossEntropy16(torch.autograd.Function):
         out = torch.empty_like(logits_TV)
         for start in range(0, len(logits_TV), CrossEntropy16.ROWS):
             rows = slice(start, start + CrossEntropy16.ROWS)
-            out[rows] = rows_loss_grad(logits_TV[rows], labels_T[rows], lse_T[rows], grad_T[rows, None])
-        return out, None
+            out[rows] = ctx.run_region(rows_loss_grad, logits_TV[rows], labels_T[rows], lse_T[rows],
+                                       grad_T[rows, None])
+        return out, None, None
 
 
 class Transformer(nn.Module):
@@ -108,7 +117,7 @@ class Transformer(nn.Module):
         self.loss_fn = CrossEntropySum()
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
-        self.mtp_embed = None  # seam: a Borrowed embedding for MTP on a stage without one (moe_lc/model/seams.py)
+        self.mtp_embed = None  # seam: the Borrowed embedding MTP uses on a stage without one (moe_lc/model/seams.py)
         self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,

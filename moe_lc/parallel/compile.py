@@ -9,6 +9,13 @@ cross-entropy. Each is compiled whole (`fullgraph`) the first time it runs with 
 graph is shared by every block that calls it with those shapes: block 0 compiles, blocks 1.. mostly
 reuse (the start-up line says how long each block took).
 
+How. Compiling is a decision of the layer plan (moe_lc/parallel/layer_plan.py): every module that runs a
+region does so through its `run_region` seam, and under train.compile the plan gives each one the
+`CompiledRegions` of its scope (its block, "block 3" or "mtp 0", else "head"); one runner per scope,
+all sharing the rank's graphs and its `CompileWatch`. Nothing is patched after the plan and no module
+global holds state: the watch installs its dynamo callbacks and settings while a region call (or the
+trainer's step, `CompileWatch.watching`) runs and removes them after.
+
 What is not, and why the graphs break nowhere. Everything between regions runs eagerly: the one Linear
 (its GEMMs, the TP role's all-gather / reduce-scatter, FP8 quantization and scaled GEMMs, the deferred
 weight gradient a split backward queues), the attention core and the ring (counted P2P transfers), the
@@ -22,41 +29,49 @@ No recompiles after the first step: graphs are specialized to the shapes of the 
 shapes never change after it); the rows an expert-parallel rank receives, which do, are dynamic dims of
 SwiGLU (`Region.dynamic`). Counted with dynamo's own records (`CompileWatch`): graph breaks
 (`counters["graph_break"]`), recompiles (compilations dynamo made for a guard failure, with their
-reasons), graphs, and compile seconds per block (dynamo's compile-start / compile-end callbacks).
+reasons), graphs, and compile seconds per scope (dynamo's compile-start / compile-end callbacks).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch._dynamo import callback as dynamo_callback
 from torch._dynamo import utils as dynamo_utils
 
-from moe_lc.model.block import Block
-from moe_lc.model.transformer import Transformer
-from moe_lc.ops import regions
+from moe_lc.ops.regions import Region
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.placement import Parallelized
 
 COMPILATION_RECORDS = 100_000  # dynamo keeps its last 64 compilation records by default; we count them all
+# A region meets a few shapes (e.g. SwiGLU: the dense FFN, the shared and the routed experts) and a few
+# autograd modes (forward, a checkpoint's replay, a no-grad rebuild from saved tensors): dynamo's default
+# of 8 graphs per function is too few, and past the limit it would run the region eagerly in silence.
+RECOMPILE_LIMIT = 64
+# Inductor's C++ kernels run a loop on several threads from 512 elements a thread on; ATen's eager kernels,
+# which the regions replace, from 32768 (at::internal::GRAIN_SIZE). On a busy CPU (a core taken by another
+# process) each parallel region waits for a descheduled thread: at 512 the debug MoE's compiled step took
+# 10x the eager one on 2 threads. Compiled kernels go parallel where eager ones would.
+PARALLEL_GRAIN = 32768
 
 
 class CompileWatch:
     """Compile seconds per scope (a block, "head", or "other") and dynamo's counts, for one rank.
 
-    Scopes come from the blocks' phase lists and the heads' output functions, wrapped so that whatever
-    dynamo compiles while one runs is booked to it (backward graphs are compiled with their forward,
-    `force_non_lazy_backward_lowering`, so they land in the same scope)."""
+    While a region call runs (`CompiledRegions`), its scope is the current one and whatever dynamo compiles
+    is booked to it (backward graphs are compiled with their forward, `force_non_lazy_backward_lowering`,
+    so they land in the same scope). The dynamo settings and callbacks the watch needs are on while any
+    scope is entered, and only then: a step inside `watching()` turns them on once for all its calls."""
 
     def __init__(self):
         dynamo_utils.set_compilation_metrics_limit(COMPILATION_RECORDS)
         self.seconds: dict[str, float] = defaultdict(float)
         self.order: list[str] = []  # scopes in the order their compile time was first booked
         self._stack: list[str] = []
+        self._settings: ExitStack | None = None
         self._started: float | None = None
         self._scope_at_start = "other"
         self._first_record = len(dynamo_utils.get_compilation_metrics())
@@ -65,26 +80,39 @@ class CompileWatch:
         self._graphs0 = dynamo_utils.counters["stats"]["unique_graphs"]
 
     # -- scopes -----------------------------------------------------------------------------------
-    def scoped(self, fn, scope: str):
-        """fn, with `scope` the current scope while it runs (keeps fn's name: timelines show it)."""
+    def enter(self, scope: str) -> None:
+        """`scope` is the current scope until the matching `exit` (the first entered turns the settings on)."""
+        if not self._stack:
+            self._settings = self._on()
+        self._stack.append(scope)
 
-        def run(*args, **kwargs):
-            self._stack.append(scope)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._stack.pop()
+    def exit(self) -> None:
+        self._stack.pop()
+        if not self._stack:
+            self._settings.close()
+            self._settings = None
 
-        run.__name__ = getattr(fn, "__name__", scope)
-        return run
+    @contextmanager
+    def watching(self):
+        """Inside (a training step): the settings on throughout, compiles outside a region booked to "other"."""
+        self.enter("other")
+        try:
+            yield
+        finally:
+            self.exit()
 
-    def scoped_phases(self, phases, scope: str):
-        """A block's `_phases`, returning its phase functions scoped."""
-
-        def run(*args, **kwargs):
-            return [self.scoped(fn, scope) for fn in phases(*args, **kwargs)]
-
-        return run
+    def _on(self) -> ExitStack:
+        """dynamo's settings for regions and this watch's compile callbacks, until the stack is closed."""
+        on = ExitStack()
+        on.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True))
+        on.enter_context(torch._inductor.config.patch({"cpp.min_chunk_size": PARALLEL_GRAIN}))
+        # backward graphs compiled with their forward, in the region's scope
+        on.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=True))
+        handler = dynamo_callback.callback_handler
+        handler.register_start_callback(self.on_start)
+        handler.register_end_callback(self.on_end)
+        on.callback(_remove_callbacks, handler, self.on_start, self.on_end)
+        return on
 
     def on_start(self, _args) -> None:
         self._started, self._scope_at_start = time.perf_counter(), self._stack[-1] if self._stack else "other"
@@ -146,57 +174,48 @@ class CompileWatch:
                 f"{c['compile/recompiles']} (regions meeting further shapes)")
 
 
-_WATCH: CompileWatch | None = None  # the watch of the step running now: dynamo's callbacks are process-wide
+def _remove_callbacks(handler, on_start, on_end) -> None:
+    if on_start in handler.start_callbacks:  # (a torch._dynamo.reset() inside would have cleared them)
+        handler.remove_start_callback(on_start)
+    if on_end in handler.end_callbacks:
+        handler.remove_end_callback(on_end)
 
 
-def _on_start(args) -> None:
-    if _WATCH is not None:
-        _WATCH.on_start(args)
+class CompiledRegions:
+    """The `run_region` seam under train.compile: (region, *args) -> the region's graph run on args, compiled
+    (`fullgraph`, shapes static but the region's `dynamic` dims) the first time a shape needs it, with what
+    dynamo compiles then booked to `scope` of `watch`. graphs: {Region: its torch.compile'd function}, one
+    table per rank's plan, shared by the runners of all its scopes."""
+
+    def __init__(self, watch: CompileWatch, scope: str, graphs: dict):
+        self.watch, self.scope, self.graphs = watch, scope, graphs
+
+    def __call__(self, region: Region, *args, **kwargs):
+        graph = self.graphs.get(region)
+        if graph is None:
+            graph = self.graphs[region] = torch.compile(region.fn, fullgraph=True, dynamic=False)
+        region.mark_dynamic(args, kwargs)
+        self.watch.enter(self.scope)
+        try:
+            return graph(*args, **kwargs)
+        finally:
+            self.watch.exit()
+
+    def __repr__(self) -> str:
+        return f"compiled({self.scope})"
 
 
-def _on_end(args) -> None:
-    if _WATCH is not None:
-        _WATCH.on_end(args)
+def compiled_runners(module_names, watch: CompileWatch) -> dict[str, CompiledRegions]:
+    """{module name: its scope's CompiledRegions} for the names of a model's modules: one runner per scope,
+    one graph table and `watch` for all."""
+    graphs, by_scope = {}, {}
+    return {name: by_scope.setdefault(scope_name(name), CompiledRegions(watch, scope_name(name), graphs))
+            for name in module_names}
 
 
-def _install_callbacks() -> None:
-    """Ours among dynamo's compile callbacks (once; again after a `torch._dynamo.reset()`, which clears them)."""
-    handler = dynamo_callback.callback_handler
-    if _on_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_start)
-        handler.register_end_callback(_on_end)
-
-
-@contextmanager
-def running(watch: CompileWatch | None):
-    """Inside: the compiled regions on, and what dynamo compiles booked to `watch` (a training step);
-    nothing changes for None (train.compile = false)."""
-    global _WATCH
-    _install_callbacks()
-    outer, _WATCH = _WATCH, watch if watch is not None else _WATCH
-    try:  # backward graphs compiled with their forward, in the block's scope
-        with regions.compiled_regions(watch is not None or regions.regions_on()), \
-                torch._functorch.config.patch(force_non_lazy_backward_lowering=watch is not None):
-            yield
-    finally:
-        _WATCH = outer
-
-
-def apply_compile(result: Parallelized) -> CompileWatch:
-    """The compile plan of a rank's model, applied after `parallelize` (to the blocks and pipeline chunks as
-    the rank runs them): scopes for compile seconds, dynamo's settings. Returns the rank's `CompileWatch`;
-    steps run compiled inside `running(watch)`."""
-    watch = CompileWatch()
-    for name, module in result.module.named_modules():
-        if isinstance(module, Block):
-            module._phases = watch.scoped_phases(module._phases, _scope_name(name))
-    for chunk in {id(c): c for c in [result.module, *result.chunks]}.values():
-        if isinstance(chunk, Transformer) and chunk.head is not None:
-            chunk._output = watch.scoped(chunk._output, "head")
-    return watch
-
-
-def _scope_name(module_name: str) -> str:
-    """layers.3 -> "block 3", mtp.0.block -> "mtp 0"."""
+def scope_name(module_name: str) -> str:
+    """layers.3.attn -> "block 3", mtp.0.block.ffn -> "mtp 0", anything else (final norm, loss) -> "head"."""
     parts = module_name.split(".")
-    return f"block {parts[1]}" if parts[0] == "layers" else f"mtp {parts[1]}"
+    if len(parts) > 1 and parts[0] in ("layers", "mtp"):
+        return f"block {parts[1]}" if parts[0] == "layers" else f"mtp {parts[1]}"
+    return "head"

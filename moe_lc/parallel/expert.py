@@ -149,12 +149,12 @@ def _expert_major(recv_RL: torch.Tensor, n_rows: int) -> torch.Tensor:
 # -- dispatchers ----------------------------------------------------------------------------------
 def counter_elems(n_experts: int, n_nodes: int) -> int:
     """fp64 elements per MoE layer in the step's metrics all-reduce under EP: the router's load of each expert
-    (the one count of it) and the dispatcher's `counters` (nodes-per-token histogram 0..N, tokens, slots, pairs)."""
+    (the one count of it) and the dispatcher's `spread` (nodes-per-token histogram 0..N, tokens, slots, pairs)."""
     return n_experts + (n_nodes + 1) + 3
 
 
 def named_counters(c, n_nodes: int) -> dict:
-    """A dispatcher's counters (a (N + 4,) tensor or list, see `AllToAllDispatcher.counters`) by name."""
+    """A dispatcher's counters (a (N + 4,) tensor or list, see `AllToAllDispatcher.spread`) by name."""
     return {"nodes_per_token": c[:n_nodes + 1], "tokens": c[n_nodes + 1], "inter_node_slots": c[n_nodes + 2],
             "inter_node_pairs": c[n_nodes + 3]}
 
@@ -162,15 +162,12 @@ def named_counters(c, n_nodes: int) -> dict:
 class AllToAllDispatcher(TokenDispatcher):
     """Flat dispatch: one all-to-all over ep each way (see the module docstring).
 
-    Counters (summed since `counters(reset=True)`, training forwards only; see `counters`) let the
-    trainer log how tokens spread over ep ranks and nodes; the expert loads are the router's to count.
+    `spread` counts how a forward's tokens spread over ep ranks and nodes; the MoE layer books it in the
+    step's ForwardStats beside the router's expert loads, and the trainer logs it (nothing is kept here).
     """
 
-    def __init__(self, group: Group, topo: ExpertTopology, counting=lambda: True, overlap: bool = True):
-        self.group, self.topo, self.counting, self.overlap = group, topo, counting, overlap
-        # on the device of the routed ids (allocated at the first count): the step's metrics all-reduce
-        # it over NCCL, and keeping it there costs no host sync per layer
-        self._counts: torch.Tensor | None = None
+    def __init__(self, group: Group, topo: ExpertTopology, overlap: bool = True):
+        self.group, self.topo, self.overlap = group, topo, overlap
 
     # -- metadata ---------------------------------------------------------------------------------
     def _gather(self, vec: torch.Tensor) -> torch.Tensor:
@@ -180,9 +177,15 @@ class AllToAllDispatcher(TokenDispatcher):
         return out.view(self.group.size, -1)
 
     @torch.no_grad()
-    def _count(self, idx_TK: torch.Tensor) -> None:
-        if not self.counting():
-            return
+    def spread(self, idx_TK: torch.Tensor) -> torch.Tensor:
+        """The routed copies idx (T, K) (the phantom id E for one dropped over capacity) counted, (N + 4,) fp64
+        on idx's device (the step's metrics all-reduce it there; no host sync):
+
+        nodes_per_token (N+1,)  histogram: tokens whose experts lie on n distinct nodes
+        tokens ()               tokens routed
+        inter_node_slots ()     (token, expert) copies whose expert is on another node (flat traffic)
+        inter_node_pairs ()     (token, node) pairs with the node remote (hierarchical traffic)
+        """
         topo, E, N = self.topo, self.topo.n_experts, self.topo.n_nodes  # a dropped copy (id E) goes to no node: N
         node_TK = topo.node_of_expert(idx_TK.clamp_max(E - 1)).masked_fill(idx_TK == E, N)
         has_TN = torch.zeros(len(idx_TK), N + 1, dtype=torch.bool, device=idx_TK.device).scatter_(1, node_TK, True)[:, :N]
@@ -191,24 +194,7 @@ class AllToAllDispatcher(TokenDispatcher):
         hist = expert_counts(has_TN.sum(1), topo.n_nodes + 1)
         extra = torch.stack([((node_TK != topo.node) & (node_TK < N)).sum(), remote.sum()])
         tokens = torch.full((1,), idx_TK.shape[0], dtype=torch.float64, device=idx_TK.device)
-        counts = torch.cat([hist.double(), tokens, extra.double()])
-        self._counts = counts if self._counts is None else self._counts + counts
-
-    def counters(self, reset: bool = True) -> torch.Tensor:
-        """This rank's counters since the last reset (training forwards of every micro-batch), (N + 4,) fp64:
-
-        nodes_per_token (N+1,)  histogram: tokens whose experts lie on n distinct nodes
-        tokens ()               tokens routed
-        inter_node_slots ()     (token, expert) copies whose expert is on another node (flat traffic)
-        inter_node_pairs ()     (token, node) pairs with the node remote (hierarchical traffic)
-        """
-        if self._counts is None:  # nothing routed since the last reset
-            c = torch.zeros(self.topo.n_nodes + 4, dtype=torch.float64, device=self.group.device_type or "cpu")
-        else:
-            c = self._counts if reset else self._counts.clone()
-        if reset:
-            self._counts = None
-        return c
+        return torch.cat([hist.double(), tokens, extra.double()])
 
     # -- dispatch / combine -------------------------------------------------------------------------
     def dispatch(self, x_TD, idx_TK, n_experts, dropping: bool = False):
@@ -219,7 +205,6 @@ class AllToAllDispatcher(TokenDispatcher):
         flat = idx_TK.flatten()
         order = flat.argsort(stable=True)  # (token, slot) copies sorted by expert = by destination rank
         counts_E = expert_counts(flat, n_experts + int(dropping))[:n_experts]
-        self._count(idx_TK)
         recv_RL = self._gather(counts_E)[:, me * El:(me + 1) * El]  # (R, El): from each rank, per local expert
         # The one host sync of a dispatch: all_to_all_single takes its splits as host lists (NCCL must
         # know the sizes to post the transfers). Kernels that send into worst-case-sized buffers
@@ -249,7 +234,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, y_back, weights_TK, handle):
         """Returned expert outputs (T*K, D) -> token order -> (weighted) sum over K -> (T, D)."""
         order, regroup, send, recv, T, K = handle
-        return unsort_and_sum(pad_dropped(y_back, T * K), order, weights_TK, T, K)
+        return self.run_region(unsort_and_sum, pad_dropped(y_back, T * K), order, weights_TK, T, K)
 
 
 @dataclass
@@ -269,7 +254,7 @@ class _HierHandle:
 
 class HierarchicalDispatcher(AllToAllDispatcher):
     """Two-stage dispatch: across nodes once per (token, node), then inside the node (see the module
-    docstring). Same counters as the flat dispatcher. Stage 1 (the inter-node crossing) travels as a
+    docstring). The same `spread` as the flat dispatcher. Stage 1 (the inter-node crossing) travels as a
     RowTransfer between the dispatch and expert phases; stage 2 and the whole combine run inside their
     phases (intra-node, and the forwarders' sums need the gates)."""
 
@@ -279,7 +264,6 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         T, K = idx_TK.shape
         N = topo.n_nodes
         counts_E = expert_counts(idx_TK, n_experts)
-        self._count(idx_TK)
         has_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
         has_TN.scatter_(1, topo.node_of_expert(idx_TK), True)
         pair_n, pair_t = has_TN.t().nonzero(as_tuple=True)  # node-major, tokens in order
@@ -362,23 +346,24 @@ def expert_parallel_plan(model: nn.Module, dims: ParallelDims, expert_dispatch: 
         for linear in (moe.experts.w13, moe.experts.w2):
             placements.shard_(linear.weight, Shard("ep", 0), group)
             plan.set(linear, n_experts=topo.per_rank)
-        router = moe.router
-        plan.set(moe, dispatcher=DISPATCHERS[expert_dispatch](
-            group, topo, counting=lambda r=router: r.training and r.count_loads, overlap=dims.overlap))
+        plan.set(moe, dispatcher=DISPATCHERS[expert_dispatch](group, topo, overlap=dims.overlap))
 
 
-def dispatcher_counters(moes) -> torch.Tensor | None:
-    """(L, N + 4) fp64: the counters of every MoE layer's dispatcher since the last call (`counters`, reset
-    here), rows in the order of `moes`; None when the layers have no expert-parallel dispatcher (ep = 1)."""
+def spread_counters(moes, routing: dict) -> torch.Tensor | None:
+    """(L, N + 4) fp64: each MoE layer's dispatcher `spread` summed over the step, from the step's
+    ForwardStats `routing` (zeros for a layer that routed nothing), rows in the order of `moes`; None when
+    the layers have no expert-parallel dispatcher (ep = 1)."""
     dispatchers = [m.dispatcher for m in moes]
     if not any(isinstance(d, AllToAllDispatcher) for d in dispatchers):
         return None
-    return torch.stack([d.counters() for d in dispatchers])  # expert parallelism swaps every layer's
+    return torch.stack([routing.get(m.router, {}).get("spread", torch.zeros(
+        d.topo.n_nodes + 4, dtype=torch.float64, device=d.group.device_type or "cpu"))
+        for m, d in zip(moes, dispatchers)])  # expert parallelism swaps every layer's
 
 
 def expert_parallel_metrics(moes: dict[str, MoE], loads: list[list[float]], counters: list[list[float]]) -> dict:
     """Metrics per MoE layer L from the step's expert loads (E per layer) and dispatcher counters
-    (`dispatcher_counters`), both summed over the stage's dp*cp*tp ranks and on the host, in `moes` order:
+    (`spread_counters`), both summed over the stage's dp*cp*tp ranks and on the host, in `moes` order:
 
       moe/expert_imbalance/layer{L}         max / mean expert load
       moe/ep_rank_imbalance/layer{L}        max / mean tokens per ep rank (what bounds step time)

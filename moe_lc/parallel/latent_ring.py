@@ -99,7 +99,7 @@ class LatentRingAttention(nn.Module):
 def _queries_and_latents(mla: MLAttention, q_src, c_kv, k_r, cos, sin):
     """-> roped q (B,S,H,Dn+Dr), normalized latent c (B,S,Ckv), roped shared key k_r (B,S,Dr)."""
     B, S, _ = c_kv.shape
-    k_r = apply_rope(k_r.view(B, S, 1, mla.rope_dim), cos, sin).view(B, S, mla.rope_dim)
+    k_r = mla.run_region(apply_rope, k_r.view(B, S, 1, mla.rope_dim), cos, sin).view(B, S, mla.rope_dim)
     return mla.rope_q(mla.up_project_q(q_src), cos, sin), mla.kv_norm(c_kv), k_r
 
 

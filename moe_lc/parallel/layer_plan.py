@@ -15,11 +15,20 @@ attribute, so the rules can be resolved in any order and none reads what another
     GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
     recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
                                                .attend, .out_proj                  model/fp8_cache.py)
+    load counting: which runs of a router's    Router.count_loads                `_seams` (a block's replay under
+      forward book its routing in the step's                                       full recomputation runs the
+      ForwardStats (once per micro-batch)                                          router again)
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
     the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
+    the MTP modules' embedding: the model's,   Transformer.mtp_embed             `resolve_layer_plan`
+      borrowed (a pipeline stage with MTP
+      and without the embedding calls it)
     the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
+    compiling (train.compile): every module's  .run_region (and the dispatcher's) `_compiled` (runners and
+      regions through torch.compile, booked                                        watch: parallel/compile.py)
+      to its block in the rank's CompileWatch
 
 What the model declares about itself (the output head and router stay in the compute dtype, the
 router's W is never deferred) is set by its constructors (`fp8_eligible`, `defer_wgrad`) and only read here.
@@ -39,12 +48,14 @@ from moe_lc.config.attention_kinds import load, module_kinds
 from moe_lc.model.block import Block
 from moe_lc.model.ffn import SwiGLU, swiglu_then
 from moe_lc.model.fp8_cache import attn_out_fp8_cached, swiglu_fp8_cached
-from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, fp32_logits
+from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, each_forward, fp32_logits
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS, checkpointed, fp32_logits_replayed, swiglu_replayed
-from moe_lc.model.seams import run_now
+from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, first_forward, fp32_logits_replayed,
+                                    swiglu_replayed)
+from moe_lc.model.seams import Borrowed, run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, SharedFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
+from moe_lc.parallel.compile import CompileWatch, compiled_runners
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements
 
@@ -54,7 +65,7 @@ from moe_lc.parallel.placement import Placements
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
-                     "keep_latents"})
+                     "keep_latents", "count_loads", "mtp_embed", "run_region"})
 
 
 @dataclass
@@ -64,11 +75,13 @@ class LayerPlan:
     split lets go).
 
     wgrad_store: the store every deferring Linear pushes its weight-gradient GEMM to under a pipeline
-    schedule (its runtime decides when a B is split), None without PP."""
+    schedule (its runtime decides when a B is split), None without PP. compile_watch: the rank's
+    CompileWatch when its regions run compiled (train.compile), else None."""
 
     model: InitVar[nn.Module]
     settings: dict[str, dict[str, object]] = field(default_factory=dict)
     wgrad_store: WeightGradStore | None = None
+    compile_watch: CompileWatch | None = None
 
     def __post_init__(self, model: nn.Module):
         self._names = {id(m): name for name, m in model.named_modules()}
@@ -110,14 +123,16 @@ def _short(value) -> str:
 def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, placements: Placements | None = None, *,
                        expert_dispatch: str = "flat", mla_ring: str = "latent", precision: PrecisionConfig | None = None,
                        recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                       device: torch.device | None = None, pipelined: bool = False, route=None) -> LayerPlan:
+                       device: torch.device | None = None, pipelined: bool = False, route=None,
+                       compiled: bool = False) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
     dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
     takes an attention kind's `expanded_ring`); placements: where parameter shards are recorded (a fresh table
     when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
     route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
-    FP8 kernels will run (checked up front)."""
+    FP8 kernels will run (checked up front); compiled: the regions run through torch.compile (train.compile;
+    not on the meta device: the dry run's tensors have nothing to compile)."""
     plan, placements = LayerPlan(model), placements if placements is not None else Placements()
     precision = precision or PrecisionConfig()
     tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
@@ -126,6 +141,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         from moe_lc.parallel.tensor_plan import tensor_parallel_plan
 
         tensor_parallel_plan(model, dims, placements, plan)
+    if getattr(model, "mtp", None) is not None and model.embed is not None:  # the embedding TP decided, if it did
+        plan.set(model, mtp_embed=Borrowed(plan.get(model, "embed", model.embed)))
     for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
         placements.set_group(experts.parameters(), "edp")
     if ep > 1 and moes:
@@ -167,6 +184,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         for m in model.modules():
             if isinstance(m, (Linear, GroupedLinear)) and m.defer_wgrad:
                 plan.set(m, wgrad_store=plan.wgrad_store)
+    if compiled and (device is None or device.type != "meta"):
+        plan.compile_watch = _compiled(model, plan)
     return plan
 
 
@@ -175,6 +194,23 @@ def apply_layer_plan(model: nn.Module, dims: ParallelDims | None = None, **optio
     plan = resolve_layer_plan(model, dims, **options)
     plan.apply(model)
     return plan
+
+
+def _compiled(model: nn.Module, plan: LayerPlan) -> CompileWatch:
+    """train.compile: every module with a `run_region` seam, and every MoE layer's dispatcher (the plan's
+    own: a local one unless another rule gave the layer one), runs its regions compiled, booked to the
+    module's block (moe_lc/parallel/compile.py). Returns the rank's CompileWatch."""
+    watch = CompileWatch()
+    names = [name for name, m in model.named_modules() if hasattr(m, "run_region") or isinstance(m, MoE)]
+    runners = compiled_runners(names, watch)
+    for name, module in model.named_modules():
+        if hasattr(module, "run_region"):
+            plan.set(module, run_region=runners[name])
+        if isinstance(module, MoE):
+            if plan.get(module, "dispatcher") is None:
+                plan.set(module, dispatcher=LocalDispatcher())
+            plan.get(module, "dispatcher").run_region = runners[name]
+    return watch
 
 
 def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Module, object]:
@@ -199,11 +235,12 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
     for module in model.modules():
         kind = kinds.get(type(module))
         if isinstance(module, Block):
-            plan.set(module, replay=partial(checkpointed, owner=module) if policy == "full" else run_now)
+            plan.set(module, replay=checkpointed if policy == "full" else run_now)
         elif isinstance(module, RMSNorm):
             plan.set(module, replay=checkpointed if "norm" in items else run_now)
-        elif isinstance(module, Router):
-            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits)
+        elif isinstance(module, Router):  # a block's replay runs its router again: the first run books
+            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits,
+                     count_loads=first_forward if policy == "full" else each_forward)
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
                      swiglu_replayed if "swiglu" in items else swiglu_then)

@@ -31,7 +31,8 @@ from moe_lc.parallel.placement import Parallelized, Placements, gather_full, ins
 def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
                 schedule=None, stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
                 recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                device: torch.device | None = None, route=None, defer_wgrad: bool | None = None) -> Parallelized:
+                device: torch.device | None = None, route=None, defer_wgrad: bool | None = None,
+                compiled: bool = False) -> Parallelized:
     """Shard `model` for this rank's coordinates (see the module docstring).
 
     Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
@@ -40,13 +41,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     the MoE layers scale their sequence-wise balance loss. `device` is where FP8 kernels will run.
     `route`: a router selection replacing the learned one (the dry run's balanced routing).
     `defer_wgrad`: give the deferring Linears the rank's weight-gradient store (default: under a
-    pipeline schedule; the planner asks for it to measure what a split backward holds).
+    pipeline schedule; the planner asks for it to measure what a split backward holds). `compiled`: the
+    model's regions run through torch.compile (train.compile; the result's `compile_watch` counts them).
     """
     single_device_order = [name for name, _ in model.named_parameters()]
     placements = Placements()
     plan = resolve_layer_plan(model, dims, placements, expert_dispatch=expert_dispatch, mla_ring=mla_ring,
                               precision=precision, recompute=recompute, aux_loss_scale=aux_loss_scale,
-                              device=device, route=route,
+                              device=device, route=route, compiled=compiled,
                               pipelined=schedule is not None if defer_wgrad is None else defer_wgrad)
     model = plan.apply(model)
     chunks, stage_ids = [], [0]
@@ -56,7 +58,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
         model, chunks, stage_ids = split_for_rank(model, schedule, dims.coords()["pp"], stage_layers)
     local = dict(model.named_parameters())
     named = [(name, local[name]) for name in single_device_order if name in local]
-    result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe())
+    result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe(),
+                          plan.compile_watch)
     if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
         install_grad_hooks(model, result.placements)
     return result

@@ -161,6 +161,7 @@ class Parallelized:
     stage_ids   the pipeline stage each chunk is ([0] without PP)
     wgrad_store where the chunks' deferring Linears push their weight gradients (pipelines; else None)
     decisions   the layer plan it was built from, one line per decision (moe_lc/parallel/layer_plan.py)
+    compile_watch  what compiling its regions cost and broke (train.compile; else None: parallel/compile.py)
     """
 
     module: nn.Module
@@ -169,6 +170,7 @@ class Parallelized:
     stage_ids: list[int] = field(default_factory=lambda: [0])
     wgrad_store: object = None
     decisions: list[str] = field(default_factory=list)
+    compile_watch: object = None
 
     def __post_init__(self):
         self.chunks = self.chunks or [self.module]

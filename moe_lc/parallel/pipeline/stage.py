@@ -21,7 +21,6 @@ from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.counting import block_train_flops_per_token
-from moe_lc.model.seams import Borrowed
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.pipeline.schedule_ir import Schedule
 
@@ -83,7 +82,7 @@ def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> 
     if not first:
         shell.embed = None
     if not last:
-        shell.head, shell.norm, shell.loss_fn, shell.mtp = None, None, None, None
+        shell.head, shell.norm, shell.loss_fn, shell.mtp, shell.mtp_embed = None, None, None, None, None
     return shell
 
 
@@ -98,8 +97,5 @@ def split_for_rank(full: Transformer, schedule: Schedule, rank: int, layers: lis
     chunks = [_shell(full, layers[s], s == 0, s == last) for _, s in sorted(stages_of_chunk.items())]
     mine = sorted(stages_of_chunk.values())
     union = _shell(full, [i for s in mine for i in layers[s]], 0 in mine, last in mine)
-    for chunk in chunks:
-        if chunk.mtp is not None and chunk.embed is None:  # MTP shares the rank's (possibly swapped) embedding
-            chunk.mtp_embed = Borrowed(union, "embed")
-    return union, chunks, mine
+    return union, chunks, mine  # a chunk with MTP and no embedding borrows it (the layer plan's mtp_embed)
 
