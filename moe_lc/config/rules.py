@@ -143,7 +143,7 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
 
 def _up_item_errors(selective: list[str], m) -> list[str]:
     """A selective-recompute item that replays some attention kind's up-projections ("mla_up") needs that kind."""
-    owners = {k.up_item: k for k in ATTENTION_KINDS.values() if k.up_item is not None}
+    owners = {k.up_item: k for k in ATTENTION_KINDS.values() if k.up_item is not None and k.variant is None}
     mine = attention_kind(m).up_item
     return [f"recompute.selective item {item!r} recomputes {owners[item].label}'s up-projections; "
             f"model.attention={m.attention!r}" for item in selective if item in owners and item != mine]
