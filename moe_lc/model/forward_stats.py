@@ -51,9 +51,10 @@ class ForwardStats:
         for name, value in counts.items():
             row[name] = value if name not in row else row[name] + value
 
-    def add_dsa(self, kl_sum, mass_sum, count) -> None:
-        """Add one DSA layer's indexer-loss sums of one micro-batch (see `dsa`)."""
-        row = torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu() for v in (kl_sum, mass_sum, count)])
+    def add_dsa(self, kl_sum: torch.Tensor, mass_sum: torch.Tensor, count: float) -> None:
+        """Add one DSA layer's indexer-loss sums of one micro-batch (see `dsa`; on their device: no host sync)."""
+        row = torch.stack([kl_sum.double(), mass_sum.double(), torch.full((), float(count), dtype=torch.float64,
+                                                                         device=kl_sum.device)])
         self.dsa = row if self.dsa is None else self.dsa + row
 
     def add_source_losses(self, loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor | None,
