@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     iters = 1 if args.quick else args.iters
     rows = [measure(S, args.topk, iters) for S in lengths]
-    meta = {"threads": args.threads, "iters": iters, "single_run_above_s": LONG_S, "torch": torch.__version__, "machine": platform.machine(),
+    meta = {"threads": args.threads, "iters": iters, "single_run_above_s": LONG_S, "torch": torch.__version__,
+            "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "shape": SHAPE}
     write(args.out, rows, meta)
     print(f"wrote {args.out}", flush=True)
