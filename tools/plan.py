@@ -1,7 +1,7 @@
 """Memory and communication planner: per-rank bytes of every training state and traffic per mesh dim.
 
     python tools/plan.py RECIPE [--set KEY=VALUE ...] [--world N] [--policy none|selective|full]
-                         [--terms] [--json]
+                         [--terms] [--json] [--cluster NAME [--bench FILE]]
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
 (no memory; tools/plan_layout.py). Activations and traffic come from running the model code: the
@@ -14,7 +14,9 @@ all-reduces once a step from `plan_layout.trainer_traffic`. The tool prints the 
 each state lives on each dim), memory per rank by state, the transient working sets and the peak, saved
 activations under each recompute policy and the bytes this rank sends per optimizer step, keyed like
 the trainer's metrics ("comm/<group>/<op>_bytes"). tools/dryrun.py holds all of it to one traced
-training step at the recipe's real size. Runs from the repo root without installing.
+training step at the recipe's real size. With --cluster, also the predicted step time, tokens/s/GPU
+and MFU on that cluster (tools/steptime.py; `--set cluster.KEY=V` / `eff.KEY=V` override its figures).
+Runs from the repo root without installing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from .placement_semantics import (
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
 from .plan_layout import RankLayout, rank_layouts, traced_traffic, trainer_traffic
+from . import steptime
+from .clusters import CLUSTERS, ClusterError, resolve, split_sets
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -345,18 +349,28 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=POLICIES, help="recompute policy to plan for (default: the recipe's)")
     ap.add_argument("--terms", action="store_true", help="list every saved tensor of each block kind, as traced")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--cluster", help=f"predict step time and MFU on this cluster ({', '.join(CLUSTERS)})")
+    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured efficiencies")
     args = ap.parse_args(argv)
     if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it
         print(f"error: --world must be a positive integer, got {args.world}", file=sys.stderr)
         return 2
-    sets = args.set + ([f"recompute.policy={args.policy}"] if args.policy else [])
+    sets, cluster_sets = split_sets(args.set)
+    sets += [f"recompute.policy={args.policy}"] if args.policy else []
     try:
+        if (cluster_sets or args.bench) and not args.cluster:
+            raise ClusterError("--set cluster./eff. keys and --bench need --cluster NAME")
+        cluster = resolve(args.cluster, cluster_sets, args.bench) if args.cluster else None
         cfg = load_config(args.recipe, sets, world_size=args.world)
-    except ConfigError as exc:
+    except (ConfigError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     p = plan(cfg, args.world, args.recipe)
-    print(json.dumps(p.to_json(), indent=1) if args.json else render(p, cfg, args.terms))
+    predicted = steptime.predict(cfg, p, *cluster) if cluster else None
+    if args.json:
+        print(json.dumps({**p.to_json(), **({"predicted": predicted} if predicted else {})}, indent=1))
+    else:
+        print(render(p, cfg, args.terms) + (f"\n{steptime.render(predicted)}" if predicted else ""))
     return 0
 
 
