@@ -75,9 +75,9 @@ def test_dualpipe_fb_hides_the_all_to_all_up_to_the_compute_beside_it(capsys):
     (["--cluster", "h900"], "error: --cluster 'h900' is not a known cluster; choose one of h800, h100, h200, b200, gb200"),
     (["--cluster", "h100", "--set", "cluster.tflops=1"],
      "error: --set cluster.tflops=1: unknown cluster key 'tflops'; keys are bf16_tflops, fp8_tflops, hbm_gbps, "
-     "nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops"),
+     "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops"),
     (["--cluster", "h100", "--set", "eff.gemm=fast"], "error: --set eff.gemm=fast: 'fast' is not a number"),
-    (["--set", "eff.gemm=0.5"], "error: --set cluster./eff. keys and --bench need --cluster NAME"),
+    (["--set", "eff.gemm=0.5"], "error: --set cluster./eff. keys, --bench and --search need --cluster NAME"),
 ])
 def test_cluster_mistakes_are_one_line(argv, message, capsys):
     assert plan_tool.main(["recipes/dense_cpu.toml"] + argv) == 2

@@ -7,20 +7,20 @@ bench run), applied before the --set keys.
 
 Sources (vendor datasheets; the "with sparsity" figures there are halved to dense):
   H100 SXM   https://www.nvidia.com/en-us/data-center/h100/ : BF16 1,979 and FP8 3,958 TFLOP/s with
-             sparsity (989 / 1,979 dense), HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction);
+             sparsity (989 / 1,979 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 per direction);
              DGX H100 https://docs.nvidia.com/dgx/dgxh100-user-guide/ : 8 GPUs, eight 400 Gb/s
              ConnectX-7 compute ports (50 GB/s per GPU).
-  H800 SXM   the H100 SXM's compute and HBM with NVLink cut to 400 GB/s (200 per direction); the
+  H800 SXM   the H100 SXM's compute and HBM (80 GB) with NVLink cut to 400 GB/s (200 per direction); the
              DeepSeek-V3 report (arXiv 2412.19437, 3.2.2) gives IB 50 GB/s and NVLink 160 GB/s achievable
              per GPU on its 2,048-GPU H800 cluster, 8 GPUs per node.
-  H200 SXM   https://www.nvidia.com/en-us/data-center/h200/ : the H100's compute, HBM3e 4.8 TB/s,
+  H200 SXM   https://www.nvidia.com/en-us/data-center/h200/ : the H100's compute, 141 GB HBM3e at 4.8 TB/s,
              NVLink 900 GB/s; DGX H200: 8 GPUs, 400 Gb/s ConnectX-7 per GPU.
   B200       https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200): FP8 9 and BF16 4.5 PFLOP/s per
-             GPU with sparsity (4,500 / 2,250 dense), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 per
+             GPU with sparsity (4,500 / 2,250 dense), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 per
              direction); DGX B200: 8 GPUs, 400 Gb/s ConnectX-7 per GPU.
   GB200      https://www.nvidia.com/en-us/data-center/gb200-nvl72/ : per rack of 72 GPUs FP8 720 and
-             BF16 360 PFLOP/s with sparsity (5,000 / 2,500 dense per GPU), 576 TB/s HBM3e (8 TB/s per
-             GPU), NVLink 130 TB/s (1.8 TB/s per GPU); one NVLink domain of 72 GPUs; 400 Gb/s
+             BF16 360 PFLOP/s with sparsity (5,000 / 2,500 dense per GPU), 13.4 TB HBM3e at 576 TB/s (186 GB
+             and 8 TB/s per GPU), NVLink 130 TB/s (1.8 TB/s per GPU); one NVLink domain of 72 GPUs; 400 Gb/s
              ConnectX-7 per GPU scale-out.
 """
 
@@ -38,6 +38,7 @@ class Cluster:
     bf16_tflops: float
     fp8_tflops: float
     hbm_gbps: float  # HBM bandwidth, GB/s
+    hbm_gb: float  # HBM capacity, GB (what `--search` fits a layout's planned peak into)
     nvlink_gbps: float  # scale-up (NVLink) bandwidth per GPU per direction, GB/s
     net_gbps: float  # scale-out (InfiniBand / RoCE) bandwidth per GPU per direction, GB/s
     gpus_per_node: int  # GPUs of one NVLink domain
@@ -53,11 +54,11 @@ class Cluster:
 
 
 CLUSTERS = {
-    "h800": Cluster("h800", 989.0, 1979.0, 3350.0, 200.0, 50.0, 8),
-    "h100": Cluster("h100", 989.0, 1979.0, 3350.0, 450.0, 50.0, 8),
-    "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 450.0, 50.0, 8),
-    "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 900.0, 50.0, 8),
-    "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 900.0, 50.0, 72),
+    "h800": Cluster("h800", 989.0, 1979.0, 3350.0, 80.0, 200.0, 50.0, 8),
+    "h100": Cluster("h100", 989.0, 1979.0, 3350.0, 80.0, 450.0, 50.0, 8),
+    "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 50.0, 8),
+    "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8),
+    "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72),
 }
 
 # Achieved fraction of the peak per kernel kind: one set of defaults for every cluster and recipe.

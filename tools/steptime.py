@@ -155,8 +155,13 @@ def seconds(cfg: Config, w: Work, cluster: Cluster, eff: dict[str, float]) -> Se
 def link_seconds(dims: ParallelDims, rank: int, group: str, op: str, nbytes: float, cluster: Cluster,
                  eff: dict[str, float]) -> float:
     """Time to send `nbytes` (what `rank` sends of this op) over the group's links: NVLink to the peers
-    on its node, the network to the others (a ring over several nodes runs at the network's rate)."""
-    ranks = next(r for r in dims.group_ranks(group) if rank in r)
+    on its node, the network to the others (a ring over several nodes runs at the network's rate). A
+    subgroup made on demand (e.g. "tp_kv": the tp ranks sharing a kv head) is placed as its mesh dim."""
+    try:
+        partition = dims.group_ranks(group)
+    except ValueError:
+        partition = dims.group_ranks(group.split("_")[0])
+    ranks = next(r for r in partition if rank in r)
     peers = [r for r in ranks if r != rank]
     if not peers or not nbytes:
         return 0.0
