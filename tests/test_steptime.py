@@ -89,3 +89,23 @@ def test_bench_file_replaces_the_default_efficiencies(tmp_path):
     bench.write_text(json.dumps({"efficiency": {"gemm": 0.8, "attention": 0.3}}))
     _, eff = resolve("h200", ["eff.attention=0.35"], str(bench))
     assert eff == {**EFFICIENCY, "gemm": 0.8, "attention": 0.35}  # the file, then --set
+
+
+def test_search_ranks_the_layouts_that_fit_and_says_why_each_beats_the_next():
+    from dataclasses import replace
+
+    from tools.steptime_search import search
+
+    cluster, eff = resolve("h100")
+    found = search("recipes/overlap_cpu.toml", [], 2, cluster, eff, plan_tool.plan, log=lambda *a, **k: None)
+    ranked = found["ranked"]
+    speeds = [r["predicted"]["tokens_per_s_per_gpu"] for r in ranked]
+    assert speeds == sorted(speeds, reverse=True) and len(ranked) >= 3
+    assert {"pp2 dp1", "dp2", "ep2 dp2"} <= {r["name"] for r in ranked}
+    assert len(found["why"]) == len(ranked) - 1 and found["why"][0].startswith(f"{ranked[0]['name']} beats {ranked[1]['name']} by ")
+    # a memory between the peaks keeps only the layouts at or under it
+    limit = sorted(r["peak_gb"] for r in ranked)[len(ranked) // 2]
+    small = search("recipes/overlap_cpu.toml", [], 2, replace(cluster, hbm_gb=limit), eff, plan_tool.plan,
+                   log=lambda *a, **k: None)
+    assert {r["name"] for r in small["ranked"]} == {r["name"] for r in ranked if r["peak_gb"] <= limit}
+    assert small["skipped"] == {"planned peak exceeds the memory": sum(r["peak_gb"] > limit for r in ranked)}

@@ -363,7 +363,7 @@ def main(argv=None) -> int:
         if (cluster_sets or args.bench or args.search) and not args.cluster:
             raise ClusterError("--set cluster./eff. keys, --bench and --search need --cluster NAME")
         cluster = resolve(args.cluster, cluster_sets, args.bench) if args.cluster else None
-        cfg = load_config(args.recipe, sets, world_size=args.world)
+        cfg = load_config(args.recipe, sets, world_size=None if args.search else args.world)  # search: its own layouts
     except (ConfigError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
