@@ -24,6 +24,8 @@ by where its peers are. What hides what:
   pp              the simulator's transfer latency (one hidden tensor); exposed = the makespan it adds
   ZeRO            gradient reduce-scatters hide behind one chunk's backward (the last one, which
                   finishes the buckets); parameter all-gathers and the trainer's all-reduces are exposed
+  other           subgroups made on demand (cp_tp's document-balance sums, tp_kv: the tp ranks
+                  sharing a kv head): exposed, after the pipeline
 Then the optimizer step, memory-bound over the rank's optimizer state. Not modelled: kernel launch
 and collective latencies, SMs given to communication kernels, routing imbalance (the planner's
 all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
@@ -258,10 +260,12 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
         rs, rest = rc.ops.get((g, "reduce_scatter"), 0.0), sum(s for (h, op), s in rc.ops.items()
                                                                if h == g and op != "reduce_scatter")
         exposed[g] = max(0.0, rs - c.B) + rest
+    outside = [g for g in rc.comm_s if g not in exposed]  # subgroups made on demand (e.g. cp_tp): exposed
+    exposed.update({g: rc.comm_s[g] for g in outside})
     rp = next(r for r in plan.ranks if r.pp_rank == rc.pp_rank)
     mem = rp.memory
     optimizer_s = (2 * mem["optimizer"] + mem["params"]) / (cluster.hbm_gbps * 1e9 * eff["memory"])
-    step = pipeline_s + sum(exposed[g] for g in ZERO_GROUPS) + optimizer_s
+    step = pipeline_s + sum(exposed[g] for g in (*ZERO_GROUPS, *outside)) + optimizer_s
     tokens = t.global_batch * t.seq_len
     flops = train_flops_per_token(cfg.model, t.seq_len)
     peak = cluster.peak_tflops("fp32" if cfg.precision.recipe == "fp32" else "bf16") * 1e12
