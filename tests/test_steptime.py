@@ -72,7 +72,7 @@ def test_dualpipe_fb_hides_the_all_to_all_up_to_the_compute_beside_it(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cluster", "h900"], "error: --cluster 'h900' is not a known cluster; choose one of h800, h100, h200, b200, gb200"),
+    (["--cluster", "h900"], "error: --cluster 'h900' is not a known cluster; choose one of h800, h100, h200, b200, gb200, cpu"),
     (["--cluster", "h100", "--set", "cluster.tflops=1"],
      "error: --set cluster.tflops=1: unknown cluster key 'tflops'; keys are bf16_tflops, fp8_tflops, hbm_gbps, "
      "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops"),
@@ -109,3 +109,11 @@ def test_search_ranks_the_layouts_that_fit_and_says_why_each_beats_the_next():
                    log=lambda *a, **k: None)
     assert {r["name"] for r in small["ranked"]} == {r["name"] for r in ranked if r["peak_gb"] <= limit}
     assert small["skipped"] == {"planned peak exceeds the memory": sum(r["peak_gb"] > limit for r in ranked)}
+
+
+def test_the_cpu_cluster_is_the_fit_to_the_committed_cpu_bench():
+    from tools.steptime_cpu import cluster_from_fit, fit
+
+    fitted, table = cluster_from_fit(fit()), CLUSTERS["cpu"]
+    for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node"):
+        assert getattr(table, key) == pytest.approx(getattr(fitted, key), rel=1e-3), key
