@@ -117,3 +117,24 @@ def test_the_cpu_cluster_is_the_fit_to_the_committed_cpu_bench():
     fitted, table = cluster_from_fit(fit()), CLUSTERS["cpu"]
     for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node"):
         assert getattr(table, key) == pytest.approx(getattr(fitted, key), rel=1e-3), key
+
+
+def test_bench_results_of_the_gpu_bench_become_efficiencies(tmp_path):
+    # tools/bench/run.py's layout: per part, entries of a shape and a kernel; the best kernel per shape,
+    # then the median over shapes, over the bench device's dense peak
+    gemm = [{"M": 1, "K": 2, "N": 3, "variant": "bf16", "tflops": 700.0, "status": "ok"},
+            {"M": 1, "K": 2, "N": 3, "variant": "fp8_blockwise", "tflops": 900.0, "status": "ok"},
+            {"M": 1, "K": 2, "N": 3, "variant": "fp8_tensorwise", "tflops": 1100.0, "status": "ok"},
+            {"M": 4, "K": 2, "N": 3, "variant": "bf16", "tflops": 500.0, "status": "ok"},
+            {"M": 4, "K": 2, "N": 3, "variant": "fp8_blockwise", "status": "error"}]
+    attention = [{"heads": "mla", "seq": s, "batch": 1, "impl": impl, "fwd_bwd_tflops": tf, "status": "ok"}
+                 for s, impl, tf in ((4096, "sdpa", 300.0), (4096, "fa3", 450.0), (8192, "fa3", 500.0),
+                                     (16384, "fa3", 520.0))]
+    bench = tmp_path / "h100.json"
+    bench.write_text(json.dumps({"meta": {"peak_tflops": {"bf16": 1000.0, "fp8": 2000.0}},
+                                 "parts": {"gemm[recipe=x]": {"entries": gemm}, "attention": {"entries": attention}}}))
+    _, eff = resolve("h100", [], str(bench))
+    assert eff == {**EFFICIENCY, "gemm": 0.6, "gemm_fp8": 0.55, "attention": 0.5}
+    bench.write_text(json.dumps({"meta": {"peak_tflops": None}, "parts": {}}))
+    with pytest.raises(ValueError, match="no peak_tflops"):
+        resolve("h100", [], str(bench))

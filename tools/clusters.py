@@ -2,8 +2,9 @@
 
 Every figure is a published per-GPU peak (dense, no sparsity), bandwidths per direction. Overrides:
 `--set cluster.KEY=VALUE` (a field of `Cluster`) and `--set eff.KEY=VALUE` (a key of EFFICIENCY), or
-`--bench FILE`, a JSON object {"efficiency": {KEY: fraction}} of measured efficiencies (e.g. a GPU
-bench run), applied before the --set keys.
+`--bench FILE`, a JSON object {"efficiency": {KEY: fraction}} of measured efficiencies or a GPU run's
+tools/bench/run.py results (gemm, grouped_gemm and attention parts read as efficiencies), applied
+before the --set keys.
 
 Sources (vendor datasheets; the "with sparsity" figures there are halved to dense):
   H100 SXM   https://www.nvidia.com/en-us/data-center/h100/ : BF16 1,979 and FP8 3,958 TFLOP/s with
@@ -29,6 +30,7 @@ Sources (vendor datasheets; the "with sparsity" figures there are halved to dens
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, fields, replace
 
 
@@ -140,18 +142,55 @@ def resolve(name: str, sets: list[str] = (), bench: str | None = None) -> tuple[
 
 
 def _bench_efficiency(path: str) -> dict[str, float]:
-    """{kind: fraction} from a bench file {"efficiency": {...}}; ClusterError naming the file otherwise."""
+    """{kind: fraction} from a bench file: {"efficiency": {...}}, or tools/bench/run.py's results JSON
+    (`efficiency_of_bench_results`); ClusterError naming the file otherwise."""
     try:
         with open(path) as fh:
             data = json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
         raise ClusterError(f"--bench {path}: {exc}") from None
+    if isinstance(data, dict) and "parts" in data and "efficiency" not in data:
+        return efficiency_of_bench_results(data, path)
     table = data.get("efficiency") if isinstance(data, dict) else None
     if not isinstance(table, dict):
-        raise ClusterError(f"--bench {path}: expected a JSON object with an \"efficiency\" object of kind -> fraction")
+        raise ClusterError(f"--bench {path}: expected a JSON object with an \"efficiency\" object of kind -> fraction, "
+                           "or tools/bench/run.py's results")
     out = {}
     for key, value in table.items():
         if key not in EFFICIENCY:
             raise ClusterError(f"--bench {path}: unknown efficiency {key!r}; keys are {', '.join(EFFICIENCY)}")
         out[key] = _number(f"{path}:{key}", str(value))
+    return out
+
+
+# tools/bench/run.py parts -> (efficiency, the entries' shape keys, their TFLOP/s key, peak, which entries)
+BENCH_PARTS = [
+    ("gemm", "gemm", ("recipe", "layers", "M", "K", "N"), "tflops", "bf16", lambda e: e.get("variant") == "bf16"),
+    ("gemm", "gemm_fp8", ("recipe", "layers", "M", "K", "N"), "tflops", "fp8", lambda e: e.get("variant") != "bf16"),
+    ("grouped_gemm", "grouped_gemm", ("model", "gemm", "experts", "K", "N", "tokens"), "fwd_bwd_tflops", "bf16",
+     lambda e: True),
+    ("attention", "attention", ("heads", "seq", "batch"), "fwd_bwd_tflops", "bf16", lambda e: True),
+]
+
+
+def efficiency_of_bench_results(data: dict, path: str) -> dict[str, float]:
+    """Per kind, the median over the bench's shapes of the fastest kernel's TFLOP/s over the bench
+    device's dense peak (its meta's `peak_tflops`): what the best available kernel reaches on that GPU."""
+    peak = (data.get("meta") or {}).get("peak_tflops")
+    if not peak:
+        raise ClusterError(f"--bench {path}: its meta has no peak_tflops (a CPU or dry run): no efficiency to read")
+    out = {}
+    for part, kind, shape_keys, metric, precision, keep in BENCH_PARTS:
+        best: dict[tuple, float] = {}
+        for key, body in data["parts"].items():
+            if key.split("[")[0] != part:
+                continue
+            for e in body.get("entries", []):
+                if e.get("status") == "ok" and e.get(metric) and keep(e):
+                    shape = tuple(e.get(k) for k in shape_keys)
+                    best[shape] = max(best.get(shape, 0.0), e[metric])
+        if best:
+            out[kind] = statistics.median(best.values()) / peak[precision]
+    if not out:
+        raise ClusterError(f"--bench {path}: no measured gemm, grouped_gemm or attention entry")
     return out
