@@ -41,7 +41,7 @@ from moe_lc.model.counting import attention_core_flops, attention_params, attent
     shared_expert_params, train_flops_per_token
 from moe_lc.parallel.build import pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.pipeline import FB, B, CommGroup, Costs, F, compute_parts, simulate
+from moe_lc.parallel.pipeline import FB, B, Costs, F, simulate
 from .clusters import Cluster
 from .pipeline_memory import stage_forwards
 
@@ -212,8 +212,9 @@ def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], sched
     return out
 
 
-def _per_action(rc: RankCosts, group: str, ops=None) -> float:
-    return sum(s for (g, op), s in rc.ops.items() if g == group and (ops is None or op in ops)) / rc.actions
+def _per_action(rc: RankCosts, group: str) -> float:
+    """Link seconds of `group` per action (every op of the group)."""
+    return rc.comm_s.get(group, 0.0) / rc.actions
 
 
 def _action_counts(schedule, rank: int) -> Counter:
