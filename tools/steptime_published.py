@@ -36,8 +36,8 @@ RUNS = [
      "Megatron-Bridge 25.09 performance summary (docs.nvidia.com/nemo/megatron-bridge): DeepSeek-V3, "
      "1,024 H100, FP8, TP2 PP8 EP64, 4K"),
     ("recipes/qwen3_235b_a22b_128k.toml", "h100", None, 357.0,
-     "Megatron-Core MoE model zoo (NVIDIA/Megatron-LM, megatron/core/transformer/moe): Qwen3-235B-A22B, "
-     "128K, CP8, 32 H100 nodes, BF16, dropless"),
+     "Megatron MoE model zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md): "
+     "Qwen3-235B-A22B, 128K, TP4 CP8 PP8 VPP4 EP8, 32 H100 nodes, BF16, dropless"),
 ]
 RAISE = 1.10
 
