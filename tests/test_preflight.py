@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug_cpu.toml"
 SHIPPED = sorted((ROOT / "recipes").rglob("*.toml"))
 GPU_RECIPES = {"deepseek_v3_671b.toml", "moe16b_128k.toml", "longctx/moe16b_extend_32k.toml",
-               "longctx/moe16b_extend_128k.toml"}  # the rest run on CPU (tests, tools/extend.py)
+               "longctx/moe16b_extend_128k.toml", "megatron_deepseek_v3_h100.toml",
+               "qwen3_235b_a22b_128k.toml"}  # the rest run on CPU (tests, tools/extend.py)
 CPU_BUDGET = 4 * 2**30  # per rank: a small laptop's share, well under what the CPU recipes get
 
 

@@ -1,7 +1,7 @@
 """Memory and communication planner: per-rank bytes of every training state and traffic per mesh dim.
 
     python tools/plan.py RECIPE [--set KEY=VALUE ...] [--world N] [--policy none|selective|full]
-                         [--terms] [--json]
+                         [--terms] [--json] [--cluster NAME [--bench FILE] [--search]]
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
 (no memory; tools/plan_layout.py). Activations and traffic come from running the model code: the
@@ -14,7 +14,10 @@ all-reduces once a step from `plan_layout.trainer_traffic`. The tool prints the 
 each state lives on each dim), memory per rank by state, the transient working sets and the peak, saved
 activations under each recompute policy and the bytes this rank sends per optimizer step, keyed like
 the trainer's metrics ("comm/<group>/<op>_bytes"). tools/dryrun.py holds all of it to one traced
-training step at the recipe's real size. Runs from the repo root without installing.
+training step at the recipe's real size. With --cluster, also the predicted step time, tokens/s/GPU
+and MFU on that cluster (tools/steptime.py; `--set cluster.KEY=V` / `eff.KEY=V` override its figures);
+with --search, the layouts of the world size that fit, ranked by it (tools/steptime_search.py).
+Runs from the repo root without installing.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
-from .plan_layout import RankLayout, rank_layouts, traced_traffic, trainer_traffic
+from .plan_layout import RankLayout, mesh, rank_layouts, traced_traffic, trainer_traffic
+from . import steptime, steptime_search
+from .clusters import CLUSTERS, ClusterError, resolve, split_sets
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -345,18 +350,33 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=POLICIES, help="recompute policy to plan for (default: the recipe's)")
     ap.add_argument("--terms", action="store_true", help="list every saved tensor of each block kind, as traced")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--cluster", help=f"predict step time and MFU on this cluster ({', '.join(CLUSTERS)})")
+    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured efficiencies")
+    ap.add_argument("--search", action="store_true", help="with --cluster: rank the layouts of --world that fit memory")
     args = ap.parse_args(argv)
     if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it
         print(f"error: --world must be a positive integer, got {args.world}", file=sys.stderr)
         return 2
-    sets = args.set + ([f"recompute.policy={args.policy}"] if args.policy else [])
+    sets, cluster_sets = split_sets(args.set)
+    sets += [f"recompute.policy={args.policy}"] if args.policy else []
     try:
-        cfg = load_config(args.recipe, sets, world_size=args.world)
-    except ConfigError as exc:
+        if (cluster_sets or args.bench or args.search) and not args.cluster:
+            raise ClusterError("--set cluster./eff. keys, --bench and --search need --cluster NAME")
+        cluster = resolve(args.cluster, cluster_sets, args.bench) if args.cluster else None
+        cfg = load_config(args.recipe, sets, world_size=None if args.search else args.world)  # search: its own layouts
+    except (ConfigError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.search:
+        found = steptime_search.search(args.recipe, sets, args.world or mesh(cfg).world, *cluster, plan)
+        print(json.dumps({"search": found}, indent=1) if args.json else steptime_search.render(found))
+        return 0
     p = plan(cfg, args.world, args.recipe)
-    print(json.dumps(p.to_json(), indent=1) if args.json else render(p, cfg, args.terms))
+    predicted = steptime.predict(cfg, p, *cluster) if cluster else None
+    if args.json:
+        print(json.dumps({**p.to_json(), **({"predicted": predicted} if predicted else {})}, indent=1))
+    else:
+        print(render(p, cfg, args.terms) + (f"\n{steptime.render(predicted)}" if predicted else ""))
     return 0
 
 

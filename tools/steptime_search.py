@@ -1,0 +1,116 @@
+"""`tools/plan.py RECIPE --cluster NAME --search [--world N]`: the layouts of a world size that fit the
+cluster's memory, ranked by predicted tokens/s/GPU (tools/steptime.py), with why each beats the next.
+
+Candidates: pp a divisor of the world with at least two blocks per stage (the recipe's schedule; 1F1B
+at pp = 1), tp a power of two up to the node and dividing the heads, cp a power of two keeping at least
+4,096 tokens per rank (1 up to 8K tokens), ep a power of two dividing dp x cp x tp and the experts; the
+recipe's batch, model and everything else. A layout the recipe's rules refuse is skipped (counted by
+its first reason); one whose parameters and gradients alone exceed the memory is skipped before
+planning (planning 671B takes ~15 s a layout); the rest are planned and fit when the planned peak of
+every pipeline rank is at most the cluster's HBM (`cluster.hbm_gb`; the CUDA context and NCCL buffers
+are not in the plan).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from moe_lc.config import Config, ConfigError, load_config
+from moe_lc.model.counting import param_counts
+from .clusters import Cluster
+from .steptime import predict
+
+TOP = 5  # layouts explained
+
+
+def _powers(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
+
+
+def candidates(cfg: Config, world: int, cluster: Cluster) -> list[dict[str, int]]:
+    m, seq = cfg.model, cfg.train.seq_len
+    experts = m.moe.n_routed_experts if m.n_moe_layers else 1
+    out = []
+    for pp in (d for d in range(1, world + 1) if world % d == 0 and (d == 1 or 2 * d <= m.n_layers)):
+        for tp in (t for t in _powers(cluster.gpus_per_node) if m.n_heads % t == 0 and world % (pp * t) == 0):
+            for cp in (c for c in _powers(max(1, seq // 4096)) if world % (pp * tp * c) == 0):
+                dp = world // (pp * tp * cp)
+                for ep in (e for e in _powers(dp * cp * tp) if experts % e == 0 and (dp * cp * tp) % e == 0):
+                    out.append(dict(pp=pp, tp=tp, cp=cp, dp=dp, ep=ep))
+    return out
+
+
+def _static_bytes(cfg: Config, d: dict[str, int]) -> float:
+    """A lower bound of one rank's memory: its parameters (compute dtype) and fp32 gradients."""
+    c = param_counts(cfg.model)
+    mirror = 2 if cfg.parallel.pp_schedule == "dualpipe" and d["pp"] > 1 else 1
+    experts = c["routed_experts"] / (d["pp"] * d["ep"])
+    dense = (c["total"] - c["routed_experts"]) / (d["pp"] * d["tp"])
+    return mirror * (experts + dense) * ((4 if cfg.precision.recipe == "fp32" else 2) + 4)
+
+
+def name(d: dict[str, int]) -> str:
+    return " ".join(f"{k}{d[k]}" for k in ("pp", "tp", "cp", "ep", "dp") if d[k] > 1 or k == "dp")
+
+
+def search(recipe: str, sets: list[str], world: int, cluster: Cluster, eff: dict[str, float],
+           plan_fn, log=print) -> dict:
+    """{"ranked": [...fitting layouts, best first], "skipped": {reason: count}}."""
+    base = load_config(recipe, sets)  # the model and batch; the layouts are the candidates'
+    ranked, skipped = [], Counter()
+    for d in candidates(base, world, cluster):
+        layout = [f"parallel.{k}={v}" for k, v in d.items()]
+        if d["pp"] == 1:
+            layout.append("parallel.pp_schedule=1f1b")
+        try:
+            cfg = load_config(recipe, sets + layout, world_size=world)
+        except ConfigError as exc:
+            lines = str(exc).splitlines()
+            skipped["refused: " + lines[min(1, len(lines) - 1)].strip(" -")[:100]] += 1
+            continue
+        if _static_bytes(cfg, d) > cluster.hbm_gb * 1e9:
+            skipped["parameters + gradients alone exceed the memory"] += 1
+            continue
+        p = plan_fn(cfg, world, recipe)
+        peak = max(r.peak_bytes() for r in p.ranks)
+        if peak > cluster.hbm_gb * 1e9:
+            skipped["planned peak exceeds the memory"] += 1
+            continue
+        pred = predict(cfg, p, cluster, eff)
+        ranked.append(dict(layout=d, name=name(d), peak_gb=peak / 1e9, predicted=pred))
+        log(f"  {name(d):<28} {pred['tokens_per_s_per_gpu']:>9,.0f} tokens/s/GPU, peak {peak / 1e9:.1f} GB",
+            file=sys.stderr)
+    ranked.sort(key=lambda r: -r["predicted"]["tokens_per_s_per_gpu"])
+    return {"world": world, "ranked": ranked, "skipped": dict(skipped),
+            "why": [why(a, b) for a, b in zip(ranked[:TOP], ranked[1:TOP + 1])]}
+
+
+def _terms(pred: dict) -> dict[str, float]:
+    """Step seconds by cause: bubble, each group's exposed communication, the rest (compute, optimizer)."""
+    bubble = pred["bubble_share"] * pred["pipeline_s"]
+    exposed = pred["exposed_comm_s"]
+    return {"bubble": bubble, **{f"exposed {g}": s for g, s in exposed.items()},
+            "compute": pred["step_s"] - bubble - sum(exposed.values())}
+
+
+def why(a: dict, b: dict) -> str:
+    """One line: by how much `a` beats `b` and the two step-time terms that differ most."""
+    ta, tb = _terms(a["predicted"]), _terms(b["predicted"])
+    diffs = sorted(((k, tb.get(k, 0.0) - ta.get(k, 0.0)) for k in set(ta) | set(tb)), key=lambda kv: -abs(kv[1]))
+    gain = a["predicted"]["tokens_per_s_per_gpu"] / b["predicted"]["tokens_per_s_per_gpu"] - 1
+    parts = ", ".join(f"{k} {ta.get(k, 0.0):.3g} vs {tb.get(k, 0.0):.3g} s" for k, _ in diffs[:2])
+    return f"{a['name']} beats {b['name']} by {gain:.1%}: {parts}"
+
+
+def render(result: dict) -> str:
+    out = [f"Layouts of {result['world']} GPUs that fit, by predicted tokens/s/GPU:",
+           f"{'#':>3}  {'layout':<28}{'tokens/s/GPU':>13}{'MFU':>8}{'step s':>9}{'bubble':>8}{'exposed comm s':>16}"
+           f"{'peak GB':>9}"]
+    for i, r in enumerate(result["ranked"], 1):
+        p = r["predicted"]
+        out.append(f"{i:>3}  {r['name']:<28}{p['tokens_per_s_per_gpu']:>13,.0f}{p['mfu']:>8.1%}{p['step_s']:>9.3g}"
+                   f"{p['bubble_share']:>8.1%}{sum(p['exposed_comm_s'].values()):>16.3g}{r['peak_gb']:>9.1f}")
+    out += ["Why each beats the next:"] + [f"  {line}" for line in result["why"]]
+    out += ["Skipped:"] + [f"  {n} x {reason}" for reason, n in result["skipped"].items()]
+    return "\n".join(out)
