@@ -1,6 +1,6 @@
 """Pipeline schedules as data: builders, comm insertion, validation, simulator, drawing tool.
 
-Published numbers (REFERENCE.md "Pipeline schedules", DualPipe README notation: F forward chunk,
+Published numbers (the DualPipe README, github.com/deepseek-ai/DualPipe, and its notation: F forward chunk,
 B FULL backward chunk, W its weight-gradient part, F&B an overlapped pair) are asserted against the
 simulator with zero comm cost. Where a formula holds only under a condition, the test says which
 and asserts what the simulator shows outside it.

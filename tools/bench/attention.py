@@ -20,7 +20,8 @@ Implementations, each timed forward (no grad) and forward + backward (autograd, 
   raw:flash_attn4    flash_attn.cute.flash_attn_func (PyPI flash-attn-4), when importable: the kernel
                      wrapper:flash_attn4 calls, through its own autograd Function
 
-FLOPs (causal; half of the S x S score matrix, as in REFERENCE.md "causal FLOPs = half of 4*s^2*d*h"):
+FLOPs (causal: half of the S x S score matrix, half of the dense 4*s^2*d*h, as FlashAttention-2 counts
+it, arXiv 2307.08691):
     forward          = 4 * B * H * S^2 * D / 2 = 2 * B * H * S^2 * D     (D_qk = D_v = D)
                        in general B * H * S^2 * (D_qk + D_v)
     backward         = 2.5 x forward;  forward + backward = 3.5 x forward

@@ -19,7 +19,7 @@ FLOPs per step (B = 1 sequence of S tokens, L blocks, H query heads, Dqk/Dv head
            N_act = activated parameters without norms (embedding excluded, routed experts counted
            top-k / E; DeepSeek's convention); backward = 2x forward for matmuls and attention alike.
   hardware = model + recomputation: attention backward at 2.5x forward (flash kernels recompute
-           the scores, REFERENCE.md) instead of 2x, plus the forwards that `recompute` replays:
+           the scores: FlashAttention-2, arXiv 2307.08691) instead of 2x, plus the forwards that `recompute` replays:
            norm / swiglu are elementwise (0 matmul FLOPs), selective "attention" replays the core
            (+1 attention forward), policy "full" replays each block's forward (+2 * N_blocks * B * S
            + 1 attention forward).
