@@ -96,3 +96,147 @@ def test_pp2_tp2_like_one_process():
 
 def test_dp2_like_one_process():
     assert_like_one_process(["parallel.dp=2"], 2, holders=2)
+
+
+# -- tiny tied Qwen3 and Llama models of transformers' own classes --------------------------------------
+
+transformers = pytest.importorskip("transformers")  # the eval extra: `pip install -e '.[eval]'`
+
+from tests import hf_models  # noqa: E402
+
+TRAIN_HF = ["precision.recipe=fp32", "train.steps=3", "train.seq_len=32", "train.global_batch=2",
+            "train.micro_batch=1", "train.warmup_steps=0", "train.lr_schedule=constant", "train.lr=1e-3",
+            "train.weight_decay=0", "train.grad_clip=0", "train.threads=1", "data.source=stdlib"]
+
+
+def tied_config(family: str):
+    config = {"qwen3": hf_models.qwen3, "llama": hf_models.llama}[family]()
+    config.tie_word_embeddings = True  # as Qwen3-0.6B and Llama-3.2-1B ship
+    return config
+
+
+@pytest.fixture(scope="module")
+def tied_hf(tmp_path_factory):
+    """family -> (transformers model, its directory, our conversion's directory)."""
+    from moe_lc.convert import from_hf
+
+    out = {}
+    for family in ("qwen3", "llama"):
+        base = tmp_path_factory.mktemp(f"tied_{family}")
+        model = hf_models.save_model(tied_config(family), base / "hf")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        from_hf(base / "hf", base / "ours", log=lambda *_: None)
+        out[family] = (model, base / "hf", base / "ours")
+    return out
+
+
+def as_hf(state: dict, cfg, family: str) -> dict:
+    """Our full tensors cut into transformers' tensors by the conversion table."""
+    from moe_lc.convert.hf_names import pieces, to_theirs
+
+    out = {}
+    for p in pieces(cfg.model, family):
+        region = state[p.ours]
+        for d, (start, size) in enumerate(zip(p.offset, p.box_shape())):
+            region = region.narrow(d, start, size)
+        out[p.theirs] = to_theirs(p, region, cfg.model.mla.qk_rope_head_dim).clone()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tied_hf_converts_tied_and_comes_back(tied_hf, family, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eval.model_io import load_eval_config, load_model, resolve_checkpoint
+    from moe_lc.checkpoint import checkpoint_keys, find_checkpoint
+    from moe_lc.convert import to_hf
+
+    hf, hf_dir, ours_dir = tied_hf[family]
+    step, recipe = resolve_checkpoint(ours_dir)
+    cfg = load_eval_config(recipe, None, [])
+    assert cfg.model.tie_embeddings and "tie_embeddings = true" in (ours_dir / "recipe.toml").read_text()
+    keys = checkpoint_keys(find_checkpoint(ours_dir))
+    assert "model.embed.weight" in keys and "model.head.weight" not in keys
+    ours = load_model(step, cfg)
+    assert ours.head.weight is ours.embed.weight
+    tokens = torch.randint(0, hf_models.VOCAB, (2, 96))
+    with torch.no_grad():
+        want, have = hf(tokens).logits, ours(tokens)
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-5
+    to_hf(ours_dir, tmp_path / "back", log=lambda *_: None)
+    back, orig = load_file(tmp_path / "back" / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    assert back.keys() == orig.keys() and "lm_head.weight" not in back, set(back) ^ set(orig)
+    assert all(back[k].dtype == orig[k].dtype and torch.equal(back[k], orig[k]) for k in orig)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is True
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def train_ours(ours_dir, tmp) -> tuple[list[float], list[list[torch.Tensor]], dict, object]:
+    """3 steps of our trainer from the conversion: (losses, each step's micro-batch tokens (B, S+1), the
+    final full state, the config)."""
+    from moe_lc.parallel.parallelize import full_state_dict
+    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.train import Trainer
+
+    cfg = load_config(ours_dir / "recipe.toml", TRAIN_HF + [f"train.output_dir={tmp}/run"])
+    trainer = Trainer(cfg)
+    trainer.checkpointer.load_weights(init_from_checkpoint(cfg), trainer.parallel, trainer.optimizer)
+    batches, next_step = [], trainer.loader.next_step
+
+    def recorded():
+        micro = next_step()
+        assert all(mb["loss_mask"] is None for mb in micro)
+        batches.append([mb["tokens"].clone() for mb in micro])
+        return micro
+
+    trainer.loader.next_step = recorded
+    losses = []
+    for _ in range(cfg.train.steps):
+        losses.append(trainer.train_step().loss)
+        trainer.step += 1
+    return losses, batches, full_state_dict(trainer.parallel, trainer.dims), cfg
+
+
+def train_transformers(hf, batches, cfg) -> list[float]:
+    """transformers' model trained on the same micro-batches with torch's AdamW (the update rule HF's
+    Trainer uses), the same hyper-parameters; the loss is the summed token loss over the step's tokens."""
+    t = cfg.train
+    opt = torch.optim.AdamW(hf.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)
+    hf.train()
+    losses = []
+    for micro in batches:
+        n_tokens = sum(tokens[:, 1:].numel() for tokens in micro)
+        total = 0.0
+        for tokens in micro:
+            logits = hf(tokens[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
+                                                     reduction="sum") / n_tokens
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_training_from_tied_hf_equals_transformers(tied_hf, family, tmp_path):
+    import copy
+
+    hf, _, ours_dir = tied_hf[family]
+    losses, batches, state, cfg = train_ours(ours_dir, tmp_path)
+    assert "head.weight" not in state
+    hf = copy.deepcopy(hf)
+    want_losses = train_transformers(hf, batches, cfg)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) <= 1e-5, (losses, want_losses)
+    have, want = as_hf(state, cfg, family), dict(hf.named_parameters())
+    assert have.keys() == want.keys(), set(have) ^ set(want)
+    worst = max(((have[k].double() - w.detach().double()).norm() / w.detach().double().norm()).item()
+                for k, w in want.items())
+    print(f"\n{family}: losses {losses}, rel diff {max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)):.1e}, "
+          f"weights {worst:.1e}")
+    assert worst <= 1e-5, worst
