@@ -240,3 +240,29 @@ def test_training_from_tied_hf_equals_transformers(tied_hf, family, tmp_path):
     print(f"\n{family}: losses {losses}, rel diff {max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)):.1e}, "
           f"weights {worst:.1e}")
     assert worst <= 1e-5, worst
+
+
+# -- the planner ------------------------------------------------------------------------------------------
+
+def test_planner_counts_the_tied_table_once_and_its_pp_tie_all_reduce():
+    """The parameter count and the plan's table hold the tied (V, D) once; each of the two stages holding
+    a copy all-reduces its reduced fp32 shard over pp_tie: 2 (n-1)/n x 4 V D bytes (dp = 1, n = 2), as a real
+    pp2 1F1B run counts it (with every other counter and the optimizer bytes: tests/test_plan.py's check);
+    DualPipe, whose rank 0 holds both ends, plans none."""
+    from moe_lc.model.counting import param_counts
+    from tests.test_plan import RECIPE, SMALL, _check_layout
+    from tools.plan import plan
+
+    over = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=1", "train.micro_batch=2"]
+    cfg = load_config(RECIPE, SMALL + over, world_size=2)
+    V, D = cfg.model.vocab_size, cfg.model.dim
+    untied = param_counts(load_config(RECIPE, SMALL + over[1:], world_size=2).model)
+    assert param_counts(cfg.model)["total"] == untied["total"] - V * D
+    assert param_counts(cfg.model)["activated"] == untied["activated"]  # the table is still the head's matmul
+    for rank in plan(cfg, 2).ranks:
+        assert [r.numel for r in rank.table if r.state == "params" and "tied" in r.part] == [V * D]
+        assert rank.comm_per_step()["comm/pp_tie/all_reduce_bytes"] == 2 * (2 - 1) * 4 * V * D // 2
+    dualpipe = load_config(RECIPE, SMALL + over + ["parallel.pp_schedule=dualpipe", "train.micro_batch=1"],
+                           world_size=2)
+    assert all("comm/pp_tie/all_reduce_bytes" not in r.comm_per_step() for r in plan(dualpipe, 2).ranks)
+    _check_layout("pp2-tied", 2, over, act_rtol=None)  # PP activations: not measured there either
