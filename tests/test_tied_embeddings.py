@@ -49,19 +49,20 @@ def tied_steps(rank: int, world: int, overrides: list[str]) -> dict:
                 "pp": trainer.dims.coords()["pp"], "final": final if rank == 0 else None}
 
 
-_ONE: list = []
+_ONE: dict[tuple, dict] = {}
 
 
-def one_process() -> dict:
-    if not _ONE:
-        _ONE.append(run_workers(tied_steps, 1, [])[0])
-    return _ONE[0]
+def one_process(model: tuple[str, ...]) -> dict:
+    if model not in _ONE:
+        _ONE[model] = run_workers(tied_steps, 1, list(model))[0]
+    return _ONE[model]
 
 
-def assert_like_one_process(overrides: list[str], world: int, holders: int) -> None:
-    """`overrides` on `world` ranks: losses and final parameters within 1e-5 of one process; every copy of
-    the tied parameter equal bit for bit after every step (`holders`: ranks that must hold one)."""
-    ref, ranks = one_process(), run_workers(tied_steps, world, overrides)
+def assert_like_one_process(overrides: list[str], world: int, holders: int, model: tuple[str, ...] = ()) -> None:
+    """`overrides` (and `model`'s) on `world` ranks: losses and final parameters within 1e-5 of one process
+    with `model`; every copy of the tied parameter equal bit for bit after every step (`holders`: ranks that
+    must hold one)."""
+    ref, ranks = one_process(model), run_workers(tied_steps, world, overrides + list(model))
     got = ranks[0]
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     assert loss_rel <= 1e-5, (got["losses"], ref["losses"])
@@ -87,6 +88,12 @@ def test_pp2_1f1b_like_one_process():
 
 def test_pp2_dualpipe_like_one_process():
     assert_like_one_process(["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, holders=2)
+
+
+def test_pp2_dualpipe_mtp_like_one_process():
+    """MTP's shared head is the tied tensor too (on DualPipe's last-stage chunk, whose embedding it is)."""
+    assert_like_one_process(["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, holders=2,
+                            model=("model.mtp.depth=1",))
 
 
 @pytest.mark.slow
