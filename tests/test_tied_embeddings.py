@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import pytest
@@ -103,6 +104,24 @@ def test_pp2_tp2_like_one_process():
 
 def test_dp2_like_one_process():
     assert_like_one_process(["parallel.dp=2"], 2, holders=2)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_both_copies_reshards_to_tp2(tmp_path):
+    """Saved at pp2 1F1B (both stages save their copy of embed.weight and its optimizer state, the same
+    boxes), resumed at tp2 (one vocabulary-sharded copy): the next steps match the run that went on."""
+    from tests.harness import compare, run_layout
+
+    ckpt = tmp_path / "ckpt"
+    base = TIED + ["train.steps=6", "checkpoint.interval=3", f"checkpoint.dir={ckpt}"]
+    original = run_layout(DENSE, base + ["parallel.pp=2"], world=2)
+    assert "head.weight" not in original.final_state
+    shutil.rmtree(ckpt / "step_00000006")
+    resumed = run_layout(DENSE, base + ["parallel.tp=2", "checkpoint.resume=true"], world=2)
+    assert max(abs(a - b) / b for a, b in zip(resumed.losses, original.losses[3:])) < 1e-5
+    report = compare(original, resumed.__class__(original.losses[:3] + resumed.losses, resumed.grad_norms,
+                                                 resumed.final_state, [], [], 2))
+    assert report.max_param_rel < 1e-5, report
 
 
 # -- tiny tied Qwen3 and Llama models of transformers' own classes --------------------------------------
