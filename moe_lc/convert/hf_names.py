@@ -210,7 +210,8 @@ def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     for d in range(cfg.mtp.depth):
         theirs = f"model.layers.{cfg.n_layers + d}"
         out[f"{theirs}.embed_tokens.weight"] = "model.embed_tokens.weight"
-        out[f"{theirs}.shared_head.head.weight"] = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+        head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+        out[f"{theirs}.shared_head.head.weight"] = head
     return out
 
 

@@ -147,7 +147,8 @@ class Transformer(nn.Module):
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
-        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if self.embed is not None and self.takes_tokens else []
+        embeds = self.embed is not None and self.takes_tokens
+        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if embeds else []
         for block in self.layers.values():
             chain += block.phases(cos, sin, stats, docs)
         if self.head is not None:
