@@ -98,11 +98,11 @@ def test_pp2_dualpipe_mtp_like_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["zbh1", "interleaved_1f1b"])
-def test_pp2_other_schedules_like_one_process(schedule):
+@pytest.mark.parametrize("schedule, holders", [("zbh1", 2), ("interleaved_1f1b", 2), ("dualpipev", 1)])
+def test_pp2_other_schedules_like_one_process(schedule, holders):
     """ZB-H1 defers the head's weight gradient (its W delivers the last stage's share); interleaved 1F1B
-    holds stage 0 and the last stage on ranks 0 and 1 among other stages."""
-    assert_like_one_process(["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2, holders=2)
+    holds stage 0 and the last stage on ranks 0 and 1 among other stages; DualPipeV holds both on rank 0."""
+    assert_like_one_process(["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2, holders=holders)
 
 
 @pytest.mark.slow
