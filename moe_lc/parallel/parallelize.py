@@ -181,8 +181,8 @@ def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
     by_group: dict[tuple, list] = {}
     for name, p, place in result.named_parameters():
         if p.requires_grad:
-            key = (*zero_group_of(name, place.grad_group, lr_scale, place.tie_group), place.grad_group, place.tie_group)
-            by_group.setdefault(key, []).append((name, p, place))
+            group, scale = zero_group_of(name, place.grad_group, lr_scale, place.tie_group)
+            by_group.setdefault((group, scale, place.grad_group, place.tie_group), []).append((name, p, place))
     return [(g, params, dims[grad], s, dims[tie] if tie else None)
             for (g, s, grad, tie), params in sorted(by_group.items(), key=lambda kv: kv[0][:3])]
 
