@@ -57,7 +57,7 @@ def test_logits_and_gradients_match_transformers(convert, family):
     logit_diff, want = forward_backward_both(ours, hf, cfg, family)
     print(f"\n{family}: max |logit diff| / max |logit| = {logit_diff:.2e}")
     assert logit_diff <= 1e-5
-    have = hf_tensor_of_grads(ours, cfg, family, tied=False)
+    have = hf_tensor_of_grads(ours, cfg, family)
     assert set(have) == set(want), set(have) ^ set(want)
     worst = max(((have[n] - g).abs().max() / g.abs().max().clamp_min(1e-6)).item() for n, g in want.items())
     print(f"{family}: worst gradient diff / its max = {worst:.2e} over {len(want)} tensors")

@@ -58,7 +58,7 @@ def test_selection_logits_and_gradients_match_transformers(v32, monkeypatch):
         if ".indexer." in name:  # transformers scores without gradient; ours in eval mode trains no indexer
             assert p.grad is None or not p.grad.any(), name
             p.grad = torch.zeros_like(p)
-    have = hf_tensor_of_grads(ours, cfg, "deepseek_v32", tied=False)
+    have = hf_tensor_of_grads(ours, cfg, "deepseek_v32")
     assert {k for k in have if ".indexer." not in k} == set(want)
     for name, g in want.items():
         assert (have[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-6), name

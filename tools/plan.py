@@ -42,9 +42,10 @@ from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
+from moe_lc.parallel.parallelize import grad_group_of_zero
 from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
-    MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
+    MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
 from .plan_layout import RankLayout, mesh, rank_layouts, traced_traffic, trainer_traffic
@@ -55,6 +56,7 @@ __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
 PARTS = {"dp_cp": "dense", "dp_cp_tp": "tp-replicated", "edp": "experts"}
 FROZEN = " (frozen)"  # a ZeRO group of learning-rate scale 0 (zero.py: no reduce-scatter, no all-gather)
+TIED = " (tied embedding)"  # the first and last stages' copies: their reduced shard summed over pp_tie
 DIM_ORDER = ("pp", "dp", "cp", "tp", "ep", "dp_cp", "dp_cp_tp", "edp")
 
 
@@ -144,10 +146,11 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     pdtype = "fp32" if c == 4 else "bf16"
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
-        group, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
+        _, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
+        group, tied = grad_group_of_zero(zero_group), "+" in zero_group  # "<group>+pp_tie": a tied embedding
         n = dims[group].size
         local = sum(buckets[zero_group])
-        model_dims = {"pp": (dims.pp, "S")}
+        model_dims = {} if tied else {"pp": (dims.pp, "S")}  # the tied copies on two stages count once
         if group == "dp_cp":
             model_dims["tp"] = (dims.tp, "S")
         elif group == "edp":
@@ -155,7 +158,8 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         scale = 1
         for size, _ in model_dims.values():
             scale *= size
-        part = PARTS[group] + (FROZEN if lr_scale == "0" else f" (lr x {lr_scale})" if lr_scale else "")
+        part = PARTS[group] + (FROZEN if lr_scale == "0" else f" (lr x {lr_scale})" if lr_scale else "") + \
+            (TIED if tied else "")
         numel = local * scale
         pad = local - sum(k for _, k in params)
         note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
@@ -237,8 +241,21 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     else:
         out["step"] = max(out["recompute replay"], head)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision).update_bytes_per_element)
-    out["optimizer step"] = per_elem * max(sum(b) // deg[g.split("*")[0]].size for g, b in buckets.items())
+    out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
+
+
+def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:
+    """A tied embedding held on two pipeline stages: each rank all-reduces its reduced fp32 gradient shard
+    of it over pp_tie once a step (moe_lc/parallel/tie.py; none where one rank holds both ends)."""
+    out = []
+    for g, sizes in buckets.items():
+        if "+" in g:
+            tie = layout.dims[g.split("*")[0].split("+")[1]]
+            shard = sum(sizes) // layout.dims[grad_group_of_zero(g)].size
+            out.append(Traffic(tie.name, "all_reduce", ring_bytes("all_reduce", 4 * shard, tie.size),
+                               "tied embedding's reduced gradient shard (fp32)"))
+    return [t for t in out if t.bytes]
 
 
 def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
@@ -263,7 +280,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
         moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
-        sends = traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
+        sends = (traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
+                 + tie_traffic(layout, buckets))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

@@ -14,7 +14,8 @@ the counted bytes and optimizer state of real runs):
   optimizer    fp32 master + the state the update rule declares (moe_lc/optim; AdamW: two moments, fp32 or
                bf16 with precision.adam_moments = "bf16"), 1/N
   per step     reduce-scatter of each bucket's fp32 gradients, all-gather of each bucket's parameters,
-               and the trainer's small fp64/fp32 all-reduces (`trainer_traffic`): token count over dp
+               a tied embedding's reduced fp32 shard all-reduced over pp_tie (moe_lc/parallel/tie.py), once
+               in the parameter count however many stages hold a copy, and the trainer's small fp64/fp32 all-reduces (`trainer_traffic`): token count over dp
                (masked data only), loss, grad norm (and MTP loss sums) over world, expert loads (and
                the dispatchers' counters) over dp_cp_tp
 
@@ -41,7 +42,7 @@ from moe_lc.config import Config
 from moe_lc.model.balance_losses import stat_columns
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.optim import recipe_rule
-from moe_lc.parallel.parallelize import param_lr_scale, zero_group_of
+from moe_lc.parallel.parallelize import grad_group_of_zero, param_lr_scale, zero_group_of
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
@@ -74,11 +75,12 @@ class RankLayout:
 
     def local_params(self, cfg: Config) -> dict[str, list[tuple[str, int]]]:
         """{ZeRO group: [(name, local elements)]}, in single-device order (the order ZeRO lays out); groups as
-        the trainer makes them (`zero_group_of`: gradient group, split by learning-rate scale)."""
+        the trainer makes them (`zero_group_of`: gradient group, split by learning-rate scale and tie group)."""
         groups: dict[str, list[tuple[str, int]]] = {}
         scale = param_lr_scale(cfg)
         for name, p, place in self.model.named_parameters():
-            groups.setdefault(zero_group_of(name, place.grad_group, scale)[0], []).append((name, p.numel()))
+            groups.setdefault(zero_group_of(name, place.grad_group, scale, place.tie_group)[0], []).append(
+                (name, p.numel()))
         return groups
 
     def zero_buckets(self, cfg: Config) -> dict[str, list[int]]:
@@ -86,10 +88,10 @@ class RankLayout:
         rule (the parameters it wants whole are packed into per-rank bins)."""
         rule, whole = recipe_rule(cfg), {}
         for name, p, place in self.model.named_parameters():
-            whole.setdefault(zero_group_of(name, place.grad_group, param_lr_scale(cfg))[0], []).append(
-                rule.whole(name, p.shape))
+            whole.setdefault(zero_group_of(name, place.grad_group, param_lr_scale(cfg), place.tie_group)[0],
+                             []).append(rule.whole(name, p.shape))
         return {g: bucket_sizes([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb),
-                                self.dims[g.split("*")[0]].size, whole[g])
+                                self.dims[grad_group_of_zero(g)].size, whole[g])
                 for g, params in sorted(self.local_params(cfg).items())}
 
 

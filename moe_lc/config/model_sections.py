@@ -210,6 +210,10 @@ class ModelConfig:
                                 "projection outputs (OLMoE)")
     attn_out_bias: bool = f(False, "a bias on the attention output projection wo (transformers' attention_bias "
                                    "in Llama, Qwen3, OLMoE covers it and q, k, v)")
+    tie_embeddings: bool = f(False, "one parameter serves the embedding and the output head (transformers' "
+                                    "tie_word_embeddings: Qwen3-0.6B, Llama-3.2-1B); under a pipeline whose first "
+                                    "and last stages are on different ranks both hold it and sum its gradient over "
+                                    "the pp_tie group")
     moe: MoEConfig = f(MoEConfig(), "[model.moe]")
     rope: RopeConfig = f(RopeConfig(), "[model.rope]")
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")

@@ -118,11 +118,10 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
                       if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")
                       and int(k.split(".")[2]) >= n_layers})
     cfg, family = from_hf_config(hf, mtp_layers)
-    tied = "lm_head.weight" not in weights
-    if tied and not hf.get("tie_word_embeddings", False):
+    if "lm_head.weight" not in weights and not cfg.tie_embeddings:
         raise ConvertError(f"{hf_dir}: lm_head.weight is missing and tie_word_embeddings is not set")
     interleaved = family in ("deepseek_v2", "deepseek_v32") or (family == "deepseek_v3" and hf.get("rope_interleave", True))
-    table = pieces(cfg, family, tied=tied, interleaved=interleaved)
+    table = pieces(cfg, family, interleaved=interleaved)
     for p in table:
         if p.theirs not in weights:
             raise ConvertError(f"{hf_dir}: tensor {p.theirs} is missing (needed for our {p.ours})")
@@ -130,6 +129,8 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
             raise ConvertError(f"{p.theirs}: shape {weights.shape[p.theirs]} in the checkpoint, "
                                f"{p.shape} from config.json")
     used = {p.theirs for p in table} | set(mtp_copies(cfg))
+    if cfg.tie_embeddings:  # a tied checkpoint that also saved the head: transformers ignores it, as we do
+        used.add("lm_head.weight")
     left = [k for k in weights.keys() if k not in used and not k.endswith("_scale_inv")
             and not k.endswith("rotary_emb.inv_freq")]
     if left:

@@ -187,8 +187,8 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
     hf = {"model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
           "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std,
-          "hidden_act": "silu", "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
-          "dtype": dtype, "rope_parameters": rope_to_hf(cfg.rope), "architectures": [ARCHITECTURES[family]]}
+          "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
+          "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype, "rope_parameters": rope_to_hf(cfg.rope), "architectures": [ARCHITECTURES[family]]}
     if family in MOE_FAMILIES:
         return to_hf_moe(cfg, family, hf)
     if family in ("llama", "qwen2", "qwen3"):

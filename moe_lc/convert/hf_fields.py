@@ -60,7 +60,8 @@ def common(hf: dict, partial_ok: bool = False) -> dict:
     return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                 n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                 ffn_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                init_std=float(hf.get("initializer_range", 0.02)), rope=rope_section(hf, partial_ok))
+                init_std=float(hf.get("initializer_range", 0.02)), rope=rope_section(hf, partial_ok),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
 def rope_to_hf(r) -> dict:

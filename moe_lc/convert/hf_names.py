@@ -179,16 +179,18 @@ def _block(cfg: ModelConfig, ours: str, theirs: str, layer: int, family: str, in
     return out
 
 
-def pieces(cfg: ModelConfig, family: str, *, tied: bool = False, interleaved: bool | None = None) -> list[Piece]:
-    """Every piece of a model of `family` (moe_lc.convert.hf_config.FAMILIES) with our config `cfg`.
-    tied: the checkpoint has no lm_head (the output head reads the embedding).
+def pieces(cfg: ModelConfig, family: str, *, interleaved: bool | None = None) -> list[Piece]:
+    """Every piece of a model of `family` (moe_lc.convert.hf_config.FAMILIES) with our config `cfg`; a tied
+    model (cfg.tie_embeddings, transformers' tie_word_embeddings) has no head piece and no lm_head: the
+    head reads embed.weight.
     interleaved: DeepSeek's rope rows are interleaved (V2 always; V3 per its `rope_interleave`)."""
     if interleaved is None:
         interleaved = family.startswith("deepseek")
     D, V = cfg.dim, cfg.vocab_size
     out = [Piece("embed.weight", (0, 0), "model.embed_tokens.weight", (V, D)),
-           Piece("norm.weight", (0,), "model.norm.weight", (D,)),
-           Piece("head.weight", (0, 0), "model.embed_tokens.weight" if tied else "lm_head.weight", (V, D))]
+           Piece("norm.weight", (0,), "model.norm.weight", (D,))]
+    if not cfg.tie_embeddings:
+        out.append(Piece("head.weight", (0, 0), "lm_head.weight", (V, D)))
     for i in range(cfg.n_layers):
         out += _block(cfg, f"layers.{i}", f"model.layers.{i}", i, family, interleaved)
     for d in range(cfg.mtp.depth):  # DeepSeek-V3 keeps MTP module d as layer n_layers + d
@@ -208,7 +210,8 @@ def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     for d in range(cfg.mtp.depth):
         theirs = f"model.layers.{cfg.n_layers + d}"
         out[f"{theirs}.embed_tokens.weight"] = "model.embed_tokens.weight"
-        out[f"{theirs}.shared_head.head.weight"] = "lm_head.weight"
+        head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+        out[f"{theirs}.shared_head.head.weight"] = head
     return out
 
 

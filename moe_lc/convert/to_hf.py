@@ -146,9 +146,10 @@ def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dt
             writer.add(key, _hf_tensor(by_key[key], ours, rope_dim))
         if group.startswith("mtp."):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
             layer = f"model.layers.{cfg.model.n_layers + int(group.split('.')[1])}"
-            shared = _read_group(path, ["embed.weight", "head.weight"], shapes, dtypes)
+            head = "embed.weight" if cfg.model.tie_embeddings else "head.weight"
+            shared = _read_group(path, list(dict.fromkeys(["embed.weight", head])), shapes, dtypes)
             writer.add(f"{layer}.embed_tokens.weight", shared["embed.weight"])
-            writer.add(f"{layer}.shared_head.head.weight", shared["head.weight"])
+            writer.add(f"{layer}.shared_head.head.weight", shared[head])
         log(f"  {group or 'embedding / norm / head'} ({i + 1}/{len(groups)}, {time.perf_counter() - start:.0f} s)")
 
 

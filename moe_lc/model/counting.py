@@ -53,7 +53,9 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by part, plus `total` and `activated`: per token, routed experts count K/E of
     theirs and the embedding table nothing (a lookup reads one row); this is DeepSeek's convention,
     which reproduces their published pairs: V2 236B / 21B, V2-Lite 15.7B / 2.4B, V3 671B / 37B
-    (tests/test_model.py). The MTP modules (`mtp`) are counted apart, as DeepSeek reports 671B + MTP."""
+    (tests/test_model.py). The MTP modules (`mtp`) are counted apart, as DeepSeek reports 671B + MTP. A tied
+    embedding (model.tie_embeddings) is one table: `head` counts 0 and `activated` counts the table once,
+    as the head's matmul."""
     D, L = cfg.dim, cfg.n_layers
     attn = attention_params(cfg)
     n_moe = cfg.n_moe_layers
@@ -66,11 +68,12 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "router": n_moe * cfg.moe.n_routed_experts * D,
         "shared_experts": n_moe * shared_expert_params(cfg),
         "routed_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts,
-        "head": cfg.vocab_size * D,
+        "head": 0 if cfg.tie_embeddings else cfg.vocab_size * D,  # tied: the embedding's table, counted once
     }
     counts["total"] = sum(counts.values())
     routed_active = n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.topk
-    counts["activated"] = counts["total"] - counts["embedding"] - counts["routed_experts"] + routed_active
+    lookup = 0 if cfg.tie_embeddings else counts["embedding"]  # a tied table is also the head's matmul
+    counts["activated"] = counts["total"] - lookup - counts["routed_experts"] + routed_active
     counts["mtp"] = cfg.mtp.depth * mtp_module_params(cfg)
     return counts
 

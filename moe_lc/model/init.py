@@ -43,9 +43,12 @@ class InitRule:
 def init_rules(model: nn.Module, std: float, n_layers: int) -> dict[str, InitRule]:
     """{parameter name: how it is initialized} (see the module docstring)."""
     out_std = std / (2 * n_layers) ** 0.5
-    rules = {}
+    rules, seen = {}, set()
     for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied parameter (the head's weight is embed.weight): its first name only
+                continue
+            seen.add(id(param))
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(module, (RMSNorm, nn.LayerNorm)):
                 rules[name] = InitRule("ones")

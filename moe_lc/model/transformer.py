@@ -114,6 +114,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = Linear(cfg.dim, cfg.vocab_size)
         self.head.fp8_eligible = False  # DeepSeek keeps the output head in bf16
+        self.takes_tokens = True  # False on a pipeline stage after the first (it keeps a tied `embed` for its name)
+        if cfg.tie_embeddings:  # one (V, D) parameter, named embed.weight; the state dict holds no head.weight
+            self.tie_head_()
+            self.register_state_dict_post_hook(_drop_tied_head)
+            self.register_load_state_dict_post_hook(_tied_head_not_missing)
         self.loss_fn = CrossEntropySum()
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
@@ -142,7 +147,8 @@ class Transformer(nn.Module):
         """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
-        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if self.embed is not None else []
+        embeds = self.embed is not None and self.takes_tokens
+        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if embeds else []
         for block in self.layers.values():
             chain += block.phases(cos, sin, stats, docs)
         if self.head is not None:
@@ -166,6 +172,12 @@ class Transformer(nn.Module):
             loss = loss + self.mtp_loss_weight / len(losses) * sum(losses)
         return loss
 
+    def tie_head_(self) -> None:
+        """model.tie_embeddings: the output head reads the embedding's (V, D) parameter (again: moving a model
+        off the meta device gives each module a new Parameter object). A no-op without either of them."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.weight
+
     def moe_layers(self) -> dict[str, MoE]:
         """MoE FFNs by block name ("3", ..., and "mtp0" for the MTP modules' blocks)."""
         out = {name: b.ffn for name, b in self.layers.items() if isinstance(b.ffn, MoE)}
@@ -173,6 +185,19 @@ class Transformer(nn.Module):
             if isinstance(module.block.ffn, MoE):
                 out[f"mtp{d}"] = module.block.ffn
         return out
+
+
+def _drop_tied_head(model, state_dict, prefix, local_metadata) -> None:
+    """State-dict hook of a tied model: the head's weight is embed.weight, saved once under that name."""
+    if model.head is not None and model.embed is not None and model.head.weight is model.embed.weight:
+        state_dict.pop(prefix + "head.weight", None)
+
+
+def _tied_head_not_missing(model, incompatible_keys) -> None:
+    """Load hook of a tied model: loading embed.weight loaded the head's weight too."""
+    if "head.weight" in incompatible_keys.missing_keys and model.head is not None and model.embed is not None \
+            and model.head.weight is model.embed.weight:
+        incompatible_keys.missing_keys.remove("head.weight")
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",

@@ -26,6 +26,7 @@ from moe_lc.parallel import comm
 from moe_lc.parallel.layer_plan import resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
+from moe_lc.parallel.tie import tie_plan
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
@@ -51,6 +52,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
                               device=device, route=route, compiled=compiled,
                               pipelined=schedule is not None if defer_wgrad is None else defer_wgrad)
     model = plan.apply(model)
+    if model.cfg.tie_embeddings:
+        tie_plan(model, dims, schedule, placements)
     chunks, stage_ids = [], [0]
     if schedule is not None:
         from moe_lc.parallel.pipeline.stage import split_for_rank
@@ -75,6 +78,7 @@ run) nothing is drawn."""
     module = result.module
     rules = init_rules(module, std, n_layers)
     module.to_empty(device=device)  # new Parameter objects (look them up after), buffers allocated
+    module.tie_head_()  # one object again for a tied embedding and head
     init_buffers(module)
     params = dict(module.named_parameters())
     for name, place in result.placements.items():
@@ -154,23 +158,33 @@ def param_lr_scale(cfg):
     return dsa_lr_scale(cfg.model, cfg.train.lr)
 
 
-def zero_group_of(name: str, grad_group: str, lr_scale=None) -> tuple[str, float]:
+def zero_group_of(name: str, grad_group: str, lr_scale=None, tie_group: str | None = None) -> tuple[str, float]:
     """(ZeRO group name, lr scale) of a parameter: its gradient group, split by learning-rate scale (a
-    group of scale s != 1 is named "<gradient group>*s"). The planner lays out the same groups."""
+    group of scale s != 1 is named "<gradient group>*s") and, for a tied parameter held on two pipeline
+    stages, by its tie group ("<gradient group>+pp_tie": one layout on both, parallel/tie.py). The planner
+    lays out the same groups."""
     scale = float(lr_scale(name)) if lr_scale is not None else 1.0
-    return (grad_group if scale == 1.0 else f"{grad_group}*{scale:g}"), scale
+    group = grad_group if tie_group is None else f"{grad_group}+{tie_group}"
+    return (group if scale == 1.0 else f"{group}*{scale:g}"), scale
+
+
+def grad_group_of_zero(zero_group: str) -> str:
+    """The gradient group a ZeRO group (`zero_group_of`'s name) shards over: "dp_cp+pp_tie*0.1" -> "dp_cp"."""
+    return zero_group.split("*")[0].split("+")[0]
 
 
 def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
-    """[(group name, [(param name, param, placement)], Group, lr scale)] for ZeroOptimizer, one per gradient
-    group and learning-rate scale (`lr_scale(param name) -> float`, `param_lr_scale`; default 1 for all),
-    each in single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
-    by_group: dict[tuple[str, float], list] = {}
+    """[(group name, [(param name, param, placement)], Group, lr scale, tie Group or None)] for ZeroOptimizer,
+    one per gradient group, learning-rate scale (`lr_scale(param name) -> float`, `param_lr_scale`; default
+    1 for all) and tie group (the tied embedding's copies on two pipeline stages: parallel/tie.py), each in
+    single-device order (so DualPipe's mirror ranks lay out the same flat buffers)."""
+    by_group: dict[tuple, list] = {}
     for name, p, place in result.named_parameters():
         if p.requires_grad:
-            by_group.setdefault((*zero_group_of(name, place.grad_group, lr_scale), place.grad_group), []).append(
-                (name, p, place))
-    return [(g, params, dims[grad], s) for (g, s, grad), params in sorted(by_group.items())]
+            group, scale = zero_group_of(name, place.grad_group, lr_scale, place.tie_group)
+            by_group.setdefault((group, scale, place.grad_group, place.tie_group), []).append((name, p, place))
+    return [(g, params, dims[grad], s, dims[tie] if tie else None)
+            for (g, s, grad, tie), params in sorted(by_group.items(), key=lambda kv: kv[0][:3])]
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:

@@ -85,12 +85,15 @@ class ParamPlacement:
                  1), e.g. 1/copies for kv rows replicated over tp ranks outside its grad group
     grad_hooks   tensor hooks its gradient passes before accumulation (e.g. summing kv rows replicated
                  over tp), registered on the live parameter by `install_grad_hooks`
+    tie_group    the group over which copies of it on other pipeline stages sum their reduced gradient
+                 (the tied embedding's "pp_tie", moe_lc/parallel/tie.py); None: one copy
     """
 
     grad_group: str = "dp_cp"
     shards: tuple[Shard, ...] = ()
     norm_weight: torch.Tensor | None = None
     grad_hooks: tuple = ()
+    tie_group: str | None = None
 
     def full_shape(self, local_shape, groups: dict[str, Group]) -> list[int]:
         shape = list(local_shape)

@@ -20,7 +20,7 @@ are here.
     MTPModule      input projection eh_proj replicated on the shard ("dp_cp_tp"); its norms and block
                    are visited as modules of their own
     embedding      vocab-parallel rows; head column-parallel over the vocabulary with a vocab-parallel
-                   cross-entropy
+                   cross-entropy (a tied head reads the embedding's rows: the same shards)
 """
 
 from __future__ import annotations
@@ -158,7 +158,10 @@ def tensor_parallel_plan(model: nn.Module, dims: ParallelDims, placements: Place
         plan.set(model, embed=VocabParallelEmbedding(model.embed.weight, tp.group))
         handled.add(id(model.embed.weight))
     if getattr(model, "head", None) is not None:
-        tp.linear(model.head, Shard("tp", 0), tp.column)
+        if model.head.weight is getattr(model.embed, "weight", None):  # tied: the embedding's vocabulary shards
+            plan.set(model.head, tp=tp.column)
+        else:
+            tp.linear(model.head, Shard("tp", 0), tp.column)
         plan.set(model, loss_fn=VocabParallelCrossEntropy(tp.group))
         handled |= {id(p) for p in model.head.parameters()}
     unknown = [n for n, p in model.named_parameters() if id(p) not in handled]

@@ -108,8 +108,9 @@ class ShardedParams:
     """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
-                 bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0):
-        self.name, self.group, self.lr_scale = name, group, lr_scale
+                 bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
+                 tie: Group | None = None):
+        self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
@@ -224,6 +225,8 @@ class ShardedParams:
             if b.work is not None:
                 b.work.wait()
             b.launched, b.work = False, None
+        if self.tie is not None and self.lr_scale != 0:  # a tied parameter's copies on two stages (parallel/tie.py)
+            comm.all_reduce(self.grad_shard, self.tie)
         self.sync = False
 
     # -- update -----------------------------------------------------------------------------------
@@ -263,8 +266,9 @@ class ZeroOptimizer:
     """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
     mesh dims.
 
-    groups: [(name, [(param name, param, placement)], Group[, lr scale])] (parallelize.zero_param_groups): a
-    group's learning rate is lr x its scale (default 1); a group of scale 0 is frozen: its gradients are
+    groups: [(name, [(param name, param, placement)], Group[, lr scale[, tie Group]])]
+    (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a tie
+    group sums its reduced gradient shard over it (the tied embedding's copies: parallel/tie.py); a group of scale 0 is frozen: its gradients are
     dropped as they arrive (never reduced, out of the norm) and its master never updated, so neither its
     reduce-scatter nor its all-gather runs (DeepSeek Sparse Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
     the squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names

@@ -1,7 +1,9 @@
 """Stage split: which layers form each pipeline stage, and the modules a rank keeps.
 
 The model's blocks are cut into `n_stages` contiguous stages (stage 0 also holds the embedding,
-the last stage the final norm, the output head and the loss). By default the cut balances the
+the last stage the final norm, the output head and the loss; with model.tie_embeddings the last stage
+holds the embedding module too, unused, so that the tied parameter has one name, embed.weight, on every
+rank: parallel/tie.py sums its gradient over the copies). By default the cut balances the
 training FLOPs per token of each block (moe_lc.model.counting, MLA included) plus the head's on the
 last stage; a recipe can fix it with `parallel.pp_stage_layers`.
 
@@ -79,8 +81,10 @@ def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> 
     shell._modules = dict(full._modules)
     shell._parameters, shell._buffers = dict(full._parameters), dict(full._buffers)
     shell.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layer_ids})
-    if not first:
-        shell.embed = None
+    if not first:  # a tied last stage keeps the embedding for its parameter's name (the head reads it)
+        shell.takes_tokens = False
+        if not (last and full.cfg.tie_embeddings):
+            shell.embed = None
     if not last:
         shell.head, shell.norm, shell.loss_fn, shell.mtp, shell.mtp_embed = None, None, None, None, None
     return shell
