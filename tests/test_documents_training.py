@@ -66,7 +66,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in ("cp4", "cp2_tp2") else k
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in ("cp4", "cp2_tp2", "pp2_dualpipe_cp2") else k
                                     for k in LAYOUTS])  # cp4 and cp2 x tp2: -m slow
 def test_document_masked_training_equals_one_process(corpus, layout):
     extra, world = LAYOUTS[layout]

@@ -39,7 +39,8 @@ def _kl(result) -> list[float]:
     return [row["dsa/indexer_kl"] for row in result.metrics]
 
 
-@pytest.mark.parametrize("layout", list(SPARSE_LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in ("cp4", "cp2_tp2") else k
+                                    for k in SPARSE_LAYOUTS])
 def test_sparse_stage_trains_like_one_process(layout):
     extra, world = SPARSE_LAYOUTS[layout]
     micro = [o for o in extra if o.startswith("train.")]
@@ -62,7 +63,8 @@ def test_sparse_stage_with_packed_documents_trains_like_one_process(corpus):  # 
 WARMUP = DSA + ["model.dsa.stage=warmup", "model.dsa.indexer_lr=1e-2", "train.optimizer=sgd", "train.sgd_momentum=0.9"]
 
 
-@pytest.mark.parametrize("layout, world", [(["parallel.cp=2"], 2), (["parallel.cp=2", "parallel.tp=2"], 4)],
+@pytest.mark.parametrize("layout, world", [(["parallel.cp=2"], 2),
+                                           pytest.param(["parallel.cp=2", "parallel.tp=2"], 4, marks=pytest.mark.slow)],
                          ids=["cp2", "cp2_tp2"])
 def test_warmup_stage_trains_only_the_indexer_like_one_process(layout, world):
     cfg = load_config(RECIPE, FAST + TRAIN + WARMUP)  # the harness's seed
@@ -92,7 +94,7 @@ RECOMPUTE = {
 }
 
 
-@pytest.mark.parametrize("policy", list(RECOMPUTE))
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "selective"])
 def test_sparse_stage_under_recomputation_on_cp2_trains_like_one_process(policy):
     """Full: the block's replay selects again (the same keys: the selection is exact) and books the indexer loss
     once (in backward). Selective "attention": the sparse attention is replayed from q, the latent rows and the
@@ -103,6 +105,7 @@ def test_sparse_stage_under_recomputation_on_cp2_trains_like_one_process(policy)
     assert _kl(got) == pytest.approx(_kl(ref), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_sparse_stage_in_fp8_on_cp2_tracks_one_process():
     """FP8 GEMMs in every Linear (the indexer's included): cp2 within the fp8 tolerance of one process."""
     from tests.harness import TOLERANCE

@@ -81,6 +81,7 @@ def test_linear_cache_trains_bit_identically():
     assert all(torch.equal(cached.final_state[k], v) for k, v in plain.final_state.items())
 
 
+@pytest.mark.slow
 def test_swiglu_and_attn_out_caches_stay_within_the_fp8_tolerance():
     """They round what backward reads (the SwiGLU input, the attention output): losses move, within the
     tolerance the fp8 recipe is held to against bf16; the forward of step 1 is untouched."""
@@ -125,6 +126,7 @@ def test_saved_bytes_fall_by_what_the_planner_predicts(case):
     assert measured[("linear", "swiglu", "attn_out")] < min(v for k, v in measured.items() if len(k) < 3)
 
 
+@pytest.mark.slow
 def test_caches_compose_with_dualpipe_ep_and_dp():
     """pp2 DualPipe x dp2 with ep2 folded in (4 ranks) against one process, both with the caches that
     round (fp32: the equivalence harness's precision): losses within 1e-5, parameters within 1e-3 (a

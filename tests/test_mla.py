@@ -178,7 +178,8 @@ LATENT_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(LATENT_LAYOUTS))
+@pytest.mark.parametrize("case", [pytest.param(k, marks=pytest.mark.slow) if k == "pp2-dualpipe-cp2" else k
+                                  for k in LATENT_LAYOUTS])
 def test_mla_latent_ring_matches_one_device(case):
     """The latent ring (parallel.mla_ring = latent, the default; cp2 and cp2 x tp2 are in the test
     above) on more ranks, under selective recomputation of the up-projections, and inside DualPipe."""
