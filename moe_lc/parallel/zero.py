@@ -267,11 +267,13 @@ class ZeroOptimizer:
     mesh dims.
 
     groups: [(name, [(param name, param, placement)], Group[, lr scale[, tie Group]])]
-    (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a tie
-    group sums its reduced gradient shard over it (the tied embedding's copies: parallel/tie.py); a group of scale 0 is frozen: its gradients are
-    dropped as they arrive (never reduced, out of the norm) and its master never updated, so neither its
-    reduce-scatter nor its all-gather runs (DeepSeek Sparse Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
-    the squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
+    (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a
+    tie group sums its reduced gradient shard over it (the tied embedding's copies: parallel/tie.py); a
+    group of scale 0 is frozen: its gradients are dropped as they arrive (never reduced, out of the norm)
+    and its master never updated, so neither its reduce-scatter nor its all-gather runs (DeepSeek Sparse
+    Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard
+    of the model (the world), over which the squared norm is summed. rule: moe_lc.optim's (default AdamW
+    with its defaults); no_decay: the names
     of parameters weight decay leaves alone.
     """
 
