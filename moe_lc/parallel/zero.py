@@ -273,8 +273,7 @@ class ZeroOptimizer:
     and its master never updated, so neither its reduce-scatter nor its all-gather runs (DeepSeek Sparse
     Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard
     of the model (the world), over which the squared norm is summed. rule: moe_lc.optim's (default AdamW
-    with its defaults); no_decay: the names
-    of parameters weight decay leaves alone.
+    with its defaults); no_decay: the names of parameters weight decay leaves alone.
     """
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
