@@ -14,7 +14,7 @@ rope, 32 value; indexer 4 heads of 32. Each point is the median of `--iters` run
 except where the first run alone takes over `LONG_S` seconds: then that run is the point (a warm-up's
 effect is lost in it, and the 32K dense point would otherwise take 20 minutes).
 
-Writes results.json, README.md (the table, the ratio at the longest length, the growth exponents) and
+Writes results.json, table.md (the table, the ratio at the longest length, the growth exponents) and
 time_vs_length.png to --out. Timings from a shared machine are not comparable: run it with nothing else
 running, and say which machine in the results.
 """
