@@ -50,7 +50,8 @@ def test_rules_sit_below_zero_and_import_no_layout():
 
     graph = import_graph()
     rules = {m: deps for m, deps in graph.items() if m.startswith("moe_lc.optim")}
-    assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd"}
+    assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd",
+                          "moe_lc.optim.muon"}
     assert all(d.startswith("moe_lc.optim") for deps in rules.values() for d in deps), rules
     assert "moe_lc.optim.rule" in graph["moe_lc.parallel.zero"]
 

@@ -34,7 +34,7 @@ from moe_lc.optim.adamw import AdamW
 from moe_lc.optim.rule import OwnedParam, ShardView, UpdateRule
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.placement import ParamPlacement
+from moe_lc.parallel.placement import ParamPlacement, Shard, gather_full
 
 GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
 
@@ -108,9 +108,12 @@ class ShardedParams:
     """One ZeRO-1 group: flat buffers, buckets, shards, hooks.  See the module docstring."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
-                 bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0):
+                 bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
+                 shard_groups: dict[str, Group] | None = None):
         self.name, self.group, self.lr_scale = name, group, lr_scale
         self.names = {id(p): n for n, p, _ in named_params}
+        self.placements = {n: place for n, _, place in named_params}
+        self.shard_groups = shard_groups  # the mesh's groups by name: where a whole matrix's TP slices live
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
         whole = [rule.whole(n, p.shape) for n, p, _ in reversed(named_params)]
@@ -143,7 +146,7 @@ class ShardedParams:
                       for spec in rule.states()}
         owned = self._owned_params()
         self.view = ShardView(self.master, self.grad_shard, self.state,
-                              [(o.lo, o.hi) for o in owned if o.name in no_decay], owned)
+                              [(o.lo, o.hi) for o in owned if o.name in no_decay], owned, self._to_full, self._to_local)
         self.norm_weight = self._norm_weight_shard(norm_weights)
         self.sync = False
 
@@ -183,6 +186,26 @@ class ShardedParams:
                 if id(p) in weights:
                     full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
         return torch.cat([self._own(full, b) for b in self.buckets])
+
+    def _matrix_shards(self, o: OwnedParam) -> tuple[Shard, ...]:
+        """The placement's shards that cut a whole parameter's matrices (its last two dims; not EP's expert
+        dim) over a group of more than one rank."""
+        shards = tuple(s for s in self.placements[o.name].shards if s.dim >= len(o.shape) - 2)
+        if shards and self.shard_groups is None:
+            raise ValueError(f"{o.name} is sharded over {shards[0].group}: ZeroOptimizer needs shard_groups")
+        return tuple(s for s in shards if self.shard_groups[s.group].size > 1)
+
+    def _to_full(self, o: OwnedParam, local: torch.Tensor) -> torch.Tensor:
+        """(ShardView.to_full) a whole owned parameter's full matrices from every TP slice (all-gather)."""
+        shards = self._matrix_shards(o)
+        return gather_full(local, shards, self.shard_groups) if shards else local
+
+    def _to_local(self, o: OwnedParam, full: torch.Tensor) -> torch.Tensor:
+        """(ShardView.to_local) this rank's slice of a full tensor of a whole owned parameter."""
+        for shard in self._matrix_shards(o):
+            group = self.shard_groups[shard.group]
+            full = shard.local_slice(full, group.rank, group.size)
+        return full
 
     # -- gradient synchronization -------------------------------------------------------------------
     def begin_step(self, grads_per_param: int | dict[int, int]) -> None:
@@ -268,13 +291,16 @@ class ZeroOptimizer:
     dropped as they arrive (never reduced, out of the norm) and its master never updated, so neither its
     reduce-scatter nor its all-gather runs (DeepSeek Sparse Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard of the model (the world), over which
     the squared norm is summed. rule: moe_lc.optim's (default AdamW with its defaults); no_decay: the names
-    of parameters weight decay leaves alone.
+    of parameters weight decay leaves alone; shard_groups: the mesh's groups by name (ParallelDims.groups),
+    over which a rule's whole matrices are gathered from their tensor-parallel slices (Muon).
     """
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
-                 bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
+                 bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
+                 shard_groups: dict[str, Group] | None = None):
         self.rule = rule if rule is not None else AdamW()
-        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule, *scale)
+        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
+                                     *(scale or [1.0]), shard_groups=shard_groups)
                        for n, ps, g, *scale in groups if ps]
         self.norm_group = norm_group
         self.grad_clip = grad_clip
