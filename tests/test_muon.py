@@ -20,7 +20,7 @@ from moe_lc.parallel.zero import ZeroOptimizer
 from tests.harness import RECIPES, assert_equivalent, reference, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
-MUON = ["train.optimizer=muon", "train.lr=0.02"]
+MUON = ["train.optimizer=muon", "train.lr=0.01"]
 
 
 # -- the math ------------------------------------------------------------------------------------------
@@ -150,3 +150,31 @@ def test_muon_state_is_one_momentum_and_adamw_second_moment_resumes_exactly(tmp_
     resumed = run_layout(RECIPE, saving + ["checkpoint.resume=true"], world=2)
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
+
+
+def test_tp_gather_bytes_are_counted_partition_the_matrices_and_equal_the_plan():
+    """dp 2 x tp 2: Muon's tp all-gather bytes per step, counted by moe_lc.parallel.comm, are AdamW's (the
+    activations' SP gathers) plus (tp - 1) x the fp32 bytes of each matrix slice the rank owns (a slice
+    whose Shard cuts a matrix dim); the two dp ranks' owners split the matrices between them (together:
+    every slice of the planner's placement table once), tp peers own the same ones, and the planner's
+    figures for dp rank 0 are its counted ones, every key."""
+    from tools.plan import plan
+    from tools.plan_layout import rank_layouts
+
+    steps = ["train.steps=2", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
+             "train.warmup_steps=1", "parallel.dp=2", "parallel.tp=2", "parallel.zero_bucket_mb=0.05"]
+    muon = run_layout(RECIPE, MUON + steps, world=4)
+    adamw = run_layout(RECIPE, ["train.lr=0.01"] + steps, world=4)
+    cfg = load_config(RECIPE, MUON + steps, world_size=4)
+    rule = recipe_rule(cfg)
+    slices = sum(p.numel() for name, p, place in rank_layouts(cfg, 4)[0].model.named_parameters()
+                 if rule.whole(name, p.shape) and any(s.group == "tp" and s.dim >= p.dim() - 2 for s in place.shards))
+    key = "comm/tp/all_gather_bytes"
+    extra = [{got[key] - base[key] for got, base in zip(muon.comm_per_rank[r], adamw.comm_per_rank[r])}
+             for r in range(4)]
+    assert all(len(e) == 1 for e in extra), extra  # the same every step
+    (dp0_tp0,), (dp0_tp1,), (dp1_tp0,), (dp1_tp1,) = extra
+    assert dp0_tp0 == dp0_tp1 > 0 and dp1_tp0 == dp1_tp1 > 0
+    assert dp0_tp0 + dp1_tp0 == (2 - 1) * 4 * slices
+    want = plan(cfg, 4).ranks[0].comm_per_step()
+    assert all(step == want for r in (0, 1) for step in muon.comm_per_rank[r]), (want, muon.comm_per_rank[0])

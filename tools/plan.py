@@ -44,7 +44,7 @@ from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
-from .plan_layout import RankLayout, rank_layouts, traced_traffic, trainer_traffic
+from .plan_layout import RankLayout, muon_traffic, rank_layouts, traced_traffic, trainer_traffic
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 
@@ -135,7 +135,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out; the
     optimizer's bytes are the master's and what the update rule declares (moe_lc/optim)."""
     c, dims = compute_bytes(cfg), layout.dims
-    opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision))
+    opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision, cfg.model))
     pdtype = "fp32" if c == 4 else "bf16"
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
@@ -231,7 +231,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision).update_bytes_per_element)
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision, cfg.model).update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[g.split("*")[0]].size for g, b in buckets.items())
     return out
 
@@ -258,7 +258,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
         moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
-        sends = traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
+        sends = (traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
+                 + muon_traffic(cfg, layout))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

@@ -90,6 +90,16 @@ def bucket_sizes(numels: list[int], bucket_elems: int, n: int, whole: list[bool]
     return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev)]
 
 
+def whole_owners(numels: list[int], bucket_elems: int, n: int, whole: list[bool]) -> list[int | None]:
+    """The group rank whose shard holds each whole parameter (None: a cut one), for parameters of
+    `numels` elements and `whole` flags in single-device order, as ShardedParams lays them out (the
+    planner: which rank orthogonalizes which matrix)."""
+    rev_whole, owners = list(reversed(whole)), []
+    for size, offsets in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev_whole):
+        owners += [off // (size // n) if rev_whole[len(owners)] else None for off in offsets]
+    return owners[::-1]
+
+
 def bucket_elems(bucket_mb: float) -> int:
     """fp32 elements per bucket of `parallel.zero_bucket_mb` MiB."""
     return max(int(bucket_mb * 2**20 / 4), 1)
