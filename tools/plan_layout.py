@@ -45,7 +45,7 @@ from moe_lc.parallel.parallelize import param_lr_scale, zero_group_of
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
-from moe_lc.parallel.zero import bucket_elems, bucket_sizes, whole_owners
+from moe_lc.parallel.zero import bucket_elems, bucket_sizes, matrix_shards, whole_owners
 from .block_trace import TracedParts, block_kind
 from .pipeline_memory import stage_forwards, stage_sends
 from .placement_semantics import Traffic, ring_bytes
@@ -149,8 +149,9 @@ def muon_traffic(cfg: Config, layout: RankLayout) -> list[Traffic]:
         owners = whole_owners([p.numel() for _, p, _ in params], bucket_elems(cfg.parallel.zero_bucket_mb),
                               group.size, [rule.whole(name, p.shape) for name, p, _ in params])
         sliced += sum(p.numel() for (name, p, place), owner in zip(params, owners) if owner == group.rank
-                      and any(s.group == "tp" and s.dim >= p.dim() - 2 for s in place.shards))
-    return [Traffic("tp", "all_gather", (dims.tp - 1) * 4 * sliced, "muon: the owned matrices' tp slices (fp32)")]
+                      and any(s.group == "tp" for s in matrix_shards(place.shards, len(p.shape))))
+    return [Traffic("tp", "all_gather", (dims.tp - 1) * 4 * sliced, "muon: the owned matrices' tp slices (fp32)")
+            ] if sliced else []
 
 
 def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedule) -> list[Traffic]:

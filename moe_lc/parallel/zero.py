@@ -90,6 +90,12 @@ def bucket_sizes(numels: list[int], bucket_elems: int, n: int, whole: list[bool]
     return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev)]
 
 
+def matrix_shards(shards: tuple[Shard, ...], ndim: int) -> tuple[Shard, ...]:
+    """The placement shards that cut a parameter's matrices, its last two dims (EP's expert dim does not):
+    the slices a matrix rule gathers (ShardedParams.to_full)."""
+    return tuple(s for s in shards if s.dim >= ndim - 2)
+
+
 def whole_owners(numels: list[int], bucket_elems: int, n: int, whole: list[bool]) -> list[int | None]:
     """The group rank whose shard holds each whole parameter (None: a cut one), for parameters of
     `numels` elements and `whole` flags in single-device order, as ShardedParams lays them out (the
@@ -200,7 +206,7 @@ class ShardedParams:
     def _matrix_shards(self, o: OwnedParam) -> tuple[Shard, ...]:
         """The placement's shards that cut a whole parameter's matrices (its last two dims; not EP's expert
         dim) over a group of more than one rank."""
-        shards = tuple(s for s in self.placements[o.name].shards if s.dim >= len(o.shape) - 2)
+        shards = matrix_shards(self.placements[o.name].shards, len(o.shape))
         if shards and self.shard_groups is None:
             raise ValueError(f"{o.name} is sharded over {shards[0].group}: ZeroOptimizer needs shard_groups")
         return tuple(s for s in shards if self.shard_groups[s.group].size > 1)
