@@ -20,6 +20,9 @@ from moe_lc.parallel.zero import ZeroOptimizer
 from tests.harness import RECIPES, assert_equivalent, reference, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
+# lr 0.01: at 0.02 the loss spikes at step 5 and dp2 x tp2 x ep2 ends 4e-5 from one process; so does one
+# process with micro_batch 1 instead of 2 (1.2e-3 in one expert's w2: a routing flip that summation order
+# decides, as the harness's seed note describes), so it measures that amplification, not the layout
 MUON = ["train.optimizer=muon", "train.lr=0.01"]
 
 
@@ -127,10 +130,13 @@ LAYOUTS = {
     "ep2": (["parallel.dp=2", "parallel.ep=2"], 2),
     "pp2_dualpipe": (["parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"], 2),
     "dp2_tp2_ep2": (["parallel.dp=2", "parallel.tp=2", "parallel.ep=2"], 4),
+    "tp4_kv_replicated": (["parallel.tp=4"], 4),  # 2 kv heads on 4 ranks: wqkv's k, v sections replicated
 }
+FOUR_RANKS = {"dp2_tp2_ep2", "tp4_kv_replicated"}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if k in FOUR_RANKS else [])
+                                    for k in LAYOUTS])
 def test_muon_layouts_train_like_one_process(layout):
     extra, world = LAYOUTS[layout]
     ref = reference(RECIPE, BASE + [o for o in extra if o == "train.micro_batch=1"])
