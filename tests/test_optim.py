@@ -99,7 +99,9 @@ def test_rules_match_torch_optim_bit_for_bit(rule_name):
                                           (["precision.adam_moments=bf16"],
                                            {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}),
                                           (SGD_KEYS, {"momentum_buffer": torch.float32}),
-                                          (SGD_KEYS + ["train.sgd_momentum=0"], {})])
+                                          (SGD_KEYS + ["train.sgd_momentum=0"], {}),
+                                          (["train.optimizer=muon"],
+                                           {"momentum": torch.float32, "exp_avg_sq": torch.float32})])
 def test_state_declaration_gives_buffers_checkpoint_keys_and_planner_bytes(tmp_path, keys, states):
     cfg = load_config(RECIPE, SMALL + keys + [f"train.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
