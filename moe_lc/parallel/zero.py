@@ -14,11 +14,12 @@ Parameters are laid out in reverse registration order so buckets fill in backwar
 its parameters at any element offset, except where the rule asks for a parameter whole (`rule.whole`):
 such parameters form buckets of their own, packed into N bins of equal width, one per rank (largest first
 onto the emptiest bin), so each sits whole in its owner's 1/N and the rule sees it with its shape; the
-bins are padded to the bucket's fullest. When a bucket's last gradient of the step arrives
-(post-accumulate-grad hook), its reduce-scatter is launched asynchronously and overlaps the rest of
-backward; earlier micro-steps only accumulate. `ZeroOptimizer.step` sums the squared grad norm over the
-world, clips, lets the rule update each master shard, and all-gathers each bucket's parameter shard back
-into param_buffer. On one device (N = 1) the same code is a mixed-precision optimizer with no
+bins are padded to the bucket's fullest (a matrix rule such as Muon gets a tensor-parallel parameter's
+full matrix through `ShardView.to_full`: an all-gather over tp from the owners of its other slices).
+When a bucket's last gradient of the step arrives (post-accumulate-grad hook), its reduce-scatter is
+launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
+`ZeroOptimizer.step` sums the squared grad norm over the world, clips, lets the rule update each master
+shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the same code is a mixed-precision optimizer with no
 communication.
 """
 
