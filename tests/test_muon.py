@@ -1,7 +1,8 @@
 """Muon (moe_lc/optim/muon.py): the Newton-Schulz step against its polynomial on the singular values,
 the update's scale and RMS, which parameters take Muon and per which logical matrix, and the sharded
 rule (each matrix whole on one owner, TP slices gathered) equal to one process under dp2, tp2, ep2,
-pp2 DualPipe and dp2 x tp2 x ep2, with an exact resume."""
+pp2 DualPipe, dp2 x tp2 x ep2 and tp4, an exact resume and a resume resharded to tp2, and the tp gather's
+counted bytes against the slices and the planner."""
 
 import math
 import shutil
@@ -17,7 +18,7 @@ from moe_lc.optim.muon import NS_COEFFICIENTS, newton_schulz
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.parallel.zero import ZeroOptimizer
-from tests.harness import RECIPES, assert_equivalent, reference, run_layout
+from tests.harness import RECIPES, LayoutResult, assert_equivalent, compare, reference, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
 # lr 0.01: at 0.02 the loss spikes at step 5 and dp2 x tp2 x ep2 ends 4e-5 from one process; so does one
@@ -145,9 +146,10 @@ def test_muon_layouts_train_like_one_process(layout):
     assert got.losses[-1] < got.losses[0] - 0.5
 
 
-def test_muon_state_is_one_momentum_and_adamw_second_moment_resumes_exactly(tmp_path):
+def test_muon_resumes_exactly_and_reshards_to_tp2(tmp_path):
     """dp2: checkpoint at step 3, resume to 6 equal bit for bit to the uninterrupted run (Muon's momentum
-    and AdamW's moments travel in the checkpoint)."""
+    and AdamW's moments travel in the checkpoint); the same checkpoint resumed under tp2 (momentum cut
+    into TP slices, matrices on other owners) continues within 1e-5."""
     ckpt_dir = tmp_path / "ckpt"
     saving = MUON + ["train.steps=6", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
                      "train.warmup_steps=2", "parallel.dp=2", "checkpoint.interval=3", f"checkpoint.dir={ckpt_dir}"]
@@ -156,6 +158,12 @@ def test_muon_state_is_one_momentum_and_adamw_second_moment_resumes_exactly(tmp_
     resumed = run_layout(RECIPE, saving + ["checkpoint.resume=true"], world=2)
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
+    shutil.rmtree(ckpt_dir / "step_00000006")
+    on_tp = run_layout(RECIPE, [o for o in saving if o != "parallel.dp=2"] + ["parallel.tp=2",
+                                                                             "checkpoint.resume=true"], world=2)
+    assert on_tp.losses == pytest.approx(full.losses[3:], rel=1e-5)
+    report = compare(full, LayoutResult(full.losses[:3] + on_tp.losses, on_tp.grad_norms, on_tp.final_state, [], [], 2))
+    assert report.max_param_rel < 1e-5, report
 
 
 def test_tp_gather_bytes_are_counted_partition_the_matrices_and_equal_the_plan():

@@ -231,7 +231,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision, cfg.model).update_bytes_per_element)
+    rule = build_rule(cfg.train, cfg.precision, cfg.model)
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[g.split("*")[0]].size for g, b in buckets.items())
     return out
 

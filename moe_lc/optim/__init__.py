@@ -12,7 +12,8 @@ from moe_lc.optim.muon import Muon
 from moe_lc.optim.rule import OwnedParam, ShardView, StateSpec, UpdateRule
 from moe_lc.optim.sgd import SGD
 
-__all__ = ["RULES", "AdamW", "Muon", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule", "recipe_rule"]
+__all__ = ["RULES", "AdamW", "Muon", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule",
+           "recipe_rule"]
 
 RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "sgd": SGD, "muon": Muon}
 

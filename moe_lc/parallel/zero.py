@@ -19,8 +19,8 @@ full matrix through `ShardView.to_full`: an all-gather over tp from the owners o
 When a bucket's last gradient of the step arrives (post-accumulate-grad hook), its reduce-scatter is
 launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
 `ZeroOptimizer.step` sums the squared grad norm over the world, clips, lets the rule update each master
-shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the same code is a mixed-precision optimizer with no
-communication.
+shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the
+same code is a mixed-precision optimizer with no communication.
 """
 
 from __future__ import annotations
