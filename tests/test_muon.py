@@ -1,7 +1,7 @@
 """Muon (moe_lc/optim/muon.py): the Newton-Schulz step against its polynomial on the singular values,
 the update's scale and RMS, which parameters take Muon and per which logical matrix, and the sharded
-rule (each matrix whole on one owner, TP slices gathered) equal to one process under dp2, tp2, ep2,
-pp2 DualPipe, dp2 x tp2 x ep2 and tp4, an exact resume and a resume resharded to tp2, and the tp gather's
+rule (each matrix whole on one owner, TP slices gathered) equal to one process under dp2, tp2, cp2,
+ep2, pp2 DualPipe, dp2 x tp2 x ep2 and tp4, an exact resume and a resume resharded to tp2, and the tp gather's
 counted bytes against the slices and the planner."""
 
 import math
@@ -129,6 +129,7 @@ LAYOUTS = {
     "dp2": (["parallel.dp=2"], 2),
     "tp2": (["parallel.tp=2"], 2),
     "ep2": (["parallel.dp=2", "parallel.ep=2"], 2),
+    "cp2": (["parallel.cp=2"], 2),
     "pp2_dualpipe": (["parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"], 2),
     "dp2_tp2_ep2": (["parallel.dp=2", "parallel.tp=2", "parallel.ep=2"], 4),
     "tp4_kv_replicated": (["parallel.tp=4"], 4),  # 2 kv heads on 4 ranks: wqkv's k, v sections replicated
