@@ -5,8 +5,8 @@ embedding table and the output head) take Muon; embeddings, the head, norms, bia
 1-D parameter take AdamW with train.beta1 / beta2 / eps. Both use train.lr and train.weight_decay
 (decoupled). One Muon step on a matrix W (A x B), g its clipped gradient:
 
-    b = mu b + g                          (the momentum buffer, mu = train.muon_momentum = 0.95)
-    u = g + mu b                          (Nesterov)
+    m = mu m + g                          (the momentum buffer, mu = train.muon_momentum = 0.95)
+    u = g + mu m                          (Nesterov)
     O = NS5(u)                            (5 Newton-Schulz steps, coefficients (3.4445, -4.7750, 2.0315),
                                            fp32, on u / ||u||_F, transposed when A > B)
     W = W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     (0.2 sqrt(max(A, B)): AdamW's update RMS)
@@ -16,7 +16,7 @@ wqkv = [q; k; v] as q, k and v; SwiGLU's w13 = [w1; w3] (dense, shared and each 
 and w3; MLA's wa = [wq_a; wkv_a] (with q_lora_rank) as DeepSeek's two projections, wkv_a keeping its
 rope key rows; DSA's indexer wkw = [wk; weights_proj] as wk and weights_proj.
 
-State per master element: `momentum` (fp32; Muon's buffer b on matrix elements, AdamW's exp_avg on the
+State per master element: `momentum` (fp32; Muon's buffer m on matrix elements, AdamW's exp_avg on the
 rest) and `exp_avg_sq` (fp32; AdamW's, zero and unused on matrix elements). ZeRO-1 hands each matrix
 whole to one owner rank of its data-parallel group (`whole`); a tensor-parallel matrix reaches the rule as
 its TP slice, and `ShardView.to_full` / `to_local` gather it whole over tp and cut the update back (every
