@@ -100,8 +100,8 @@ class Trainer:
                                            store=self.parallel.wgrad_store)
         self.optimizer = ZeroOptimizer(
             zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
-            build_rule(t, p), grad_clip=t.grad_clip,
-            bucket_mb=cfg.parallel.zero_bucket_mb, no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay)
+            build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
+            no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups)
         self.step = 0
         self.nonfinite_skipped = 0
         self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (stop_signal.py)

@@ -50,7 +50,8 @@ def test_rules_sit_below_zero_and_import_no_layout():
 
     graph = import_graph()
     rules = {m: deps for m, deps in graph.items() if m.startswith("moe_lc.optim")}
-    assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd"}
+    assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd",
+                          "moe_lc.optim.muon"}
     assert all(d.startswith("moe_lc.optim") for deps in rules.values() for d in deps), rules
     assert "moe_lc.optim.rule" in graph["moe_lc.parallel.zero"]
 
@@ -98,7 +99,9 @@ def test_rules_match_torch_optim_bit_for_bit(rule_name):
                                           (["precision.adam_moments=bf16"],
                                            {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}),
                                           (SGD_KEYS, {"momentum_buffer": torch.float32}),
-                                          (SGD_KEYS + ["train.sgd_momentum=0"], {})])
+                                          (SGD_KEYS + ["train.sgd_momentum=0"], {}),
+                                          (["train.optimizer=muon"],
+                                           {"momentum": torch.float32, "exp_avg_sq": torch.float32})])
 def test_state_declaration_gives_buffers_checkpoint_keys_and_planner_bytes(tmp_path, keys, states):
     cfg = load_config(RECIPE, SMALL + keys + [f"train.output_dir={tmp_path}"])
     trainer = Trainer(cfg)

@@ -48,7 +48,7 @@ from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
-from .plan_layout import RankLayout, mesh, rank_layouts, traced_traffic, trainer_traffic
+from .plan_layout import RankLayout, mesh, muon_traffic, rank_layouts, traced_traffic, trainer_traffic
 from . import steptime, steptime_search
 from .clusters import CLUSTERS, ClusterError, resolve, split_sets
 
@@ -142,7 +142,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     """Params, grads and optimizer rows of each ZeRO group, padded exactly as zero.py lays them out; the
     optimizer's bytes are the master's and what the update rule declares (moe_lc/optim)."""
     c, dims = compute_bytes(cfg), layout.dims
-    opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision))
+    opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision, cfg.model))
     pdtype = "fp32" if c == 4 else "bf16"
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
@@ -240,7 +240,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, build_rule(cfg.train, cfg.precision).update_bytes_per_element)
+    rule = build_rule(cfg.train, cfg.precision, cfg.model)
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
 
@@ -281,7 +282,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
         moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
         sends = (traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
-                 + tie_traffic(layout, buckets))
+                 + tie_traffic(layout, buckets) + muon_traffic(cfg, layout))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

@@ -46,7 +46,7 @@ from moe_lc.parallel.parallelize import grad_group_of_zero, param_lr_scale, zero
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
-from moe_lc.parallel.zero import bucket_elems, bucket_sizes
+from moe_lc.parallel.zero import bucket_elems, bucket_sizes, matrix_shards, whole_owners
 from .block_trace import TracedParts, block_kind
 from .pipeline_memory import stage_forwards, stage_sends
 from .placement_semantics import Traffic, ring_bytes
@@ -133,6 +133,27 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
             ("dp_cp_tp", n_moe * per_moe, f"expert loads{' and counters' if ep else ''} of {n_moe} MoE layers")]
     out = [Traffic(g, "all_reduce", ring_bytes("all_reduce", n, dims[g].size), what) for g, n, what in rows]
     return [t for t in out if t.bytes]
+
+
+def muon_traffic(cfg: Config, layout: RankLayout) -> list[Traffic]:
+    """Muon's all-gather over tp of each tensor-parallel matrix slice this rank owns (moe_lc/optim/muon.py:
+    the slices of a matrix whose Shard cuts one of its last two dims, fp32). Owners are ZeRO's bins, so
+    the figure is this layout's rank (index 0 of its data-parallel groups); other ranks own other matrices."""
+    dims = layout.dims
+    if cfg.train.optimizer != "muon" or dims.tp == 1:
+        return []
+    rule, scale, groups = recipe_rule(cfg), param_lr_scale(cfg), {}
+    for name, p, place in layout.model.named_parameters():
+        groups.setdefault(zero_group_of(name, place.grad_group, scale)[0], []).append((name, p, place))
+    sliced = 0
+    for g, params in groups.items():
+        group = dims[g.split("*")[0]]
+        owners = whole_owners([p.numel() for _, p, _ in params], bucket_elems(cfg.parallel.zero_bucket_mb),
+                              group.size, [rule.whole(name, p.shape) for name, p, _ in params])
+        sliced += sum(p.numel() for (name, p, place), owner in zip(params, owners) if owner == group.rank
+                      and any(s.group == "tp" for s in matrix_shards(place.shards, len(p.shape))))
+    return [Traffic("tp", "all_gather", (dims.tp - 1) * 4 * sliced, "muon: the owned matrices' tp slices (fp32)")
+            ] if sliced else []
 
 
 def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedule) -> list[Traffic]:

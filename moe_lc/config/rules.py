@@ -240,6 +240,8 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
                  f"{t.optimizer!r} keeps its state in fp32")
     if "train.sgd_momentum" in given and t.sgd_momentum != TrainConfig().sgd_momentum and t.optimizer != "sgd":
         w.append(f"train.sgd_momentum={t.sgd_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
+    if "train.muon_momentum" in given and t.muon_momentum != TrainConfig().muon_momentum and t.optimizer != "muon":
+        w.append(f"train.muon_momentum={t.muon_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")

@@ -129,12 +129,14 @@ class TrainConfig:
     lr_schedule: LrSchedule = f("cosine", "cosine, warmup-stable-decay, or constant after warmup")
     wsd_decay_fraction: float = f(0.2, "wsd: fraction of steps spent in the final decay")
     optimizer: Optimizer = f("adamw", "update rule on ZeRO-1's fp32 master shards (moe_lc/optim/); sgd reads "
-                                      "sgd_momentum")
+                                      "sgd_momentum; muon (Moonlight's: Newton-Schulz on hidden matrices, AdamW "
+                                      "with beta1/beta2/eps on the rest) reads muon_momentum")
     weight_decay: float = f(0.1, "decoupled weight decay of either rule (not applied to norms, biases, embeddings)")
     beta1: float = f(0.9, "adamw: beta1, the first moment's decay")
     beta2: float = f(0.95, "adamw: beta2, the second moment's decay")
     eps: float = f(1e-8, "adamw: epsilon added to the denominator")
     sgd_momentum: float = f(0.9, "sgd: heavy-ball momentum (torch.optim.SGD's, no dampening); 0 = plain SGD, no state")
+    muon_momentum: float = f(0.95, "muon: Nesterov momentum of the hidden matrices (Moonlight's 0.95)")
     grad_clip: float = f(1.0, "global grad-norm clip; 0 = off")
     ema_decay: float = f(0.0, "EMA of the fp32 parameters, kept in CPU memory (each rank its ZeRO shard) and "
                               "updated after every step in the background (DeepSeek-V3 3.2.3); 0 = off")
@@ -173,7 +175,7 @@ class TrainConfig:
             e.append(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         if not 0 < self.wsd_decay_fraction <= 1:
             e.append(f"train.wsd_decay_fraction={self.wsd_decay_fraction} must lie in (0, 1]")
-        for name in ("beta1", "beta2", "ema_decay", "sgd_momentum"):
+        for name in ("beta1", "beta2", "ema_decay", "sgd_momentum", "muon_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 e.append(f"train.{name}={getattr(self, name)} must lie in [0, 1)")
         if self.micro_batch > 0 and self.global_batch % self.micro_batch:

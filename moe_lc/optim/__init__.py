@@ -8,19 +8,22 @@ its name in moe_lc/config/choices.py's `Optimizer`.
 from __future__ import annotations
 
 from moe_lc.optim.adamw import AdamW
+from moe_lc.optim.muon import Muon
 from moe_lc.optim.rule import OwnedParam, ShardView, StateSpec, UpdateRule
 from moe_lc.optim.sgd import SGD
 
-__all__ = ["RULES", "AdamW", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule", "recipe_rule"]
+__all__ = ["RULES", "AdamW", "Muon", "OwnedParam", "SGD", "ShardView", "StateSpec", "UpdateRule", "build_rule",
+           "recipe_rule"]
 
-RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "sgd": SGD}
+RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "sgd": SGD, "muon": Muon}
 
 
-def build_rule(train, precision) -> UpdateRule:
-    """The rule train.optimizer names, with its [train] hyperparameters (and precision.adam_moments)."""
-    return RULES[train.optimizer].from_config(train, precision)
+def build_rule(train, precision, model=None) -> UpdateRule:
+    """The rule train.optimizer names, with its [train] hyperparameters (and precision.adam_moments; the
+    [model] section gives Muon its fused weights' logical matrices)."""
+    return RULES[train.optimizer].from_config(train, precision, model)
 
 
 def recipe_rule(cfg) -> UpdateRule:
     """`build_rule` of a whole recipe (moe_lc.config.Config)."""
-    return build_rule(cfg.train, cfg.precision)
+    return build_rule(cfg.train, cfg.precision, cfg.model)

@@ -31,7 +31,7 @@ class AdamW(UpdateRule):
         self.update_bytes_per_element = 12 + (8 if moments_dtype != torch.float32 else 0)
 
     @classmethod
-    def from_config(cls, train, precision) -> "AdamW":
+    def from_config(cls, train, precision, model=None) -> "AdamW":
         return cls(train.beta1, train.beta2, train.eps, train.weight_decay,
                    torch.bfloat16 if precision.adam_moments == "bf16" else torch.float32)
 

@@ -17,7 +17,7 @@ those into bins, one per rank, inside each bucket, so the rule sees each such pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -64,6 +64,10 @@ class ShardView:
     state     {spec.name: tensor} for each of the rule's `states()`, dtype as declared
     no_decay  (lo, hi) ranges of the shard that weight decay leaves alone (norms, biases, embeddings)
     params    the parameters with elements on this rank, in bucket order
+    to_full   (whole owned parameter, a tensor of its local shape) -> the full matrix tensor: gathered over
+              the tensor-parallel shards that cut its last two dims (collective over that group: every
+              owner of the parameter's other slices calls it in the same order); identity without such
+    to_local  (whole owned parameter, a full tensor) -> this rank's slice (to_full's inverse)
     """
 
     master: torch.Tensor
@@ -71,17 +75,20 @@ class ShardView:
     state: dict[str, torch.Tensor]
     no_decay: list[tuple[int, int]]
     params: list[OwnedParam] = field(default_factory=list)
+    to_full: Callable[[OwnedParam, torch.Tensor], torch.Tensor] = lambda o, t: t
+    to_local: Callable[[OwnedParam, torch.Tensor], torch.Tensor] = lambda o, t: t
 
 
 class UpdateRule:
-    """Base of the update rules (moe_lc/optim/adamw.py, sgd.py); `moe_lc.optim.RULES` names them."""
+    """Base of the update rules (moe_lc/optim/adamw.py, sgd.py, muon.py); `moe_lc.optim.RULES` names them."""
 
     name: ClassVar[str]
     update_bytes_per_element: int = 0  # bytes of temporaries `update_` allocates per shard element, at most
 
     @classmethod
-    def from_config(cls, train, precision) -> "UpdateRule":
-        """The rule with the recipe's hyperparameters ([train], and [precision] for state dtypes)."""
+    def from_config(cls, train, precision, model=None) -> "UpdateRule":
+        """The rule with the recipe's hyperparameters ([train], [precision] for state dtypes, [model] for
+        the shapes of fused weights where the rule needs them; None: unknown)."""
         raise NotImplementedError
 
     def states(self) -> tuple[StateSpec, ...]:

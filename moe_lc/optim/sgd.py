@@ -27,7 +27,7 @@ class SGD(UpdateRule):
         self.momentum, self.weight_decay, self.whole_params = momentum, weight_decay, whole_params
 
     @classmethod
-    def from_config(cls, train, precision) -> "SGD":
+    def from_config(cls, train, precision, model=None) -> "SGD":
         return cls(train.sgd_momentum, train.weight_decay)
 
     def states(self) -> tuple[StateSpec, ...]:

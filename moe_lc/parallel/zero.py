@@ -14,12 +14,13 @@ Parameters are laid out in reverse registration order so buckets fill in backwar
 its parameters at any element offset, except where the rule asks for a parameter whole (`rule.whole`):
 such parameters form buckets of their own, packed into N bins of equal width, one per rank (largest first
 onto the emptiest bin), so each sits whole in its owner's 1/N and the rule sees it with its shape; the
-bins are padded to the bucket's fullest. When a bucket's last gradient of the step arrives
-(post-accumulate-grad hook), its reduce-scatter is launched asynchronously and overlaps the rest of
-backward; earlier micro-steps only accumulate. `ZeroOptimizer.step` sums the squared grad norm over the
-world, clips, lets the rule update each master shard, and all-gathers each bucket's parameter shard back
-into param_buffer. On one device (N = 1) the same code is a mixed-precision optimizer with no
-communication.
+bins are padded to the bucket's fullest (a matrix rule such as Muon gets a tensor-parallel parameter's
+full matrix through `ShardView.to_full`: an all-gather over tp from the owners of its other slices).
+When a bucket's last gradient of the step arrives (post-accumulate-grad hook), its reduce-scatter is
+launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
+`ZeroOptimizer.step` sums the squared grad norm over the world, clips, lets the rule update each master
+shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the
+same code is a mixed-precision optimizer with no communication.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moe_lc.optim.adamw import AdamW
 from moe_lc.optim.rule import OwnedParam, ShardView, UpdateRule
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.placement import ParamPlacement
+from moe_lc.parallel.placement import ParamPlacement, Shard, gather_full
 
 GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
 
@@ -90,6 +91,22 @@ def bucket_sizes(numels: list[int], bucket_elems: int, n: int, whole: list[bool]
     return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev)]
 
 
+def matrix_shards(shards: tuple[Shard, ...], ndim: int) -> tuple[Shard, ...]:
+    """The placement shards that cut a parameter's matrices, its last two dims (EP's expert dim does not):
+    the slices a matrix rule gathers (ShardedParams.to_full)."""
+    return tuple(s for s in shards if s.dim >= ndim - 2)
+
+
+def whole_owners(numels: list[int], bucket_elems: int, n: int, whole: list[bool]) -> list[int | None]:
+    """The group rank whose shard holds each whole parameter (None: a cut one), for parameters of
+    `numels` elements and `whole` flags in single-device order, as ShardedParams lays them out (the
+    planner: which rank orthogonalizes which matrix)."""
+    rev_whole, owners = list(reversed(whole)), []
+    for size, offsets in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev_whole):
+        owners += [off // (size // n) if rev_whole[len(owners)] else None for off in offsets]
+    return owners[::-1]
+
+
 def bucket_elems(bucket_mb: float) -> int:
     """fp32 elements per bucket of `parallel.zero_bucket_mb` MiB."""
     return max(int(bucket_mb * 2**20 / 4), 1)
@@ -109,9 +126,11 @@ class ShardedParams:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
-                 tie: Group | None = None):
+                 tie: Group | None = None, shard_groups: dict[str, Group] | None = None):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
+        self.placements = {n: place for n, _, place in named_params}
+        self.shard_groups = shard_groups  # the mesh's groups by name: where a whole matrix's TP slices live
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
         whole = [rule.whole(n, p.shape) for n, p, _ in reversed(named_params)]
@@ -144,7 +163,7 @@ class ShardedParams:
                       for spec in rule.states()}
         owned = self._owned_params()
         self.view = ShardView(self.master, self.grad_shard, self.state,
-                              [(o.lo, o.hi) for o in owned if o.name in no_decay], owned)
+                              [(o.lo, o.hi) for o in owned if o.name in no_decay], owned, self._to_full, self._to_local)
         self.norm_weight = self._norm_weight_shard(norm_weights)
         self.sync = False
 
@@ -184,6 +203,26 @@ class ShardedParams:
                 if id(p) in weights:
                     full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
         return torch.cat([self._own(full, b) for b in self.buckets])
+
+    def _matrix_shards(self, o: OwnedParam) -> tuple[Shard, ...]:
+        """The placement's shards that cut a whole parameter's matrices (its last two dims; not EP's expert
+        dim) over a group of more than one rank."""
+        shards = matrix_shards(self.placements[o.name].shards, len(o.shape))
+        if shards and self.shard_groups is None:
+            raise ValueError(f"{o.name} is sharded over {shards[0].group}: ZeroOptimizer needs shard_groups")
+        return tuple(s for s in shards if self.shard_groups[s.group].size > 1)
+
+    def _to_full(self, o: OwnedParam, local: torch.Tensor) -> torch.Tensor:
+        """(ShardView.to_full) a whole owned parameter's full matrices from every TP slice (all-gather)."""
+        shards = self._matrix_shards(o)
+        return gather_full(local, shards, self.shard_groups) if shards else local
+
+    def _to_local(self, o: OwnedParam, full: torch.Tensor) -> torch.Tensor:
+        """(ShardView.to_local) this rank's slice of a full tensor of a whole owned parameter."""
+        for shard in self._matrix_shards(o):
+            group = self.shard_groups[shard.group]
+            full = shard.local_slice(full, group.rank, group.size)
+        return full
 
     # -- gradient synchronization -------------------------------------------------------------------
     def begin_step(self, grads_per_param: int | dict[int, int]) -> None:
@@ -273,13 +312,17 @@ class ZeroOptimizer:
     and its master never updated, so neither its reduce-scatter nor its all-gather runs (DeepSeek Sparse
     Attention's warm-up trains only the indexer). `norm_group` spans every rank that owns a distinct shard
     of the model (the world), over which the squared norm is summed. rule: moe_lc.optim's (default AdamW
-    with its defaults); no_decay: the names of parameters weight decay leaves alone.
+    with its defaults); no_decay: the names of parameters weight decay leaves alone; shard_groups: the
+    mesh's groups by name (ParallelDims.groups), over which a rule's whole matrices are gathered from their
+    tensor-parallel slices (Muon).
     """
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
-                 bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0):
+                 bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
+                 shard_groups: dict[str, Group] | None = None):
         self.rule = rule if rule is not None else AdamW()
-        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule, *scale)
+        self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
+                                     *(scale or [1.0]), shard_groups=shard_groups)
                        for n, ps, g, *scale in groups if ps]
         self.norm_group = norm_group
         self.grad_clip = grad_clip
