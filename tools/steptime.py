@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moe_lc.config import Config
+from moe_lc.config.attention_kinds import attention_kind
 from moe_lc.model.counting import attention_core_flops, attention_params, attention_vector_params, \
     shared_expert_params, train_flops_per_token
 from moe_lc.parallel.build import pipeline_plan
@@ -60,16 +61,16 @@ class Work:
     grouped: float = 0.0  # routed experts
     attention: float = 0.0  # the attention core, forward
     memory: float = 0.0  # bytes
-    replay: "Work | None" = None
+    recomputed: "Work | None" = None
 
     def __add__(self, o: "Work") -> "Work":
-        rep = (self.replay or Work()) + (o.replay or Work()) if (self.replay or o.replay) else None
+        rep = (self.recomputed or Work()) + (o.recomputed or Work()) if (self.recomputed or o.recomputed) else None
         return Work(self.gemm + o.gemm, self.gemm_bf16 + o.gemm_bf16, self.grouped + o.grouped,
                     self.attention + o.attention, self.memory + o.memory, rep)
 
     def scaled(self, k: float) -> "Work":
         return Work(self.gemm * k, self.gemm_bf16 * k, self.grouped * k, self.attention * k, self.memory * k,
-                    self.replay.scaled(k) if self.replay else None)
+                    self.recomputed.scaled(k) if self.recomputed else None)
 
 
 def block_work(cfg: Config, layer_id: int) -> Work:
@@ -88,7 +89,7 @@ def block_work(cfg: Config, layer_id: int) -> Work:
         w = Work(gemm=attn + 2 * 3 * D * m.ffn_dim, attention=core)
     norms, swiglu = 4 * D, 3 * hidden  # two RMSNorms read + write; SwiGLU reads gate and up, writes one
     w.memory = c * (norms + 6 * D + swiglu + permute)  # + two residual adds (read 2, write 1)
-    w.replay = _replay(cfg, w, norms * c, swiglu * c)
+    w.recomputed = _replay(cfg, w, norms * c, swiglu * c)
     return w
 
 
@@ -102,7 +103,7 @@ def _replay(cfg: Config, w: Work, norm_bytes: float, swiglu_bytes: float) -> Wor
     r = Work(memory=norm_bytes * ("norm" in items) + swiglu_bytes * ("swiglu" in items))
     if "attention" in items:
         r.attention = w.attention
-    if "mla_up" in items and m.attention == "mla":  # the up-projections from the q and kv latents
+    if attention_kind(m).up_item in items:  # MLA's (and DSA's) up-projections from the q and kv latents
         ml = m.mla
         r.gemm = 2 * m.n_heads * (ml.q_lora_rank * m.qk_head_dim * (ml.q_lora_rank > 0)
                                   + ml.kv_lora_rank * (ml.qk_nope_head_dim + ml.v_head_dim))
@@ -150,7 +151,7 @@ def seconds(cfg: Config, w: Work, cluster: Cluster, eff: dict[str, float]) -> Se
         return g, x.attention / (wide * eff["attention"]), x.memory / (cluster.hbm_gbps * 1e9 * eff["memory"])
 
     g, a, mem = parts(w)
-    replay = sum(parts(w.replay)) if w.replay else 0.0
+    replay = sum(parts(w.recomputed)) if w.recomputed else 0.0
     return Seconds(g + a + mem, 2 * g + ATTENTION_BWD * a + 2 * mem + replay, g, a, ATTENTION_BWD * a)
 
 
