@@ -42,7 +42,7 @@ from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
-from moe_lc.parallel.parallelize import grad_group_of_zero
+from moe_lc.parallel.parallelize import grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
@@ -147,7 +147,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
         _, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
-        group, tied = grad_group_of_zero(zero_group), "+" in zero_group  # "<group>+pp_tie": a tied embedding
+        group, tied = grad_group_of_zero(zero_group), tie_group_of_zero(zero_group) is not None  # a tied embedding
         n = dims[group].size
         local = sum(buckets[zero_group])
         model_dims = {} if tied else {"pp": (dims.pp, "S")}  # the tied copies on two stages count once
@@ -251,8 +251,8 @@ def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traff
     of it over pp_tie once a step (moe_lc/parallel/tie.py; none where one rank holds both ends)."""
     out = []
     for g, sizes in buckets.items():
-        if "+" in g:
-            tie = layout.dims[g.split("*")[0].split("+")[1]]
+        if (tie_name := tie_group_of_zero(g)) is not None:
+            tie = layout.dims[tie_name]
             shard = sum(sizes) // layout.dims[grad_group_of_zero(g)].size
             out.append(Traffic(tie.name, "all_reduce", ring_bytes("all_reduce", 4 * shard, tie.size),
                                "tied embedding's reduced gradient shard (fp32)"))

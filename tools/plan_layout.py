@@ -147,7 +147,7 @@ def muon_traffic(cfg: Config, layout: RankLayout) -> list[Traffic]:
         groups.setdefault(zero_group_of(name, place.grad_group, scale)[0], []).append((name, p, place))
     sliced = 0
     for g, params in groups.items():
-        group = dims[g.split("*")[0]]
+        group = dims[grad_group_of_zero(g)]
         owners = whole_owners([p.numel() for _, p, _ in params], bucket_elems(cfg.parallel.zero_bucket_mb),
                               group.size, [rule.whole(name, p.shape) for name, p, _ in params])
         sliced += sum(p.numel() for (name, p, place), owner in zip(params, owners) if owner == group.rank

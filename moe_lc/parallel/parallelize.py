@@ -173,6 +173,12 @@ def grad_group_of_zero(zero_group: str) -> str:
     return zero_group.split("*")[0].split("+")[0]
 
 
+def tie_group_of_zero(zero_group: str) -> str | None:
+    """The tie group in a ZeRO group's name, if any: "dp_cp+pp_tie*0.1" -> "pp_tie", "dp_cp" -> None."""
+    _, _, tie = zero_group.split("*")[0].partition("+")
+    return tie or None
+
+
 def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
     """[(group name, [(param name, param, placement)], Group, lr scale, tie Group or None)] for ZeroOptimizer,
     one per gradient group, learning-rate scale (`lr_scale(param name) -> float`, `param_lr_scale`; default
