@@ -370,7 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--terms", action="store_true", help="list every saved tensor of each block kind, as traced")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--cluster", help=f"predict step time and MFU on this cluster ({', '.join(CLUSTERS)})")
-    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured efficiencies")
+    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured "
+                                    "efficiencies")
     ap.add_argument("--search", action="store_true", help="with --cluster: rank the layouts of --world that fit memory")
     args = ap.parse_args(argv)
     if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it
