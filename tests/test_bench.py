@@ -71,7 +71,8 @@ def test_dry_run_part_details(dry_run):
     attn = [e for e in results["parts"]["attention"]["entries"] if e["status"] == "ok"]
     impls = {e["impl"] for e in attn}
     assert {"wrapper:torch", "raw:aten_flash", "wrapper:reference"} <= impls
-    assert {e["heads"] for e in attn} == {"mha", "gqa"}
+    assert {e["heads"] for e in attn} == {"mha", "gqa", "mla"}
+    assert {(e["head_dim"], e["head_dim_v"]) for e in attn if e["heads"] == "mla"} == {(48, 32)}
     wrapped = [e for e in attn if e["impl"] == "wrapper:torch"]
     assert wrapped and all(_positive_number(e["overhead_fwd"]) and e["raw_impl"] == "raw:aten_flash" for e in wrapped)
 

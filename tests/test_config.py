@@ -171,5 +171,5 @@ def test_docs_list_every_choice_and_nested_table():
     text = to_toml(load_config(RECIPES / "debug_cpu.toml"), docs=True)
     for table in ("[model]", "[model.moe]", "[model.rope]", "[model.mla]", "[model.mtp]", "[parallel]", "[data]"):
         assert table in text
-    assert "auto | reference | torch | flash_attn | flash_attn4" in text
+    assert "auto | reference | torch | cudnn | flash_attn | flash_attn4" in text
     assert "gpipe | 1f1b | interleaved_1f1b | zbh1 | dualpipe | dualpipev" in text

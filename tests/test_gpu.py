@@ -30,7 +30,7 @@ from moe_lc.ops.attention import attention_with_lse, available_backends, get_bac
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_BACKENDS = ("torch", "flash_attn", "flash_attn4")
+CUDA_BACKENDS = ("torch", "cudnn", "flash_attn", "flash_attn4")
 
 
 def cuda_backend(name: str):
@@ -165,7 +165,7 @@ class ThreadRing:
 @pytest.mark.parametrize("backend_name", CUDA_BACKENDS)
 def test_ring_attention_with_threads_as_cp_ranks_matches_one_call(backend_name):
     from moe_lc.parallel.comm import Group
-    from moe_lc.parallel.context import ring_attention_with_lse, zigzag_shard
+    from moe_lc.parallel.context import KVBlocks, ring_backward, ring_forward, zigzag_shard
 
     backend = cuda_backend(backend_name)
     cp, seq, h, h_kv, d = 4, 1024, 8, 2, 128
@@ -182,10 +182,13 @@ def test_ring_attention_with_threads_as_cp_ranks_matches_one_call(backend_name):
     def rank_main(r: int):
         try:
             grp = Group("cp", list(range(cp)), r)
-            leaves = [zigzag_shard(x, grp, 1).detach().requires_grad_() for x in (q, k, v)]
-            out, lse = ring_attention_with_lse(*leaves, d ** -0.5, backend=backend, ring=ThreadRing(r, cp, mailboxes))
-            out.backward(zigzag_shard(dout, grp, 1))
-            results[r] = (grp, out.detach(), lse, [x.grad for x in leaves])
+            q_r, k_r, v_r = (zigzag_shard(x, grp, 1).contiguous() for x in (q, k, v))
+            # the ring's own forward / backward, called without autograd: autograd runs all backwards of one
+            # CUDA device on one engine thread, where ranks that wait on each other would deadlock
+            out, lse, state = ring_forward(q_r, d ** -0.5, ThreadRing(r, cp, mailboxes), backend, "zigzag",
+                                           KVBlocks(), None, (k_r, v_r))
+            grads = ring_backward(zigzag_shard(dout, grp, 1).contiguous(), **state)
+            results[r] = (grp, out, lse, grads)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
             for box in mailboxes:  # unblock the other ranks
@@ -269,7 +272,8 @@ def test_scaled_mm_kernels_match_the_emulation(recipe):
              "wgrad": (fp8.fp8_wgrad_scaled_mm, fp8.fp8_wgrad_emulated, dy, x)}
     for gemm, (kernel, emulated, a, b) in cases.items():
         got, want = kernel(a, b, recipe), emulated(a, b, recipe)
-        assert got.shape == want.shape and rel_err(got, want) < 1e-4, gemm
+        # the kernels' fp32 accumulation order differs from the emulation's matmul: 1.25e-4 on an H100
+        assert got.shape == want.shape and rel_err(got, want) < 5e-4, gemm
         assert kernel(a, b, recipe, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-AttnBackend = Literal["auto", "reference", "torch", "flash_attn", "flash_attn4"]
+AttnBackend = Literal["auto", "reference", "torch", "cudnn", "flash_attn", "flash_attn4"]
 AttentionKind = Literal["gqa", "mla"]
 RopeScaling = Literal["none", "yarn", "llama3"]
 QkNorm = Literal["none", "head", "full"]

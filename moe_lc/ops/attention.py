@@ -20,7 +20,8 @@ forward on key blocks, merge the partials by LSE, and then call backward per blo
 Backends (config `model.attn_backend`; implemented in attention_backends.py and flash_attention.py):
 "reference" (float32 torch math, any device), "torch"
 (aten's fused flash kernels: CPU `_scaled_dot_product_flash_attention_for_cpu`, CUDA
-`_scaled_dot_product_flash_attention`), "flash_attn" (the flash-attn 2.6+ package, CUDA only,
+`_scaled_dot_product_flash_attention`), "cudnn" (aten's cuDNN kernel, CUDA only: cudnn_attention.py),
+"flash_attn" (the flash-attn 2.6+ package, CUDA only,
 built from source), "flash_attn4" (PyPI's `flash-attn-4`, the CuTe-DSL FlashAttention, wheels only,
 Hopper and Blackwell: compute capability >= 9.0) and "auto": the first usable of `AUTO_ORDER`.
 FlashAttention-2 and the torch kernel want one head dim for q, k and v: the smaller of D_qk / D_v is
@@ -42,19 +43,21 @@ from moe_lc.config.choices import AttnBackend, names
 from moe_lc.ops.device import gpu_capability, is_gpu, meta_gpu
 from moe_lc.ops.attention_backends import (CUDA_FLASH_DTYPES, CUDA_FLASH_MAX_HEAD_DIM, REFERENCE, AttentionBackend,
                                            ReferenceBackend, TorchBackend, check_attention_inputs, round_up)
+from moe_lc.ops.cudnn_attention import CudnnBackend, cudnn_attention_ok
 from moe_lc.ops.flash_attention import (FlashAttn4Backend, FlashAttnBackend, flash_attn4_device_ok,
                                         flash_attn4_interface, flash_attn_interface)
 
 aten = torch.ops.aten
 __all__ = ["AUTO_ORDER", "BACKEND_NAMES", "AttentionBackend", "ReferenceBackend", "TorchBackend", "FlashAttnBackend",
-           "FlashAttn4Backend", "attention", "attention_with_lse", "available_backends", "check_attention_inputs",
+           "FlashAttn4Backend", "CudnnBackend", "attention", "attention_with_lse", "available_backends", "check_attention_inputs",
            "get_backend", "keeps_scores", "resolved_backend", "unusable_reason"]
 
 BACKEND_NAMES = names(AttnBackend)  # the recipe's choices: "auto" plus every class of _BACKEND_CLASSES
-# "auto" takes the first of these that is usable on the device: fastest first by the published
-# figures (flash-attn-4 on Hopper/Blackwell ahead of FlashAttention-2, which torch's own CUDA kernel
-# also is). Not yet measured here: tools/bench's attention part times every backend against each other.
-AUTO_ORDER = ("flash_attn4", "flash_attn", "torch", "reference")
+# "auto" takes the first of these that is usable on the device, fastest first. Measured on an H100
+# (tools/bench/results/nvidia-h100-80gb-hbm3-2026-11-27.md, causal bf16 fwd+bwd, 4K-128K): cuDNN
+# 476-564 TFLOP/s, torch's flash kernel (FlashAttention-2, as the flash-attn package) 276-332.
+# flash-attn-4 leads by its published Hopper figures; not yet measured here.
+AUTO_ORDER = ("flash_attn4", "cudnn", "flash_attn", "torch", "reference")
 
 
 # --------------------------------------------------------------------------- selection
@@ -77,6 +80,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     names = ["reference"]
     if _torch_flash_available(device):
         names.append("torch")
+    if cudnn_attention_ok(device):
+        names.append("cudnn")
     if is_gpu(device) and flash_attn_interface() is not None:
         names.append("flash_attn")
     if flash_attn4_device_ok(device) and flash_attn4_interface() is not None:
@@ -84,7 +89,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return names
 
 
-_BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "flash_attn": FlashAttnBackend,
+_BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "cudnn": CudnnBackend,
+                    "flash_attn": FlashAttnBackend,
                     "flash_attn4": FlashAttn4Backend}
 
 
@@ -108,7 +114,7 @@ def unusable_reason(name: str, device: torch.device | str = "cpu") -> str | None
     device, why = torch.device(device), []
     if name == "torch" and not _torch_flash_available(device):
         why.append("this torch has no fused flash kernel for " + ("CPU" if device.type == "cpu" else device.type))
-    if name in ("flash_attn", "flash_attn4") and not is_gpu(device):
+    if name in ("cudnn", "flash_attn", "flash_attn4") and not is_gpu(device):
         why.append(f"it runs on CUDA only, and train.device resolves to {device.type}")
     elif name == "flash_attn4" and not flash_attn4_device_ok(device):
         major, minor = gpu_capability(device) or (0, 0)

@@ -283,62 +283,77 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, scale: float, ring, backend: AttentionBackend, layout: str, codec, docs, *tensors):
-        schedule = step_calls(ring.rank, ring.size, q.shape[1] // 2, layout, docs)
-        own = [t.contiguous() for t in tensors[:codec.n_blocks]]
-        weights = tensors[codec.n_blocks:]
-        out = lse = None
-        blocks = own
-        for step, call in enumerate(schedule):
-            last = step == ring.size - 1
-            in_flight = None if last else ring.shift(blocks)
-            if call is not None:
-                k_b, v_b = codec.expand(blocks, weights, call.cols)
-                if out is None:
-                    out = q.new_zeros((*q.shape[:3], v_b.shape[-1]), dtype=torch.float32)
-                    lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
-                part_out, part_lse = call.forward(backend, q, k_b, v_b, scale)
-                _merge_(out, lse, part_out, part_lse, call.rows)
-            if not last:
-                blocks = in_flight.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, out, lse, *own, *weights)
-        ctx.scale, ctx.ring, ctx.backend, ctx.schedule, ctx.codec = scale, ring, backend, schedule, codec
+        out, lse, state = ring_forward(q, scale, ring, backend, layout, codec, docs, tensors)
+        ctx.save_for_backward(*state.pop("saved"))
+        ctx.state = state
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, out, lse, *rest = ctx.saved_tensors
-        codec, n = ctx.codec, ctx.codec.n_blocks
-        own, weights = rest[:n], rest[n:]
-        ring, backend, scale = ctx.ring, ctx.backend, ctx.scale
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dweights = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
-        blocks, acc_in_flight = own, None
-        for step, call in enumerate(ctx.schedule):
-            last = step == ring.size - 1
-            blocks_in_flight = None if last else ring.shift(blocks)
-            if step == 0:  # this rank's own blocks: their accumulators start here
-                acc = [torch.zeros_like(t, dtype=torch.float32) for t in own]
-            if call is not None:
-                k_b, v_b = codec.expand(blocks, weights, call.cols)
-                dq_b, dk_b, dv_b = call.backward(backend, dout, q, k_b, v_b, out, lse, scale)
-                dq[:, call.rows] += dq_b.float()
-                d_blocks, d_weights = codec.grads(dk_b, dv_b, blocks, weights, call.cols)
-                for dw_acc, dw in zip(dweights, d_weights):
-                    dw_acc += dw.float()
-            if step > 0:  # the accumulators of the blocks we hold arrive from the previous rank
-                acc = acc_in_flight.wait()
-            if call is not None:
-                for a, d in zip(acc, d_blocks):
-                    a[:, call.cols] += d.float()
-            if not last:
-                blocks = blocks_in_flight.wait()
-            acc_in_flight = ring.shift(acc)  # one step behind its block; the last hop returns it home
-        acc = acc_in_flight.wait()
-        return (dq.to(q.dtype), None, None, None, None, None, None, *(a.to(t.dtype) for a, t in zip(acc, own)),
-                *(d.to(w.dtype) for d, w in zip(dweights, weights)))
+        dq, *d_tensors = ring_backward(dout, ctx.saved_tensors, **ctx.state)
+        return (dq, None, None, None, None, None, None, *d_tensors)
+
+
+def ring_forward(q, scale: float, ring, backend: AttentionBackend, layout: str, codec, docs, tensors):
+    """RingAttentionFunction's forward without autograd -> (out, lse, state for ring_backward), state["saved"]
+    the tensors to keep. Plain functions so that a test can run cp ranks as threads on one GPU: autograd
+    runs every backward of a CUDA device on one engine thread, where ranks waiting on each other deadlock."""
+    schedule = step_calls(ring.rank, ring.size, q.shape[1] // 2, layout, docs)
+    own = [t.contiguous() for t in tensors[:codec.n_blocks]]
+    weights = tensors[codec.n_blocks:]
+    out = lse = None
+    blocks = own
+    for step, call in enumerate(schedule):
+        last = step == ring.size - 1
+        in_flight = None if last else ring.shift(blocks)
+        if call is not None:
+            k_b, v_b = codec.expand(blocks, weights, call.cols)
+            if out is None:
+                out = q.new_zeros((*q.shape[:3], v_b.shape[-1]), dtype=torch.float32)
+                lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)
+            part_out, part_lse = call.forward(backend, q, k_b, v_b, scale)
+            _merge_(out, lse, part_out, part_lse, call.rows)
+        if not last:
+            blocks = in_flight.wait()
+    out = out.to(q.dtype)
+    state = {"saved": (q, out, lse, *own, *weights), "scale": scale, "ring": ring, "backend": backend,
+             "schedule": schedule, "codec": codec}
+    return out, lse, state
+
+
+def ring_backward(dout, saved, scale, ring, backend, schedule, codec) -> tuple:
+    """-> (dq, *d_blocks, *d_weights) for ring_forward's inputs (q, *tensors)."""
+    q, out, lse, *rest = saved
+    n = codec.n_blocks
+    own, weights = rest[:n], rest[n:]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dweights = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+    blocks, acc_in_flight = own, None
+    for step, call in enumerate(schedule):
+        last = step == ring.size - 1
+        blocks_in_flight = None if last else ring.shift(blocks)
+        if step == 0:  # this rank's own blocks: their accumulators start here
+            acc = [torch.zeros_like(t, dtype=torch.float32) for t in own]
+        if call is not None:
+            k_b, v_b = codec.expand(blocks, weights, call.cols)
+            dq_b, dk_b, dv_b = call.backward(backend, dout, q, k_b, v_b, out, lse, scale)
+            dq[:, call.rows] += dq_b.float()
+            d_blocks, d_weights = codec.grads(dk_b, dv_b, blocks, weights, call.cols)
+            for dw_acc, dw in zip(dweights, d_weights):
+                dw_acc += dw.float()
+        if step > 0:  # the accumulators of the blocks we hold arrive from the previous rank
+            acc = acc_in_flight.wait()
+        if call is not None:
+            for a, d in zip(acc, d_blocks):
+                a[:, call.cols] += d.float()
+        if not last:
+            blocks = blocks_in_flight.wait()
+        acc_in_flight = ring.shift(acc)  # one step behind its block; the last hop returns it home
+    acc = acc_in_flight.wait()
+    return (dq.to(q.dtype), *(a.to(t.dtype) for a, t in zip(acc, own)),
+            *(d.to(w.dtype) for d, w in zip(dweights, weights)))
 
 
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group | None = None,

@@ -1,9 +1,11 @@
-"""Benchmark part "attention": causal attention, head dim 128, forward and forward + backward vs length.
+"""Benchmark part "attention": causal attention, head dims 128 and MLA's 192/128, forward and forward + backward vs length.
 
     python tools/bench/run.py --parts attention [--quick] [--dry-run --out DIR]
 
 Grid: S in 4K, 8K, 16K, 32K, 64K, 128K with batch B = max(1, 32K / S) (a ~32K-token budget per
-call), heads 16 q / 16 kv ("mha") and 16 q / 4 kv ("gqa"), bf16, BSHD inputs as the model passes them.
+call), heads 16 q / 16 kv ("mha") and 16 q / 4 kv ("gqa") at D = 128, and MLA's expanded heads 16 / 16 at
+D_qk = 192, D_v = 128 ("mla"; the raw kernels get v and dout zero-padded to 192 outside their timing,
+the wrapper pads inside it), bf16, BSHD inputs as the model passes them. --quick: S = 4K, 32K, 128K.
 Implementations, each timed forward (no grad) and forward + backward (autograd, `out.backward(dout)`):
 
   wrapper:<backend>  moe_lc.ops.attention.attention_with_lse with every backend of
@@ -16,6 +18,8 @@ Implementations, each timed forward (no grad) and forward + backward (autograd, 
   raw:sdpa_flash / raw:sdpa_cudnn (CUDA) / raw:sdpa (CPU)
                      torch.nn.functional.scaled_dot_product_attention forced onto one SDPA kernel
                      (enable_gqa=True for GQA): what torch's other fused kernels would give
+                     (raw:sdpa_cudnn is wrapper:cudnn's raw kernel; for "mla" it gets the padded v, the
+                     wrapper the native D_v = 128)
   raw:flash_attn     flash_attn.flash_attn_func, when the package is importable
   raw:flash_attn4    flash_attn.cute.flash_attn_func (PyPI flash-attn-4), when importable: the kernel
                      wrapper:flash_attn4 calls, through its own autograd Function
@@ -44,8 +48,7 @@ PART = "attention"
 TOKEN_BUDGET = 32768
 TARGET_SPEED_VS_RAW = 0.95
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536, 131072)
-HEADS = {"mha": (16, 16), "gqa": (16, 4)}
-HEAD_DIM = 128
+HEADS = {"mha": (16, 16, 128, 128), "gqa": (16, 4, 128, 128), "mla": (16, 16, 192, 128)}  # (H, H_kv, D_qk, D_v)
 REFERENCE_MAX_SEQ = 8192
 BWD_FACTOR = 2.5
 aten = torch.ops.aten
@@ -64,13 +67,13 @@ def causal_attention_flops(batch: int, heads: int, seq: int, d_qk: int, d_v: int
     return 2.0 * batch * heads * seq * seq * (d_qk + d_v) / 2
 
 
-def grid(ctx: Context) -> tuple[list[int], dict, int, int]:
-    """(sequence lengths, head configs, head dim, token budget) for this mode."""
+def grid(ctx: Context) -> tuple[list[int], dict, int]:
+    """(sequence lengths, head configs {name: (H, H_kv, D_qk, D_v)}, token budget) for this mode."""
     if ctx.dry_run:
-        return [64, 128, 256], {"mha": (4, 4), "gqa": (4, 2)}, 32, 256
+        return [64, 128, 256], {"mha": (4, 4, 32, 32), "gqa": (4, 2, 32, 32), "mla": (4, 4, 48, 32)}, 256
     if ctx.quick:
-        return [8192, 32768, 131072], {"mha": HEADS["mha"]}, HEAD_DIM, TOKEN_BUDGET
-    return list(SEQ_LENS), dict(HEADS), HEAD_DIM, TOKEN_BUDGET
+        return [4096, 32768, 131072], dict(HEADS), TOKEN_BUDGET
+    return list(SEQ_LENS), dict(HEADS), TOKEN_BUDGET
 
 
 # ------------------------------------------------------------------------------ implementations
@@ -151,7 +154,8 @@ def implementations(device, scale: float) -> list[tuple[str, object, str | None]
     if "torch" in names:
         impls.append(("raw:aten_flash", _raw_aten_flash(device, scale), "wrapper:torch"))
     if device.type == "cuda":
-        impls += [(f"raw:sdpa_{kernel}", _raw_sdpa(kernel, scale), None) for kernel in ("flash", "cudnn")]
+        impls += [(f"raw:sdpa_{kernel}", _raw_sdpa(kernel, scale), f"wrapper:{kernel}" if kernel in names else None)
+                  for kernel in ("flash", "cudnn")]
     else:
         impls.append(("raw:sdpa", _raw_sdpa(None, scale), None))
     if "flash_attn" in names:
@@ -164,10 +168,10 @@ def implementations(device, scale: float) -> list[tuple[str, object, str | None]
 # ------------------------------------------------------------------------------ measuring
 
 
-def _inputs(batch, seq, heads, kv_heads, head_dim, device, dtype):
+def _inputs(batch, seq, heads, kv_heads, d_qk, d_v, device, dtype):
     g = torch.Generator(device=device).manual_seed(seq + heads + kv_heads)
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, head_dim),
-              (batch, seq, heads, head_dim)]
+    shapes = [(batch, seq, heads, d_qk), (batch, seq, kv_heads, d_qk), (batch, seq, kv_heads, d_v),
+              (batch, seq, heads, d_v)]
     return [torch.randn(s, generator=g, device=device, dtype=dtype) for s in shapes]
 
 
@@ -203,14 +207,17 @@ def _line(e: dict) -> str:
 
 
 def run(ctx: Context, rec: Recorder) -> None:
-    seqs, heads, head_dim, budget = grid(ctx)
+    seqs, heads, budget = grid(ctx)
     dtype = torch.bfloat16
-    scale = head_dim ** -0.5
-    for head_name, (h, h_kv) in heads.items():
+    for head_name, (h, h_kv, d_qk, d_v) in heads.items():
+        scale = d_qk ** -0.5
         for seq in seqs:
             batch = max(1, budget // seq)
             try:
-                inputs = _inputs(batch, seq, h, h_kv, head_dim, ctx.device, dtype)
+                inputs = _inputs(batch, seq, h, h_kv, d_qk, d_v, ctx.device, dtype)
+                # the raw kernels take one head dim: MLA's v and dout zero-padded to D_qk outside the timing,
+                # as the wrapper pads them inside it (that copy is part of the wrapper's cost)
+                padded = inputs[:2] + [F.pad(x, (0, d_qk - d_v)) for x in inputs[2:]] if d_v != d_qk else inputs
             except Exception as exc:  # noqa: BLE001 - e.g. OOM allocating the inputs
                 rec.fail({"heads": head_name, "seq": seq, "batch": batch, "impl": "inputs"}, exc)
                 continue
@@ -222,14 +229,15 @@ def run(ctx: Context, rec: Recorder) -> None:
                         rec.skip(params, f"reference materializes S x S scores; only run up to {REFERENCE_MAX_SEQ}")
                         continue
                     params["batch"] = 1
-                flops = causal_attention_flops(params["batch"], h, seq, head_dim)
-                use = [x[:1] for x in inputs] if impl == "wrapper:reference" else inputs
+                flops = causal_attention_flops(params["batch"], h, seq, d_qk, d_v)
+                use = inputs if impl.startswith("wrapper:") else padded
+                use = [x[:1] for x in use] if impl == "wrapper:reference" else use
                 entry = rec.measure(params, lambda: measure_impl(fn, use, ctx, flops), _line)
-                entry.update(kv_heads=h_kv, q_heads=h, head_dim=head_dim, flops_fwd=flops)
+                entry.update(kv_heads=h_kv, q_heads=h, head_dim=d_qk, head_dim_v=d_v, flops_fwd=flops)
                 done[impl] = entry
                 if wrapper_of:
                     _overhead(rec, done.get(wrapper_of), entry)
-            del inputs, use  # free before the next shape allocates
+            del inputs, padded, use  # free before the next shape allocates
 
 
 def _overhead(rec: Recorder, wrapper: dict | None, raw: dict) -> None:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One short device call: the GPU facts, the `gpu` tests, then the benchmark parts one by one, each under
+# its own time limit (a hang costs one part, not the call). Everything lands in $OUT in at most 6 files
+# (a device call returns 8): steps.txt (each part's exit code and seconds), log.txt, the results
+# <device>-<date>.{json,md}, compile.md (model_step with train.compile on) and all.tgz (every file).
+#
+#     OUT=/tmp/gpu bash tools/gpu_session.sh           # on the GPU machine (9.3 min at most)
+#     DRY=1 OUT=/tmp/gpu bash tools/gpu_session.sh     # on a CPU: tiny shapes, proves the sequence runs
+#
+# Limits in seconds; the sum stays under a 10-minute call with room for the start-up.
+set -u
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+DRY_FLAG=${DRY:+--dry-run}
+FAST=(--warmup 2 --iters 10 --max-s 0.3)
+
+part() {  # part NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    echo "==== $name (limit ${limit}s): $*" >>"$WORK/log.txt"
+    timeout -k 10 "$limit" "$@" >>"$WORK/log.txt" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+
+nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
+part env 40 python -m tools.gpu_check --steps env --out "$WORK" $DRY_FLAG
+part tests 120 python -m pytest -m gpu -rs -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
+part attention 90 python -m tools.bench.run --out "$WORK" --parts attention --quick "${FAST[@]}" $DRY_FLAG
+part gemm 45 python -m tools.bench.run --out "$WORK" --parts gemm --quick "${FAST[@]}" $DRY_FLAG
+part grouped_gemm 40 python -m tools.bench.run --out "$WORK" --parts grouped_gemm --quick "${FAST[@]}" $DRY_FLAG
+part model_step 90 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
+part layer 55 python -m tools.bench.run --out "$WORK" --parts layer --quick $DRY_FLAG
+mkdir -p "$WORK/compile"
+part compile 75 python -m tools.bench.run --out "$WORK/compile" --parts model_step --quick --set train.compile=true $DRY_FLAG
+
+cp "$WORK/log.txt" "$OUT/"
+for f in "$WORK"/*.json "$WORK"/*.md; do
+    case $f in *env.json|*summary.md) ;; *) cp "$f" "$OUT/" ;; esac
+done
+for f in "$WORK"/compile/*.md; do [ -e "$f" ] && cp "$f" "$OUT/compile.md"; done
+tar czf "$OUT/all.tgz" -C "$WORK" .
+ls -la "$OUT"
