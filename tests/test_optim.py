@@ -61,20 +61,23 @@ def _one_rank(name: str) -> Group:
     return Group(name, [0], 0)
 
 
-@pytest.mark.parametrize("rule_name", ["adamw", "sgd", "sgd-whole"])
+@pytest.mark.parametrize("rule_name", ["adamw", "adamw-fused", "sgd", "sgd-whole"])
 def test_rules_match_torch_optim_bit_for_bit(rule_name):
     """ZeRO-1 on one rank with small buckets (parameters land in several) against torch.optim on the same
-    gradients: AdamW with decoupled decay and a no-decay parameter, SGD with momentum (torch's weight
-    decay is coupled L2, so SGD runs without)."""
+    gradients: AdamW with decoupled decay and a no-decay parameter (op by op, and through the fused kernel
+    that CUDA runs by default, here on its CPU twin), SGD with momentum (torch's weight decay is coupled
+    L2, so SGD runs without)."""
     torch.manual_seed(0)
     shapes = [(70, 50), (130,), (30, 40, 2), (9, 11)]
     params = [nn.Parameter(torch.randn(s)) for s in shapes]
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     lr = 1e-2
-    if rule_name == "adamw":
-        rule = AdamW(beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
+    if rule_name.startswith("adamw"):
+        fused = rule_name == "adamw-fused"
+        rule = AdamW(beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, fused=fused)
         ref = torch.optim.AdamW([{"params": copies[:1] + copies[2:]}, {"params": copies[1:2], "weight_decay": 0.0}],
-                                lr=lr, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, foreach=False)
+                                lr=lr, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, foreach=False,
+                                fused=fused or None)
     else:
         rule = SGD(momentum=0.9, whole_params=rule_name == "sgd-whole")
         ref = torch.optim.SGD(copies, lr=lr, momentum=0.9, foreach=False)
