@@ -4,7 +4,7 @@
     got = run_layout(recipe, overrides + ["parallel.dp=2"], world=2)
     report = assert_equivalent(ref, got, rtol=1e-5)
 
-`run_layout` starts W processes (torch.multiprocessing, spawn) that each call `moe_lc.train.run`
+`run_layout` starts W processes (torch.multiprocessing, forkserver) that each call `moe_lc.train.run`
 with the rendezvous environment torchrun would set, and collects from every rank: per-step losses
 and grad norms, counted communication per step, optimizer-state bytes, and (rank 0) the unsharded
 final parameters. Single-process references are cached per (recipe, overrides) for the session.
@@ -13,6 +13,7 @@ final parameters. Single-process references are cached per (recipe, overrides) f
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -38,6 +39,12 @@ RECIPES = ROOT / "recipes"
 # when eps = 1e-8, which turns any reordering of fp32 sums (TP, CP, EP, PP all reorder) into ~1e-5
 # parameter differences after a few steps while every gradient agrees to ~1e-7. With eps 1e-6 the
 # comparison measures the layout, not that amplification (tensor parallelism: 1.2e-5 -> 1.2-4.7e-6).
+# Workers fork from one server process that imported torch and moe_lc once per test session: a spawned
+# worker spends 3-6 s of this 2-core machine importing them again, for every rank of every layout test.
+# The server's environment is the one at its start: workers get theirs through arguments, not os.environ.
+START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "moe_lc.train", "moe_lc.config", "tests.harness"])
+
 FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120", "train.seed=1", "train.eps=1e-6"]
 
 # Tolerances: fp32 layouts reorder sums (reduce-scatter, split attention, ...) -> 1e-5 relative.
@@ -88,7 +95,7 @@ def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_
         overrides = FAST + list(overrides) + [f"train.output_dir={tmp}/run"]
         port = _free_port()
         ctx = mp.start_processes(_worker, args=(world, port, recipe, overrides, tmp, ranks_per_node or world),
-                                 nprocs=world, start_method="spawn", join=False)
+                                 nprocs=world, start_method=START_METHOD, join=False)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
@@ -158,10 +165,10 @@ def _fn_worker(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, 
 
 def run_workers(fn, world: int, *args, ranks_per_node: int | None = None, timeout_s: float = 300) -> list:
     """Run fn(rank, world, *args) on `world` gloo processes (process group initialized); returns each
-    rank's return value. fn must be importable (module level) for the spawn start method."""
+    rank's return value. fn must be importable (module level): workers are started by forkserver."""
     with tempfile.TemporaryDirectory(prefix="moe_lc_fn_") as tmp:
         ctx = mp.start_processes(_fn_worker, args=(world, _free_port(), fn, args, tmp, ranks_per_node or world),
-                                 nprocs=world, start_method="spawn", join=False)
+                                 nprocs=world, start_method=START_METHOD, join=False)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=0.5):
             if time.monotonic() > deadline:
