@@ -228,7 +228,10 @@ def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path, sets, expect):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_lc.train", RECIPE,
            *[x for s in [*FAST, f"train.output_dir={out}", "train.steps=100000", *sets] for x in ("--set", s)]]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a suite started in the background (`pytest &` in a script) inherits SIGINT ignored, as would the run:
+    # give it the default, as a terminal's foreground job has
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5:

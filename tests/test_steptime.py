@@ -5,6 +5,9 @@ all-to-all up to the compute beside it, and mistakes are one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,8 @@ from moe_lc.parallel.mesh import ParallelDims
 from tools import plan as plan_tool
 from tools.clusters import CLUSTERS, EFFICIENCY, resolve
 from tools.steptime import link_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan_json(argv: list[str], capsys) -> dict:
@@ -117,6 +122,19 @@ def test_the_cpu_cluster_is_the_fit_to_the_committed_cpu_bench():
     fitted, table = cluster_from_fit(fit()), CLUSTERS["cpu"]
     for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node"):
         assert getattr(table, key) == pytest.approx(getattr(fitted, key), rel=1e-3), key
+
+
+def test_shared_cpu_bench_times_each_process_and_refuses_bad_arguments(tmp_path):
+    argv = [sys.executable, "-m", "tools.bench.shared_cpu", "--models", "debug", "--procs", "2", "--steps", "1",
+            "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "shared_cpu.json").read_text())
+    (row,) = data["results"]
+    assert data["meta"]["procs"] == row["procs"] == 2 and len(row["per_process_step_s"]) == 2
+    assert row["eager_step_s"] == pytest.approx(sum(row["per_process_step_s"]) / 2) and row["eager_step_s"] > 0
+    bad = subprocess.run(argv[:3] + ["--models", "huge"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--models a subset of debug,large" in bad.stderr
 
 
 def test_bench_results_of_the_gpu_bench_become_efficiencies(tmp_path):
