@@ -48,9 +48,9 @@ from moe_lc.ops.flash_attention import (FlashAttn4Backend, FlashAttnBackend, fla
                                         flash_attn4_interface, flash_attn_interface)
 
 aten = torch.ops.aten
-__all__ = ["AUTO_ORDER", "BACKEND_NAMES", "AttentionBackend", "ReferenceBackend", "TorchBackend", "FlashAttnBackend",
-           "FlashAttn4Backend", "CudnnBackend", "attention", "attention_with_lse", "available_backends", "check_attention_inputs",
-           "get_backend", "keeps_scores", "resolved_backend", "unusable_reason"]
+__all__ = ["AUTO_ORDER", "BACKEND_NAMES", "AttentionBackend", "ReferenceBackend", "TorchBackend", "CudnnBackend",
+           "FlashAttnBackend", "FlashAttn4Backend", "attention", "attention_with_lse", "available_backends",
+           "check_attention_inputs", "get_backend", "keeps_scores", "resolved_backend", "unusable_reason"]
 
 BACKEND_NAMES = names(AttnBackend)  # the recipe's choices: "auto" plus every class of _BACKEND_CLASSES
 # "auto" takes the first of these that is usable on the device, fastest first. Measured on an H100
@@ -90,8 +90,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 _BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "cudnn": CudnnBackend,
-                    "flash_attn": FlashAttnBackend,
-                    "flash_attn4": FlashAttn4Backend}
+                    "flash_attn": FlashAttnBackend, "flash_attn4": FlashAttn4Backend}
 
 
 @functools.lru_cache(maxsize=None)

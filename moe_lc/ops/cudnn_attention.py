@@ -14,8 +14,8 @@ Schemas (torch native_functions.yaml, 2.5-2.13; shapes from torch/_meta_registra
       -> (dq, dk, dv)
 The kernel takes D_qk != D_v (MLA's 192 / 128) without padding. The (B, H, S, D) views it takes are
 transposes of our BSHD tensors, as for the "torch" backend; H_kv < H is expanded to H here (repeat of
-k / v, the group's dk / dv summed back), since the kernel's native grouped-query path is not reached
-through this entry in every torch version. Causal is top-left aligned (S_q == S_k, as everywhere here).
+k / v, the group's dk / dv summed back): this entry takes equal head counts as called here, and
+whether it takes H_kv < H natively was not checked on a GPU. Causal is top-left aligned (S_q == S_k, as everywhere here).
 """
 
 from __future__ import annotations
