@@ -34,6 +34,7 @@ from moe_lc.model.counting import param_counts, train_flops_per_token, train_flo
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
+from moe_lc.optim.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
@@ -102,6 +103,10 @@ class Trainer:
             zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups)
+        self.qk_clip = None  # QK-clip (moe_lc/optim/qk_clip.py): heads' logits bounded by train.qk_clip
+        if t.qk_clip:  # the statistic is per local head: reduced over the attention weights' dp x cp replicas
+            self.qk_clip = QKClip(self.model, t.qk_clip, self.dims["dp_cp"], self.dims["world"], cfg.model.n_layers,
+                                  cfg.model.mtp.depth)
         self.step = 0
         self.nonfinite_skipped = 0
         self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (stop_signal.py)
@@ -144,6 +149,8 @@ class Trainer:
         if faults.armed("nan_loss", self.step + 1, self.dims.rank):
             scale = float("nan")
         self.optimizer.begin_step(self.runtime.grad_arrivals() if self.runtime is not None else len(batches))
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
         with self.compile_watch.watching() if self.compile_watch is not None else contextlib.nullcontext():
             loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens, len(sources))
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
@@ -154,7 +161,9 @@ class Trainer:
         if mtp_sum:  # log the next-token loss (comparable with MTP off) and the objective apart
             metrics["loss_objective"] = loss_sum.item() / n_tokens
             loss_sum -= mtp_sum
-        grad_norm, applied = self.optimizer.step(lr_at(self.step, t))
+        row_scales, clip_metrics = self.qk_clip.row_scales() if self.qk_clip is not None else ({}, {})
+        metrics.update(clip_metrics)
+        grad_norm, applied = self.optimizer.step(lr_at(self.step, t), row_scales=row_scales)
         metrics.update(balance_routers(self.model, stats, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))

@@ -79,6 +79,29 @@ def test_update_is_scaled_to_adamw_rms(shape):
     assert 0.84 < singular_rms < 0.91, singular_rms
 
 
+@pytest.mark.parametrize("shape", [(96, 256), (256, 96), (4, 64, 32)])
+def test_exact_rms_makes_every_update_0_2_lr(shape):
+    """train.muon_exact_rms: each logical matrix's update (each expert of a stacked weight its own) is
+    0.2 lr NS5(u) / RMS(NS5(u)): its RMS is AdamW's 0.2 lr to 1e-5 (Moonlight's scale gives 0.84-0.90 of
+    it, above), and it points where the default's does."""
+    torch.manual_seed(0)
+    g, lr = torch.randn(shape), 0.01
+    name = "layers.1.ffn.experts.w2.weight" if len(shape) == 3 else "layers.0.ffn.w2.weight"
+    updates = []
+    for rule in (Muon(momentum=0.95, exact_rms=True), Muon(momentum=0.95)):
+        w = nn.Parameter(torch.zeros(shape))
+        opt = ZeroOptimizer([("dp_cp", [(name, w, ParamPlacement())], _one_rank("dp_cp"))], _one_rank("world"), rule)
+        opt.begin_step(1)
+        (w * g).sum().backward()
+        opt.step(lr)
+        updates.append(-w.detach())
+    exact, moonlight = updates
+    for e, m in zip(exact.reshape(-1, *shape[-2:]), moonlight.reshape(-1, *shape[-2:])):
+        assert e.pow(2).mean().sqrt().item() == pytest.approx(0.2 * lr, rel=1e-5)
+        assert 0.8 < m.pow(2).mean().sqrt().item() / (0.2 * lr) < 0.91
+        torch.testing.assert_close(e / e.norm(), m / m.norm())
+
+
 def test_each_expert_and_each_fused_section_is_its_own_matrix():
     torch.manual_seed(0)
     cfg = load_config(RECIPE).model

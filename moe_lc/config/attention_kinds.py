@@ -12,6 +12,7 @@ package, tools/ and eval/ for such comparisons). An entry names, per layer of th
               core and `attend` seams on one device and on each context-parallel ring,
               under recomputation (parallel/layer_plan.py)                          "module:name"
     convert   its Hugging Face weight pieces and the transformers family of a config  "module:name"
+    optim     QK-clip's rescaling of its query / key rows (optim/qk_clip.py reads it)  "module:name", a model piece
 
 The table sits in config, the leaf every layer may import, because the recipe's rules and the config's
 head dims read it too. Pieces of higher layers are "package.module:name" strings, so that importing this
@@ -86,6 +87,8 @@ class AttentionSpec:
     # optional ("module:name")
     core_flops: str | None = None  # (m, seq_len) -> forward FLOPs per token of its attention core; None: causal
     #                                dense attention over S/2 keys (model/counting.py)
+    qk_clip_rows: str | None = None  # (module, gamma (H,)) -> {parameter: factor per row}: QK-clip's rescaling
+    #                                  (moe_lc/optim/qk_clip.py); None: train.qk_clip is refused for the kind
     extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale, selective recompute items) ->
     #                                decisions only this kind has, on every layout (parallel/layer_plan.py)
 
@@ -172,7 +175,8 @@ ATTENTION_KINDS: dict[str, AttentionSpec] = {
         saved_bytes="moe_lc.model.attention:gqa_saved_bytes", decode="moe_lc.model.attention:GQADecode",
         tp_rule="moe_lc.parallel.tensor_plan:gqa_rule", tp_groups="moe_lc.parallel.tensor_plan:gqa_kv_groups",
         local=CoreSeams(), ring=CoreSeams(core=_RING), expanded_ring=None,
-        hf_pieces="moe_lc.convert.hf_names:gqa_pieces", hf_family="moe_lc.convert.hf_config:gqa_family"),
+        hf_pieces="moe_lc.convert.hf_names:gqa_pieces", hf_family="moe_lc.convert.hf_config:gqa_family",
+        qk_clip_rows="moe_lc.model.attention:gqa_qk_clip_rows"),
     "mla": AttentionSpec(
         name="mla", label="MLA", attention="mla", variant=None,
         head_dims=_mla_head_dims, errors=_mla_errors, tp_errors=_no_tp_errors, up_item="mla_up",
@@ -185,7 +189,8 @@ ATTENTION_KINDS: dict[str, AttentionSpec] = {
                        attend="moe_lc.parallel.latent_ring:latent_attend",
                        attend_up="moe_lc.parallel.latent_ring:latent_attend_mla_up"),
         expanded_ring=CoreSeams(core=_RING, attend=_MLA_LOCAL.attend, attend_up=_MLA_LOCAL.attend_up),
-        hf_pieces="moe_lc.convert.hf_names:mla_pieces", hf_family="moe_lc.convert.hf_config:mla_family"),
+        hf_pieces="moe_lc.convert.hf_names:mla_pieces", hf_family="moe_lc.convert.hf_config:mla_family",
+        qk_clip_rows="moe_lc.model.mla:mla_qk_clip_rows"),
 }
 
 

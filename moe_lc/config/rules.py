@@ -205,6 +205,9 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if data.has_loss_mask and t.seq_len < 64:
         e.append(f"train.seq_len={t.seq_len} must be >= 64 for synthetic long-context tasks")
+    if t.qk_clip and m.qk_norm != "none":
+        e.append(f"train.qk_clip={t.qk_clip:g} scales query / key weights, which model.qk_norm={m.qk_norm!r} "
+                 "normalizes away: use one or the other")
     if cfg.parallel.cp_layout == "balanced" and not data.document_mask:
         e.append("parallel.cp_layout = 'balanced' pairs chunks by their attention work inside packed documents: "
                  "it needs data.document_mask = true (zig-zag is already balanced without it)")
@@ -242,6 +245,8 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"train.sgd_momentum={t.sgd_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_momentum" in given and t.muon_momentum != TrainConfig().muon_momentum and t.optimizer != "muon":
         w.append(f"train.muon_momentum={t.muon_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
+    if "train.muon_exact_rms" in given and t.muon_exact_rms and t.optimizer != "muon":
+        w.append(f"train.muon_exact_rms = true is set, but train.optimizer={t.optimizer!r} does not read it")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")

@@ -137,6 +137,12 @@ class TrainConfig:
     eps: float = f(1e-8, "adamw: epsilon added to the denominator")
     sgd_momentum: float = f(0.9, "sgd: heavy-ball momentum (torch.optim.SGD's, no dampening); 0 = plain SGD, no state")
     muon_momentum: float = f(0.95, "muon: Nesterov momentum of the hidden matrices (Moonlight's 0.95)")
+    muon_exact_rms: bool = f(False, "muon: scale each orthogonalized update to exactly 0.2 lr RMS (divide by "
+                                    "its own RMS); false = Moonlight's 0.2 sqrt(max(A, B)), which assumes an "
+                                    "orthogonal output (Newton-Schulz's leaves 0.85-0.90 of it)")
+    qk_clip: float = f(0.0, "QK-clip (Kimi K2's MuonClip) threshold tau: after each step, heads whose max "
+                            "attention logit (bounded by the max log-sum-exp) exceeded tau get their q / k "
+                            "weights scaled down to reach tau; 0 = off; any optimizer")
     grad_clip: float = f(1.0, "global grad-norm clip; 0 = off")
     ema_decay: float = f(0.0, "EMA of the fp32 parameters, kept in CPU memory (each rank its ZeRO shard) and "
                               "updated after every step in the background (DeepSeek-V3 3.2.3); 0 = off")
@@ -169,7 +175,7 @@ class TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_interval", "lr"):
             positive(e, f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "threads", "peak_tflops", "max_nonfinite_steps",
-                     "trace_step", "eps", "seed"):
+                     "trace_step", "eps", "seed", "qk_clip"):
             non_negative(e, f"train.{name}", getattr(self, name))
         if not 0 <= self.min_lr_ratio <= 1:
             e.append(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")

@@ -24,7 +24,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.qk_norm import qk_norms
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.seams import project_now, run_now
-from moe_lc.ops.attention import attention, get_backend
+from moe_lc.ops.attention import attention_with_lse, get_backend, note_max_lse
 from moe_lc.ops.documents import Documents
 from moe_lc.ops.linear import Linear
 
@@ -43,7 +43,9 @@ class LocalAttention(nn.Module):
             self._backend = get_backend(self.backend_name, q.device)
         whole = ((0, q.shape[1]),)
         pieces = docs.plan_call(whole, [whole])[0] if docs is not None else None
-        return attention(q, k, v, causal=True, scale=scale, backend=self._backend, pieces=pieces)
+        out, lse = attention_with_lse(q, k, v, causal=True, scale=scale, backend=self._backend, pieces=pieces)
+        note_max_lse(self, lse)
+        return out
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}"
@@ -89,6 +91,23 @@ class Attention(nn.Module):
         if self.qk_norm == "head":  # one (Dh,) weight for every head (Qwen3, GLM-4.5)
             q, k = self.q_norm(q), self.k_norm(k)
         return self.run_region(apply_rope, q, cos, sin), self.run_region(apply_rope, k, cos, sin), v
+
+
+def gqa_qk_clip_rows(attn: Attention, gamma_H: torch.Tensor) -> dict:
+    """QK-clip (Kimi K2, arXiv:2507.20534, section 2.1: MuonClip) on this module: {parameter: factor per
+    row} from gamma_H (H,) = min(1, tau / max logit) of each local query head. Multi-head (H = K):
+    head h's q and k rows take sqrt(gamma_h) each (K2's alpha = 0.5); grouped (K < H, or kv heads
+    replicated under TP): a key head serves several query heads, so only q rows take gamma_h. Either way
+    every logit of head h is gamma_h times what it was. A bias takes its rows' factors."""
+    H, K, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    shared = K < H
+    q = gamma_H if shared else gamma_H.sqrt()
+    k = torch.ones(K, device=gamma_H.device) if shared else gamma_H.sqrt()
+    rows = torch.cat([q.repeat_interleave(Dh), k.repeat_interleave(Dh), torch.ones(K * Dh, device=gamma_H.device)])
+    out = {attn.wqkv.weight: rows}
+    if attn.wqkv.bias is not None:
+        out[attn.wqkv.bias] = rows
+    return out
 
 
 # --------------------------------------------------------------------------- counts from the config alone

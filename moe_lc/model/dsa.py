@@ -46,6 +46,7 @@ from moe_lc.model.saved_tensors import recompute_from
 from moe_lc.model.seams import run_now
 from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseLatentAttention, selected_probs, split_wkv
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
+from moe_lc.ops.attention import note_max_lse
 from moe_lc.ops.dsa_warmup import IndexerKLDense, head_lse
 from moe_lc.ops.linear import Linear
 
@@ -191,6 +192,7 @@ class DSAttention(MLAttention):
         else:
             q, kv = prepare(q_src, c_kv, k_r)
             out, lse = self.replay(attend, q, kv)
+        note_max_lse(self, lse)  # QK-clip: the logits the sparse attention saw
         if train:
             p = selected_probs(core.ring, q.detach(), kv.detach(), self.wkv_b.weight.detach(), self.nope_dim, lse, sel,
                                self.softmax_scale, core.reduce_heads)

@@ -118,6 +118,19 @@ def attend(mla: MLAttention, q_src, c_kv, k_r, cos, sin, docs=None) -> torch.Ten
     return mla.replay(mla._rope_and_core, q, kv, k_r, cos, sin, docs)
 
 
+def mla_qk_clip_rows(attn: MLAttention, gamma_H: torch.Tensor) -> dict:
+    """QK-clip (Kimi K2, arXiv:2507.20534, section 2.1) on MLA: {parameter: factor per row} from gamma_H (H,)
+    = min(1, tau / max logit) of each local head. K2's rule for MLA: the head-specific parts q_nope and
+    k_nope take sqrt(gamma_h) each, q_rope takes gamma_h, and the rope key every head shares (wa's k_r rows)
+    is left alone; so every logit of head h is gamma_h times what it was. Rows: wq_b's (or wq's) per head
+    [nope Dn, rope Dr], wkv_b's per head [k_nope Dn, v Dv] (v untouched)."""
+    root, ones = gamma_H.sqrt(), torch.ones_like(gamma_H)
+    q = torch.cat([root[:, None].expand(-1, attn.nope_dim), gamma_H[:, None].expand(-1, attn.rope_dim)], 1)
+    kv = torch.cat([root[:, None].expand(-1, attn.nope_dim), ones[:, None].expand(-1, attn.v_dim)], 1)
+    w_q = attn.wq_b if attn.q_lora_rank else attn.wq
+    return {w_q.weight: q.reshape(-1), attn.wkv_b.weight: kv.reshape(-1)}
+
+
 # --------------------------------------------------------------------------- counts from the config alone
 
 

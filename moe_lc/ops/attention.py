@@ -189,6 +189,17 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, sca
     return _AttentionFunction.apply(q, k, v, causal, scale, backend, pieces)
 
 
+def note_max_lse(holder, lse_BHS: Tensor) -> None:
+    """QK-clip's probe (moe_lc/optim/qk_clip.py): when `holder.max_lse_probe` is set, keep holder.max_lse
+    (H,) fp32, the per-head max of lse over every call since the probe was last reset. A row's lse bounds
+    its largest scaled score from above (by at most log of the keys it sees), and ring attention's merged
+    lse is the full row's, so the bound is the same under any context-parallel layout."""
+    if not getattr(holder, "max_lse_probe", False):
+        return
+    seen = lse_BHS.detach().float().amax(dim=(0, 2))
+    holder.max_lse = seen if holder.max_lse is None else torch.maximum(holder.max_lse, seen)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
               backend: AttentionBackend | str = "auto", pieces=None) -> Tensor:
     """softmax(scale * q k^T [causal mask]) v per head: (B, Q, H, D_qk) x ... -> (B, Q, H, D_v)."""

@@ -9,7 +9,9 @@ embedding table and the output head) take Muon; embeddings, the head, norms, bia
     u = g + mu m                          (Nesterov)
     O = NS5(u)                            (5 Newton-Schulz steps, coefficients (3.4445, -4.7750, 2.0315),
                                            fp32, on u / ||u||_F, transposed when A > B)
-    W = W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     (0.2 sqrt(max(A, B)): AdamW's update RMS)
+    W = W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     (0.2 sqrt(max(A, B)): AdamW's update RMS, were O
+                                                       orthogonal; NS5's O has 0.85-0.90 of that RMS, and
+                                                       train.muon_exact_rms scales by 0.2 / RMS(O) instead)
 
 Fused weights are orthogonalized per logical matrix, each scaled by its own shape: attention's
 wqkv = [q; k; v] as q, k and v; SwiGLU's w13 = [w1; w3] (dense, shared and each routed expert) as w1
@@ -75,15 +77,15 @@ class Muon(UpdateRule):
     update_bytes_per_element = 32
 
     def __init__(self, momentum: float = 0.95, weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.95,
-                 eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None):
-        self.momentum, self.weight_decay = momentum, weight_decay
+                 eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None, exact_rms: bool = False):
+        self.momentum, self.weight_decay, self.exact_rms = momentum, weight_decay, exact_rms
         self.adamw = AdamW(beta1, beta2, eps, weight_decay)
         self.sections = dict(sections or {})
 
     @classmethod
     def from_config(cls, train, precision, model=None) -> "Muon":
         return cls(train.muon_momentum, train.weight_decay, train.beta1, train.beta2, train.eps,
-                   fused_sections(model))
+                   fused_sections(model), train.muon_exact_rms)
 
     def states(self) -> tuple[StateSpec, ...]:
         return StateSpec("momentum", torch.float32), StateSpec("exp_avg_sq", torch.float32)
@@ -104,10 +106,16 @@ class Muon(UpdateRule):
 
     def orthogonal_update(self, name: str, u: torch.Tensor) -> torch.Tensor:
         """The scaled update 0.2 sqrt(max(A, B)) NS5(.) of each logical matrix of the full tensor u
-        ((rows, cols) or (E, rows, cols): each expert its own matrix), u's shape."""
+        ((rows, cols) or (E, rows, cols): each expert its own matrix), u's shape. With `exact_rms`,
+        0.2 NS5(.) / RMS(NS5(.)) instead: the same for an exactly orthogonal output (its RMS is
+        1 / sqrt(max(A, B))), and exactly AdamW's 0.2 for Newton-Schulz's approximate one."""
         parts = []
         for block in u.split(self.rows_of(name, u.shape[-2]), dim=-2):
-            parts.append(newton_schulz(block).mul_(0.2 * math.sqrt(max(block.shape[-2:]))))
+            o = newton_schulz(block)
+            if self.exact_rms:
+                parts.append(o.mul_(0.2 / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30)))
+            else:
+                parts.append(o.mul_(0.2 * math.sqrt(max(block.shape[-2:]))))
         return torch.cat(parts, dim=-2)
 
     @torch.no_grad()

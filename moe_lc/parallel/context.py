@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from moe_lc.model.attention import LocalAttention
-from moe_lc.ops.attention import AttentionBackend, get_backend
+from moe_lc.ops.attention import AttentionBackend, get_backend, note_max_lse
 from moe_lc.ops.attention_backends import lse_merge_weights
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
@@ -370,12 +370,6 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, group
     return RingAttentionFunction.apply(q, float(scale), ring, backend, layout, KVBlocks(), docs, k, v)
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,
-                   backend: AttentionBackend | str = "auto", docs=None) -> Tensor:
-    """Zig-zag ring attention output (B, S, H, D_v); see ring_attention_with_lse."""
-    return ring_attention_with_lse(q, k, v, scale, group, backend, docs=docs)[0]
-
-
 class RingAttention(nn.Module):
     """Drop-in for LocalAttention under cp > 1: (q (B,S,H,D_qk), k, v (B,S,J,D_v)) -> (B,S,H,D_v),
     S the zig-zag shard of this cp rank; same backend choice as the LocalAttention it replaces."""
@@ -388,7 +382,9 @@ class RingAttention(nn.Module):
     def forward(self, q, k, v, scale: float, docs=None) -> Tensor:
         if self._backend is None:
             self._backend = get_backend(self.backend_name, q.device)
-        return ring_attention(q, k, v, scale, self.group, self._backend, docs)
+        out, lse = ring_attention_with_lse(q, k, v, scale, self.group, self._backend, docs=docs)
+        note_max_lse(self, lse)
+        return out
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp={self.group.size}"

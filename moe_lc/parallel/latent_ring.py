@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.rope import apply_rope
 from moe_lc.model.saved_tensors import recompute_from
-from moe_lc.ops.attention import get_backend
+from moe_lc.ops.attention import get_backend, note_max_lse
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.context import P2PRing, RingAttentionFunction
 
@@ -89,8 +89,10 @@ class LatentRingAttention(nn.Module):
         if self._backend is None:
             self._backend = get_backend(self.backend_name, q.device)
         codec = LatentBlocks(mla.wkv_b.gemms, mla.n_heads, mla.nope_dim, mla.v_dim)
-        return RingAttentionFunction.apply(q, float(scale), P2PRing(self.group), self._backend, "zigzag", codec,
-                                           docs, c, k_r, mla.wkv_b.weight)[0]
+        out, lse = RingAttentionFunction.apply(q, float(scale), P2PRing(self.group), self._backend, "zigzag", codec,
+                                               docs, c, k_r, mla.wkv_b.weight)
+        note_max_lse(self, lse)
+        return out
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp={self.group.size}, latent"

@@ -281,6 +281,21 @@ class ShardedParams:
         rule.update_(self.view, lr, step)
 
     @torch.no_grad()
+    def scale_rows_(self, row_scales: dict) -> None:
+        """Master elements of the parameters in `row_scales` ({id(param): (rows,) factors over its dim 0, the
+        local param's}) times their row's factor, on whatever part of each this rank owns (QK-clip)."""
+        for b in self.buckets:
+            own_lo = b.start + self.group.rank * b.shard_size
+            for p, off in b.params:
+                factors = row_scales.get(id(p))
+                lo, hi = max(off, own_lo), min(off + p.numel(), own_lo + b.shard_size)
+                if factors is None or lo >= hi:
+                    continue
+                rows = torch.arange(lo - off, hi - off, device=self.master.device) // (p.numel() // p.shape[0])
+                at = b.shard_start + lo - own_lo
+                self.master[at:at + hi - lo].mul_(factors.to(self.master.device, torch.float32)[rows])
+
+    @torch.no_grad()
     def gather_params(self) -> None:
         """Write updated master shards (cast) into the param buffer and all-gather every bucket."""
         works = []
@@ -334,9 +349,11 @@ class ZeroOptimizer:
             s.begin_step(grads_per_param)
 
     @torch.no_grad()
-    def step(self, lr: float, skip_if_nonfinite: bool = True) -> tuple[float, bool]:
+    def step(self, lr: float, skip_if_nonfinite: bool = True, row_scales: dict | None = None) -> tuple[float, bool]:
         """Finish gradient sync, clip, update, re-gather parameters. Returns (grad_norm, applied).
-        A non-finite norm skips the update (gradients are dropped) when skip_if_nonfinite."""
+        A non-finite norm skips the update (gradients are dropped) when skip_if_nonfinite. row_scales:
+        {id(param): (rows,) factors} applied to the updated master rows before the all-gather (QK-clip,
+        moe_lc/optim/qk_clip.py); a frozen group's parameters are left as they are."""
         for s in self.shards:
             s.finish_grad_sync()
         sq = sum((s.grad_sq_sum() for s in self.shards if s.lr_scale), torch.zeros((), dtype=torch.float64,
@@ -350,6 +367,8 @@ class ZeroOptimizer:
         self.step_count += 1
         for s in (s for s in self.shards if s.lr_scale):
             s.update_(self.rule, lr * s.lr_scale, self.step_count, clip)
+            if row_scales:
+                s.scale_rows_(row_scales)
             s.gather_params()
         self.zero_grad()
         if self.ema is not None:
