@@ -129,7 +129,7 @@ def _label_states(trainer, tracer: StepTracer) -> dict:
     mem = tracer.memory
     out = dict.fromkeys(EXACT, 0)
     for s in trainer.optimizer.shards:
-        for category, tensors in (("params", [s.param_buffer]), ("grads", [s.grad_buffer, s.grad_shard]),
+        for category, tensors in (("params", [s.param_buffer]), ("grads", [t for t in (s.grad_buffer, s.grad_shard) if t is not None]),
                                   ("optimizer", [s.master, *s.state.values()])):  # the rule's declared state
             for t in tensors:
                 mem.label(t, category)

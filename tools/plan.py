@@ -47,7 +47,8 @@ from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
 )
-from .pipeline_memory import phase_count, pipeline_schedule, schedule_peak, stage_sizes, wgrad_held_bytes
+from .pipeline_memory import (phase_count, pipeline_schedule, schedule_peak, stage_forwards, stage_sizes,
+                              wgrad_held_bytes)
 from .plan_layout import RankLayout, mesh, muon_traffic, rank_layouts, traced_traffic, trainer_traffic
 from . import steptime, steptime_search
 from .clusters import CLUSTERS, ClusterError, resolve, split_sets
@@ -163,11 +164,16 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         numel = local * scale
         pad = local - sum(k for _, k in params)
         note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
-        rows += [StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note),
-                 StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
-                                "full-size main-grad buffer, reduce-scattered per bucket"),
-                StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
-                                "this rank's reduced 1/N of the main grads (the reduce-scatter's output)"),
+        rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note))
+        if cfg.parallel.placement.grads == "sharded":  # ZeRO-2: the shard alone (its rounds' staging: transients)
+            rows.append(StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "S")},
+                                       "ZeRO-2: this rank's reduced 1/N, reduce-scattered each micro-batch"))
+        else:
+            rows += [StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
+                                    "full-size main-grad buffer, reduce-scattered per bucket"),
+                     StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
+                                    "this rank's reduced 1/N of the main grads (the reduce-scatter's output)")]
+        rows += [
                  StatePlacement("optimizer", part, numel, opt_bytes, opt_dtype, {**model_dims, group: (n, "S")},
                                 opt_note)]
     return rows, buckets
@@ -212,6 +218,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          are not saved yet), under one what `schedule_peak` finds with the head at the
                          end of each last-stage forward and the output gradients a split backward
                          leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
+      gradient rounds    ZeRO-2 (parallel.placement.grads = "sharded"): each group's round being filled (a
+                         bucket, fp32) and a reduced output (1/N of one); added to "step"
       optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
                          (16 B/element, zero.py), or the update rule's temporaries as it declares them
                          (AdamW: sqrt and denominator, the no-decay copy of the master, and fp32 copies
@@ -240,10 +248,37 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
+    if cfg.parallel.placement.grads == "sharded":  # ZeRO-2's staging (grad_rounds.py): per group, the round
+        # being filled (a bucket) and a reduced output; at backward's start, where the peak is, nothing of this
+        # micro-batch is in flight yet (the last bucket's launch folded the previous one's rounds)
+        out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
+                                     for g, b in buckets.items() if b and g.partition("*")[2] != "0")
+        out["step"] += out["gradient rounds"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
+
+
+def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], schedule) -> list[Traffic]:
+    """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py): each bucket is
+    reduce-scattered once per micro-batch this rank runs through its stages, not once a step: the rounds
+    beyond the first (the placement table's `traffic` counts one)."""
+    if cfg.parallel.placement.grads != "sharded":
+        return []
+    runs = set(stage_forwards(schedule, layout.dims.coords()["pp"]).values()) if schedule else \
+        {cfg.train.microbatches(layout.dims.dp)}
+    if len(runs) != 1:
+        raise NotImplementedError(f"ZeRO-2 rounds when this rank's stages run different micro-batch counts {runs}")
+    extra = runs.pop() - 1
+    out = []
+    for g, sizes in buckets.items():
+        group = layout.dims[grad_group_of_zero(g)]
+        if g.partition("*")[2] != "0" and extra:  # a frozen group reduces nothing
+            out.append(Traffic(group.name, "reduce_scatter", extra * ring_bytes("reduce_scatter", 4 * sum(sizes),
+                                                                                 group.size),
+                               f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))
+    return [t for t in out if t.bytes]
 
 
 def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:
@@ -282,7 +317,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
         moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
         sends = (traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
-                 + tie_traffic(layout, buckets) + muon_traffic(cfg, layout))
+                 + tie_traffic(layout, buckets) + muon_traffic(cfg, layout)
+                 + grad_round_traffic(cfg, layout, buckets, schedule))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))

@@ -26,6 +26,7 @@ Fp8Scaling = Literal["blockwise", "tensorwise", "delayed"]
 Fp8Backend = Literal["auto", "emulate", "scaled_mm", "te"]
 Fp8CacheItem = Literal["linear", "swiglu", "attn_out"]
 AdamMoments = Literal["fp32", "bf16"]
+GradPlacement = Literal["replicated", "sharded"]  # parallel.placement.grads: ZeRO-1's buffer, or ZeRO-2
 Optimizer = Literal["adamw", "sgd", "muon"]  # update rules on ZeRO-1's shards (moe_lc/optim: RULES)
 RecomputePolicy = Literal["none", "selective", "full"]
 RecomputeItem = Literal["norm", "swiglu", "attention", "mla_up", "router"]

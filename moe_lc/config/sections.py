@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_lc.config.choices import (
-    AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, Logger, LrSchedule,
-    MixtureSource, MlaRing, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
+    AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
+    Logger, LrSchedule, MixtureSource, MlaRing, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
+    RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
 from moe_lc.config.model_sections import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
@@ -24,6 +25,16 @@ __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DSAConfig", 
 
 
 # --------------------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """[parallel.placement]: where each training state lives beyond ZeRO-1's defaults (the placement table of
+    tools/placement_semantics.py: R replicated, S sharded over the parameter's data-parallel group)."""
+
+    grads: GradPlacement = f("replicated", "replicated: ZeRO-1's full-size fp32 main-grad buffer, reduce-scattered "
+                                           "once a step; sharded: ZeRO-2, each micro-batch's gradients "
+                                           "reduce-scattered as backward fills a bucket, only this rank's 1/N kept")
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class ParallelConfig:
     cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
                                       "(data.document_mask: per micro-batch, heaviest chunk paired with lightest)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
+    placement: PlacementConfig = f(PlacementConfig(), "[parallel.placement]")
     timeout_s: float = f(600.0, "collective timeout in seconds")
     overlap: bool = f(True, "issue all-to-alls and pipeline transfers early and wait where their result is used "
                             "(DualPipe's F&B hides one micro-batch's all-to-all behind the other's compute); "

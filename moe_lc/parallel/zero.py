@@ -35,6 +35,7 @@ from moe_lc.optim.adamw import AdamW
 from moe_lc.optim.rule import OwnedParam, ShardView, UpdateRule
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.parallel.grad_rounds import GradRounds
 from moe_lc.parallel.placement import ParamPlacement, Shard, gather_full
 
 GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
@@ -126,7 +127,7 @@ class ShardedParams:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
-                 tie: Group | None = None, shard_groups: dict[str, Group] | None = None):
+                 tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         self.placements = {n: place for n, _, place in named_params}
@@ -145,15 +146,20 @@ class ShardedParams:
             start, shard_start, i = start + size, shard_start + size // N, i + len(offsets)
         self.numel = start
         self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
-        self.grad_buffer = torch.zeros(self.numel, device=device, dtype=torch.float32)
+        # ZeRO-1 keeps a full-size fp32 main-grad buffer; ZeRO-2 (grads_sharded) only the shard and its rounds
+        self.grad_buffer = None if grads_sharded else torch.zeros(self.numel, device=device, dtype=torch.float32)
         self._slot: dict[int, tuple[torch.Tensor, _Bucket]] = {}  # id(param) -> (fp32 grad view, bucket)
-        for b in self.buckets:
+        offsets = {}  # id(param) -> (bucket index, offset in the bucket): where GradRounds stages it
+        for index, b in enumerate(self.buckets):
             for p, off in b.params:
                 view = self.param_buffer[off:off + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
-                self._slot[id(p)] = (self.grad_buffer[off:off + p.numel()].view_as(p), b)
+                offsets[id(p)] = (index, off - b.start)
+                if self.grad_buffer is not None:
+                    self._slot[id(p)] = (self.grad_buffer[off:off + p.numel()].view_as(p), b)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self.rounds = GradRounds(self, offsets) if grads_sharded else None
         shard = self.numel // N
         self.master = torch.empty(shard, device=device, dtype=torch.float32)
         for b in self.buckets:
@@ -242,6 +248,10 @@ class ShardedParams:
         if self.lr_scale == 0:  # frozen: its gradient is dropped, never reduced (nor the group's norm)
             p.grad = None
             return
+        if self.rounds is not None:  # ZeRO-2: staged, reduce-scattered round by round (grad_rounds.py)
+            self.rounds.add(p, p.grad)
+            p.grad = None
+            return
         main_grad, b = self._slot[id(p)]
         main_grad.add_(p.grad)
         p.grad = None
@@ -256,8 +266,10 @@ class ShardedParams:
 
     def finish_grad_sync(self) -> None:
         """Launch buckets whose gradients never all arrived (unused parameters), wait for all (a frozen
-        group launches none)."""
-        for b in self.buckets:
+        group launches none); ZeRO-2: the open rounds, then fold every round in."""
+        if self.rounds is not None:
+            self.rounds.finish()
+        for b in self.buckets if self.rounds is None else ():
             if not b.launched and self.lr_scale != 0:
                 self._launch(b)
         for b in self.buckets:
@@ -308,7 +320,8 @@ class ShardedParams:
                 w.wait()
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
         self.grad_shard.zero_()
 
     def state_bytes(self) -> int:
@@ -318,7 +331,8 @@ class ShardedParams:
 
 class ZeroOptimizer:
     """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
-    mesh dims.
+    mesh dims. grads: "replicated" (ZeRO-1's full main-grad buffer) or "sharded" (ZeRO-2: only the reduced
+    shard, moe_lc/parallel/grad_rounds.py), `parallel.placement.grads`.
 
     groups: [(name, [(param name, param, placement)], Group[, lr scale[, tie Group]])]
     (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a
@@ -334,10 +348,10 @@ class ZeroOptimizer:
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
-                 shard_groups: dict[str, Group] | None = None):
+                 shard_groups: dict[str, Group] | None = None, grads: str = "replicated"):
         self.rule = rule if rule is not None else AdamW()
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
-                                     *(scale or [1.0]), shard_groups=shard_groups)
+                                     *(scale or [1.0]), shard_groups=shard_groups, grads_sharded=grads == "sharded")
                        for n, ps, g, *scale in groups if ps]
         self.norm_group = norm_group
         self.grad_clip = grad_clip

@@ -1,0 +1,110 @@
+"""CPU benchmark: each rank's peak memory under ZeRO-1 and ZeRO-2 (`parallel.placement.grads`), measured.
+
+    python -m tools.bench.placement_memory --out docs/results/placement-memory
+
+Method: for each placement, `--world` gloo processes (dp = world) train `--steps` steps of the 46M MoE
+(tools/bench/compile_cpu.py's "large": dim 512, 8 blocks) from recipes/debug_cpu.toml, fp32, one thread
+each, with `--bucket-mb` ZeRO buckets; each process then reports its peak resident set size (the kernel's
+ru_maxrss: every byte the process touched at its peak, torch's own libraries and allocator caches
+included, so only differences between placements mean much) and the planner's figures for the same
+layout (tools/plan.py: parameters, gradients, optimizer, peak). Results: results.json and results.md
+(a table; the planner's difference beside the measured one).
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # `python tools/bench/placement_memory.py` from a checkout
+    import runpy, sys
+    sys.path[0] = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    runpy.run_module("tools.bench.placement_memory", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+import argparse
+import json
+import os
+import resource
+import socket
+import tempfile
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from .common import ROOT
+from .compile_cpu import MODELS
+
+PLACEMENTS = {"ZeRO-1": "replicated", "ZeRO-2": "sharded"}
+MIB = 2**20
+
+
+def overrides(world: int, steps: int, bucket_mb: float, grads: str) -> list[str]:
+    return MODELS["large"] + [f"parallel.dp={world}", f"train.steps={steps}", "train.seq_len=128",
+                              f"train.global_batch={4 * world}", "train.micro_batch=2", "train.threads=1",
+                              "train.log_interval=1000", "checkpoint.save_final=false",
+                              f"parallel.zero_bucket_mb={bucket_mb}", f"parallel.placement.grads={grads}"]
+
+
+def _worker(rank: int, world: int, port: int, sets: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_lc.config import load_config
+    from moe_lc.train import run
+
+    cfg = load_config(ROOT / "recipes/debug_cpu.toml", sets + [f"train.output_dir={out}/run"], world_size=world)
+    run(cfg)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak_rss_mib": peak_kib / 1024}))
+
+
+def measure(world: int, steps: int, bucket_mb: float, grads: str) -> dict:
+    """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement."""
+    from moe_lc.config import load_config
+    from tools.plan import plan
+
+    sets = overrides(world, steps, bucket_mb, grads)
+    with tempfile.TemporaryDirectory(prefix="moe_lc_mem_") as tmp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_worker, args=(world, port, sets, tmp), nprocs=world, start_method="spawn")
+        rss = [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_rss_mib"] for r in range(world)]
+    rank = plan(load_config(ROOT / "recipes/debug_cpu.toml", sets, world_size=world), world).ranks[0]
+    planned = {k: rank.memory[k] / MIB for k in ("params", "grads", "optimizer")}
+    planned["peak"] = rank.peak_bytes() / MIB
+    return {"grads": grads, "peak_rss_mib": rss, "planned_mib": planned}
+
+
+def table(results: dict) -> str:
+    rows = ["| placement | peak RSS per rank, MiB (max of ranks) | planner: grads MiB | planner: peak MiB |",
+            "| --- | --- | --- | --- |"]
+    for name, r in results["placements"].items():
+        rows.append(f"| {name} | {max(r['peak_rss_mib']):,.1f} | {r['planned_mib']['grads']:,.1f} | "
+                    f"{r['planned_mib']['peak']:,.1f} |")
+    one, two = (results["placements"][k] for k in PLACEMENTS)
+    measured = max(one["peak_rss_mib"]) - max(two["peak_rss_mib"])
+    planned = one["planned_mib"]["peak"] - two["planned_mib"]["peak"]
+    rows.append(f"\nZeRO-1 minus ZeRO-2: measured {measured:,.1f} MiB of peak RSS, planned {planned:,.1f} MiB.")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4, help="gloo ranks, all data-parallel")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=8.0, help="parallel.zero_bucket_mb")
+    ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
+    args = ap.parse_args(argv)
+    results = {"model": "46M MoE (compile_cpu 'large')", "world": args.world, "steps": args.steps,
+               "bucket_mb": args.bucket_mb, "placements": {}}
+    for name, grads in PLACEMENTS.items():
+        print(f"{name}: {args.world} ranks x {args.steps} steps ...", flush=True)
+        results["placements"][name] = measure(args.world, args.steps, args.bucket_mb, grads)
+    text = table(results)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "results.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
