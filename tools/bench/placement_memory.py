@@ -9,6 +9,12 @@ ru_maxrss: every byte the process touched at its peak, torch's own libraries and
 included, so only differences between placements mean much) and the planner's figures for the same
 layout (tools/plan.py: parameters, gradients, optimizer, peak). Results: results.json and results.md
 (a table; the planner's difference beside the measured one).
+
+Each placement runs twice: under glibc's default malloc, whose mmap threshold grows to the largest block
+freed (up to 32 MiB), so after the first freed bucket-sized buffer later ones come from the heap and stay
+in the process when freed (RSS then keeps what ZeRO-2 frees: it measures the allocator, not the
+placement); and with MALLOC_MMAP_THRESHOLD_=131072 (a fixed threshold: every block of 128 KiB or more is
+its own mapping, returned on free), where RSS follows the live tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .common import ROOT
 from .compile_cpu import MODELS
 
 PLACEMENTS = {"ZeRO-1": "replicated", "ZeRO-2": "sharded"}
+MALLOC = {"fixed mmap threshold (128 KiB)": "131072", "glibc default": None}  # MALLOC_MMAP_THRESHOLD_
 MIB = 2**20
 
 
@@ -55,12 +62,15 @@ def _worker(rank: int, world: int, port: int, sets: list[str], out: str) -> None
     Path(out, f"rank{rank}.json").write_text(json.dumps({"peak_rss_mib": peak_kib / 1024}))
 
 
-def measure(world: int, steps: int, bucket_mb: float, grads: str) -> dict:
-    """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement."""
+def measure(world: int, steps: int, bucket_mb: float, grads: str, mmap_threshold: str | None) -> dict:
+    """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement and malloc setting."""
     from moe_lc.config import load_config
     from tools.plan import plan
 
     sets = overrides(world, steps, bucket_mb, grads)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # the spawned workers read it as they start
+    if mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = mmap_threshold
     with tempfile.TemporaryDirectory(prefix="moe_lc_mem_") as tmp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -74,16 +84,18 @@ def measure(world: int, steps: int, bucket_mb: float, grads: str) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| placement | peak RSS per rank, MiB (max of ranks) | planner: grads MiB | planner: peak MiB |",
-            "| --- | --- | --- | --- |"]
-    for name, r in results["placements"].items():
-        rows.append(f"| {name} | {max(r['peak_rss_mib']):,.1f} | {r['planned_mib']['grads']:,.1f} | "
-                    f"{r['planned_mib']['peak']:,.1f} |")
-    one, two = (results["placements"][k] for k in PLACEMENTS)
-    measured = max(one["peak_rss_mib"]) - max(two["peak_rss_mib"])
-    planned = one["planned_mib"]["peak"] - two["planned_mib"]["peak"]
-    rows.append(f"\nZeRO-1 minus ZeRO-2: measured {measured:,.1f} MiB of peak RSS, planned {planned:,.1f} MiB.")
-    return "\n".join(rows)
+    rows = ["| malloc | placement | peak RSS per rank, MiB (max of ranks) | planner: grads MiB | planner: peak MiB |",
+            "| --- | --- | --- | --- | --- |"]
+    diffs = []
+    for malloc, placements in results["runs"].items():
+        for name, r in placements.items():
+            rows.append(f"| {malloc} | {name} | {max(r['peak_rss_mib']):,.1f} | {r['planned_mib']['grads']:,.1f} | "
+                        f"{r['planned_mib']['peak']:,.1f} |")
+        one, two = (placements[k] for k in PLACEMENTS)
+        measured = max(one["peak_rss_mib"]) - max(two["peak_rss_mib"])
+        planned = one["planned_mib"]["peak"] - two["planned_mib"]["peak"]
+        diffs.append(f"{malloc}: ZeRO-1 minus ZeRO-2 peak RSS {measured:,.1f} MiB measured, {planned:,.1f} planned.")
+    return "\n".join(rows + [""] + diffs)
 
 
 def main(argv=None) -> None:
@@ -94,10 +106,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     args = ap.parse_args(argv)
     results = {"model": "46M MoE (compile_cpu 'large')", "world": args.world, "steps": args.steps,
-               "bucket_mb": args.bucket_mb, "placements": {}}
-    for name, grads in PLACEMENTS.items():
-        print(f"{name}: {args.world} ranks x {args.steps} steps ...", flush=True)
-        results["placements"][name] = measure(args.world, args.steps, args.bucket_mb, grads)
+               "bucket_mb": args.bucket_mb, "runs": {}}
+    for malloc, threshold in MALLOC.items():
+        for name, grads in PLACEMENTS.items():
+            print(f"{malloc}, {name}: {args.world} ranks x {args.steps} steps ...", flush=True)
+            results["runs"].setdefault(malloc, {})[name] = measure(args.world, args.steps, args.bucket_mb, grads,
+                                                                   threshold)
     text = table(results)
     print(text)
     if args.out is not None:
