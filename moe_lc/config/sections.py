@@ -41,6 +41,8 @@ class ParallelConfig:
     pp_stage_layers: list[int] = f([], "blocks per pipeline stage (empty = balanced by estimated cost)")
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
     mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
+    cp_a2a: int = f(1, "hybrid cp: a Ulysses all-to-all over this many consecutive cp ranks (heads split), the "
+                       "zig-zag ring over cp / cp_a2a of them; 1 = the ring alone, cp = all-to-all alone")
     cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
                                       "(data.document_mask: per micro-batch, heaviest chunk paired with lightest)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
@@ -68,7 +70,7 @@ class ParallelConfig:
             if not ok:
                 e.append(f"parallel.link={self.link!r} must be 'LATENCY_US:GBPS' with latency >= 0 and bandwidth "
                          "> 0 (e.g. '50:2': 50 us, 2 GB/s), or '' (off)")
-        for name in ("pp", "cp", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
+        for name in ("pp", "cp", "cp_a2a", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
             positive(e, f"parallel.{name}", getattr(self, name))
         for name in ("dp", "ranks_per_node"):
             non_negative(e, f"parallel.{name}", getattr(self, name))

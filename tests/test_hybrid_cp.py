@@ -1,0 +1,203 @@
+"""Hybrid context parallelism (`parallel.cp_a2a`, moe_lc/parallel/ulysses.py): placement, the attention on
+real all-to-all and ring groups against fp64 full attention, counted bytes by formula, the rules that
+refuse a layout before any process group, and training equal to one process (fp32, 1e-5) with the
+planner's counted bytes equal to the run's.
+
+The attention checks share one 4-process gloo job (`hybrid_results`, module scope): cp = 4 with A = 2 and
+A = 4, GQA with J = 2 and J = 1 kv heads (fewer than A: repeated), D_v != D_qk, and packed documents.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_lc.config import ConfigError, ParallelConfig, load_config
+from moe_lc.ops.attention import attention_with_lse
+from moe_lc.ops.documents import Documents
+from moe_lc.parallel.context import chunk_ids, zigzag_shard
+from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.ulysses import hybrid_attention_with_lse, hybrid_chunk_ids, kv_repeats
+from tests.harness import RECIPES, ROOT, assert_equivalent, reference, run_layout, run_workers
+
+RECIPE = RECIPES / "debug_cpu.toml"
+SCALE = 0.3
+
+
+# --------------------------------------------------------------------------- placement (no processes)
+
+
+def test_hybrid_placement_is_the_docstring_table_and_covers_every_chunk_once():
+    assert [hybrid_chunk_ids(r, 4, 2) for r in range(4)] == [(0, 6), (1, 7), (2, 4), (3, 5)]
+    for cp, a2a in [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4)]:
+        held = [c for r in range(cp) for c in hybrid_chunk_ids(r, cp, a2a)]
+        assert sorted(held) == list(range(2 * cp)), (cp, a2a, held)
+        if a2a == 1:
+            assert [hybrid_chunk_ids(r, cp, 1) for r in range(cp)] == [chunk_ids(r, cp) for r in range(cp)]
+        # after the all-to-all, ring position o holds super-chunks (o, 2R-1-o) of A chunks: zig-zag over R
+        R = cp // a2a
+        for o in range(R):
+            got = sorted(c for a in range(a2a) for c in hybrid_chunk_ids(o * a2a + a, cp, a2a))
+            want = sorted(s * a2a + i for s in chunk_ids(o, R) for i in range(a2a))
+            assert got == want, (cp, a2a, o)
+
+
+def test_hybrid_groups_split_cp_into_consecutive_a2a_and_strided_rings():
+    dims = ParallelDims.from_config(ParallelConfig(cp=4, cp_a2a=2, tp=2), 16)  # dp = 2
+    assert dims.group_ranks("cp_a2a")[:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert dims.group_ranks("cp_ring")[:4] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert sorted(r for g in dims.group_ranks("cp_a2a") for r in g) == list(range(16))
+
+
+def test_kv_repeats():
+    assert [kv_repeats(j, a) for j, a in [(2, 2), (1, 2), (2, 4), (1, 4), (4, 2), (3, 2)]] == [1, 2, 2, 4, 1, 2]
+
+
+# --------------------------------------------------------------------------- rules
+
+
+LINE = {
+    "heads": "parallel.cp_a2a=4 must divide the query heads per tp rank, model.n_heads / parallel.tp = 4 / 2 = 2 "
+             "(the all-to-all splits heads)",
+    "cp": "parallel.cp_a2a=3 must divide parallel.cp=4 (all-to-all groups of consecutive cp ranks)",
+    "mla": "parallel.cp_a2a=2 with model.attention = 'mla' needs parallel.mla_ring = 'expanded': the latent is "
+           "shared by every head, so only the up-projected K/V heads split over the all-to-all",
+}
+MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=24"]
+
+
+@pytest.mark.parametrize("case, overrides, world", [
+    ("heads", ["parallel.cp=4", "parallel.cp_a2a=4", "parallel.tp=2"], 8),
+    ("cp", ["parallel.cp=4", "parallel.cp_a2a=3"], 4),
+    ("mla", MLA + ["parallel.cp=4", "parallel.cp_a2a=2"], 4),
+])
+def test_refused_layouts_say_one_line(case, overrides, world):
+    with pytest.raises(ConfigError) as info:
+        load_config(RECIPE, overrides, world_size=world)
+    assert info.value.errors == [LINE[case]]
+
+
+def test_refused_layout_stops_before_any_process_group(tmp_path):
+    """Under torchrun (4 ranks) the trainer exits 2 with the one line, before init_process_group: a
+    rank that reached it would wait for the others' rendezvous, and the run would hang, not exit."""
+    proc = subprocess.run([sys.executable, "-m", "moe_lc.train", str(RECIPE), "--set", "parallel.cp=4",
+                           "--set", "parallel.cp_a2a=4", "--set", "parallel.tp=2", "--set",
+                           f"train.output_dir={tmp_path}/run"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**__import__("os").environ, "WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0",
+                               "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert LINE["heads"] in proc.stderr
+
+
+# --------------------------------------------------------------------------- the attention on 4 gloo ranks
+
+
+CASES = {  # name: (B, S, H, J, D_qk, D_v, document lengths per row or None)
+    "gqa": (2, 64, 4, 2, 16, 16, None),
+    "gqa_one_kv_head": (1, 64, 4, 1, 16, 24, None),
+    "mha_dv_lt_dqk": (1, 64, 4, 4, 24, 16, None),
+    "documents": (2, 64, 4, 2, 16, 16, [[3, 20, 1, 40], [64]]),
+}
+
+
+def _inputs(case, seed=0):
+    B, S, H, J, Dqk, Dv, _ = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return make(B, S, H, Dqk), make(B, S, J, Dqk) * 2, make(B, S, J, Dv), make(B, S, H, Dv)
+
+
+def _truth(case):
+    """fp64 causal attention on one process (inside each document with lengths)."""
+    q, k, v, dout = (x.requires_grad_() if i < 3 else x for i, x in enumerate(_inputs(case)))
+    lengths, S = CASES[case][6], q.shape[1]
+    pieces = Documents(lengths, S).plan_call(((0, S),), [((0, S),)])[0] if lengths else None
+    out, lse = attention_with_lse(q, k, v, True, SCALE, "reference", pieces)
+    out.backward(dout)
+    return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _hybrid_worker(rank, world):
+    """Per (case, A): this rank's chunks, its out / dq / dk / dv (fp32, hybrid placement), its head group's
+    lse, and the counted bytes of both collectives (forward, backward) with their formulas."""
+    results = {}
+    for a2a in (2, 4):
+        dims = ParallelDims.from_config(ParallelConfig(cp=4, cp_a2a=a2a), world, rank)
+        dims.init_groups()
+        cp, inner, ring = dims["cp"], dims["cp_a2a"], dims["cp_ring"]
+        chunks = hybrid_chunk_ids(cp.rank, 4, a2a)
+        for case in CASES:
+            q, k, v, dout = (zigzag_shard(x.float(), cp, 1, chunks) for x in _inputs(case))
+            q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+            lengths = CASES[case][6]
+            docs = Documents(lengths, CASES[case][1]) if lengths else None
+            dims.counter.reset()
+            out, lse = hybrid_attention_with_lse(q, k, v, SCALE, inner, ring, "reference", docs)
+            fwd = dict(dims.counter.bytes)
+            out.backward(dout)
+            bwd = {key: n - fwd.get(key, 0) for key, n in dims.counter.bytes.items()}
+            results[(case, a2a)] = {"chunks": chunks, "a2a": inner.rank, "ring": ring.rank, "out": out.detach(),
+                                    "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, "fwd": fwd, "bwd": bwd,
+                                    "formula": _formula(q, k, v, out, a2a, ring.size)}
+    return results
+
+
+def _formula(q, k, v, out, a2a, R):
+    """(forward, backward) bytes per (group, op): the all-to-all moves (A-1)/A of q, k, v (kv heads repeated
+    to a multiple of A) and out, each way; the ring over R positions moves its K/V blocks (context.py)."""
+    f = kv_repeats(k.shape[2], a2a)
+    e, kv = 4, (k.numel() + v.numel()) * f  # the blocks after the all-to-all hold as many elements
+    moved = (q.numel() + kv + out.numel()) * e * (a2a - 1) // a2a
+    fwd, bwd = {("cp_a2a", "all_to_all"): moved}, {("cp_a2a", "all_to_all"): moved}
+    if R > 1:
+        fwd[("cp_ring", "send")] = (R - 1) * kv * e
+        bwd[("cp_ring", "send")] = (R - 1) * kv * e + R * kv * 4
+    return fwd, bwd
+
+
+@pytest.fixture(scope="module")
+def hybrid_results():
+    return run_workers(_hybrid_worker, 4)
+
+
+def _gather(per_rank, name):
+    """The full (B, S, ...) tensor from every rank's hybrid chunks."""
+    B, S = per_rank[0][name].shape[:2]
+    C = S // 2
+    full = torch.empty(B, C * 2 * len(per_rank), *per_rank[0][name].shape[2:])
+    for r in per_rank:
+        for i, c in enumerate(r["chunks"]):
+            full[:, c * C:(c + 1) * C] = r[name][:, i * C:(i + 1) * C]
+    return full
+
+
+@pytest.mark.parametrize("a2a", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrid_attention_equals_full_attention(hybrid_results, case, a2a):
+    """out, dq, dk, dv (gathered by chunk) and each head group's lse vs fp64 attention on one process."""
+    truth = _truth(case)
+    per_rank = [res[(case, a2a)] for res in hybrid_results]
+    errs = {}
+    for name in ("out", "dq", "dk", "dv"):
+        got, want = _gather(per_rank, name).double(), truth[name]
+        errs[name] = ((got - want).norm() / want.norm()).item()
+    H, S, R = CASES[case][2], CASES[case][1], 4 // a2a
+    for r in per_rank:  # lse (B, H/A, 2 A c): head group a over ring position o's super-chunks
+        o, a, sc = r["ring"], r["a2a"], S // (2 * R)
+        cols = torch.cat([torch.arange(s * sc, (s + 1) * sc) for s in chunk_ids(o, R)])
+        want = truth["lse"][:, a * H // a2a:(a + 1) * H // a2a][:, :, cols]
+        errs["lse"] = max(errs.get("lse", 0.0), (r["lse"].double() - want).abs().max().item())
+    print(case, a2a, {k: f"{v:.1e}" for k, v in errs.items()})
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("a2a", [2, 4])
+def test_hybrid_traffic_matches_formula(hybrid_results, a2a):
+    for rank, res in enumerate(hybrid_results):
+        for case in CASES:
+            r = res[(case, a2a)]
+            assert (r["fwd"], r["bwd"]) == r["formula"], (rank, case, r["fwd"], r["bwd"], r["formula"])
