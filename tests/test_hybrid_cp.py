@@ -232,6 +232,7 @@ def _assert_counted_equals_planned(got, overrides, world, groups=None):
         want = rank.comm_per_step()
         estimated = {t.key for t in rank.traffic if t.status != "exact"}
         assert any("cp_a2a" in k for k in want), want
+        assert not {k for k in estimated if k.split("/")[1] in ("cp_a2a", "cp_ring")}, estimated  # planned exactly
         for step in got.comm_per_rank[r]:
             if groups is not None:
                 step, want = ({k: v for k, v in d.items() if k.split("/")[1] in groups} for d in (step, want))
