@@ -179,12 +179,13 @@ def hybrid_cp_errors(cfg: Config) -> list[str]:
     if (m.n_heads // p.tp) % A:
         e.append(f"parallel.cp_a2a={A} must divide the query heads per tp rank, model.n_heads / parallel.tp = "
                  f"{m.n_heads} / {p.tp} = {m.n_heads // p.tp} (the all-to-all splits heads)")
-    if m.attention in names(AttentionKind) and attention_kind(m).name == "dsa":
+    kind = attention_kind(m) if m.attention in names(AttentionKind) else None
+    if m.dsa.enabled:
         e.append(f"parallel.cp_a2a={A} with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its "
                  "sparse ring moves the latent, which the all-to-all cannot split by head")
-    elif m.attention == "mla" and p.mla_ring == "latent":
-        e.append(f"parallel.cp_a2a={A} with model.attention = 'mla' needs parallel.mla_ring = 'expanded': the "
-                 "latent is shared by every head, so only the up-projected K/V heads split over the all-to-all")
+    elif kind is not None and kind.expanded_ring is not None and p.mla_ring != "expanded":
+        e.append(f"parallel.cp_a2a={A} with {kind.label} needs parallel.mla_ring = 'expanded': the latent is "
+                 "shared by every head, so only the up-projected K/V heads split over the all-to-all")
     if p.cp_layout != "zigzag":
         e.append(f"parallel.cp_layout={p.cp_layout!r} with parallel.cp_a2a={A} is not built: the hybrid placement "
                  "is fixed (parallel/ulysses.py)")

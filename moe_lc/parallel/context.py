@@ -403,14 +403,8 @@ def context_parallel_plan(model: nn.Module, dims: ParallelDims, plan, rings: dic
     Everything else is per token and needs no change: prepare_batch shards tokens, labels, mask and
     positions; dense gradients are summed over "dp_cp", experts over "edp" (which contains cp). The
     sequence-wise balance loss sees each sequence whole: its expert counts are summed over the cp (and
-    tp) ranks holding the sequence's chunks (parallel/balance_plan.py). With parallel.cp_a2a > 1 every core
-    is moe_lc.parallel.ulysses.HybridRingAttention (GQA, or MLA's expanded K/V: config rules)."""
+    tp) ranks holding the sequence's chunks (parallel/balance_plan.py)."""
     group, rings = dims["cp"], rings or {}
     for module in model.modules():
         if isinstance(getattr(module, "core", None), LocalAttention):
-            if dims.cp_a2a > 1:  # hybrid: all-to-all inside, this ring outside (parallel/ulysses.py)
-                from moe_lc.parallel.ulysses import HybridRingAttention
-
-                plan.set(module, core=HybridRingAttention(dims["cp_a2a"], dims["cp_ring"], module.core.backend_name))
-                continue
             plan.set(module, core=rings.get(type(module), RingAttention)(group, module.core.backend_name))

@@ -162,7 +162,11 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         from moe_lc.parallel.balance_plan import balance_plan
 
         balance_plan(model, dims, plan)
-    if cp > 1:
+    if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (config rules: GQA or K/V rings)
+        from moe_lc.parallel.ulysses import hybrid_context_parallel_plan
+
+        hybrid_context_parallel_plan(model, dims, plan)
+    elif cp > 1:
         from moe_lc.parallel.context import context_parallel_plan
 
         rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}

@@ -54,7 +54,9 @@ from torch import Tensor, nn
 from moe_lc.ops.attention import AttentionBackend, get_backend
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.model.attention import LocalAttention
 from moe_lc.parallel.context import KVBlocks, LoopbackRing, P2PRing, RingAttentionFunction
+from moe_lc.parallel.mesh import ParallelDims
 
 
 def hybrid_chunk_ids(rank: int, cp: int, a2a: int) -> tuple[int, int]:
@@ -148,3 +150,12 @@ class HybridRingAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp_a2a={self.a2a.size}, cp_ring={self.ring.size}"
+
+
+def hybrid_context_parallel_plan(model: nn.Module, dims: ParallelDims, plan) -> None:
+    """Plan every LocalAttention core swapped for HybridRingAttention over dims' "cp_a2a" and "cp_ring" groups
+    (parallel/layer_plan.py calls it instead of context.py's `context_parallel_plan` when cp_a2a > 1; the rest
+    of context parallelism, per token, is the ring's: see there)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "core", None), LocalAttention):
+            plan.set(module, core=HybridRingAttention(dims["cp_a2a"], dims["cp_ring"], module.core.backend_name))
