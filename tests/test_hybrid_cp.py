@@ -280,3 +280,56 @@ def test_document_masked_hybrid_cp_trains_like_one_process(packed_corpus, a2a):
     print(f"documents cp4 A={a2a}: loss {report.max_loss_rel:.1e} params {report.max_param_rel:.1e}")
     # the trainer's document-work metric (an all-gather of a few bytes over "cp") is not planned, ring or not
     _assert_counted_equals_planned(got, overrides, 4, groups=("cp_a2a", "cp_ring"))
+
+
+# --------------------------------------------------------------------------- the two-level modelled link
+
+
+def test_two_level_link_parses_and_charges_inter_node_bytes_to_the_slow_level():
+    from moe_lc.parallel.comm_timing import Link
+
+    p = ParallelConfig(link="intra=2:200,inter=10:25")
+    assert p.errors() == [] and p.link_model == (pytest.approx((2e-6, 200e9)), pytest.approx((10e-6, 25e9)))
+    assert ParallelConfig(link="50:2").link_model == (pytest.approx((50e-6, 2e9)),) * 2
+    bad = ParallelConfig(link="intra=2:200").errors()
+    assert bad == ["parallel.link='intra=2:200' must be 'LATENCY_US:GBPS' with latency >= 0 and bandwidth > 0 (e.g. "
+                   "'50:2': 50 us, 2 GB/s), 'intra=LATENCY_US:GBPS,inter=LATENCY_US:GBPS' (inside a node, between "
+                   "nodes), or '' (off)"]
+    link = Link(0.0, 1e9, inter=Link(1e-3, 1e8))
+    assert link.seconds(1e6) == pytest.approx(1e-3)  # all inside the node
+    assert link.seconds(1e6, 1e6) == pytest.approx(1e-3 + 1e-2)  # all across
+    assert link.seconds(2e6, 1e6) == pytest.approx(1.1e-2)  # both at once: the slower
+
+
+def _link_worker(rank, world):
+    """4 ranks as 2 nodes x 2, link intra 0 us : 1 GB/s, inter 0 us : 0.01 GB/s: the modelled seconds of a
+    1 MB all-to-all inside a node, a ring send to the other node, and a hybrid cp's collectives."""
+    import time
+
+    from moe_lc.parallel import comm
+
+    dims = ParallelDims.from_config(ParallelConfig(cp=4, cp_a2a=2, ranks_per_node=2,
+                                                   link="intra=0:1,inter=0:0.01"), world, rank)
+    dims.init_groups()
+    x = torch.zeros(2, 250_000)  # 1 MB per row
+    out = {}
+    for name in ("cp_a2a", "cp_ring"):
+        group = dims[name]
+        start = time.perf_counter()
+        if name == "cp_a2a":
+            comm.all_to_all(torch.empty_like(x), x, [1, 1], [1, 1], group)
+        else:
+            peer = (group.rank + 1) % group.size
+            ops = [comm.p2p_op("send", x[0].clone(), peer, group), comm.p2p_op("recv", torch.empty(250_000), peer, group)]
+            for w in comm.batch_isend_irecv(ops, group):
+                w.wait()
+        out[name] = time.perf_counter() - start
+    return out
+
+
+def test_two_level_link_times_the_all_to_all_inside_and_the_ring_across_nodes():
+    """1 MB inside a node at 1 GB/s: >= 1 ms; across at 0.01 GB/s: >= 100 ms."""
+    results = run_workers(_link_worker, 4, ranks_per_node=2)
+    for r in results:
+        assert 1e-3 <= r["cp_a2a"] < 0.1, r
+        assert r["cp_ring"] >= 0.1, r

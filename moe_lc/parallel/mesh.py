@@ -68,7 +68,8 @@ class ParallelDims:
                    pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type,
                    overlap=p.overlap, cp_a2a=p.cp_a2a)
         if p.link_model is not None:
-            dims.counter.link = Link(*p.link_model)
+            intra, inter = p.link_model
+            dims.counter.link = Link(*intra, inter=Link(*inter) if inter != intra else None)
         return dims
 
     # -- coordinates ----------------------------------------------------------------------------
