@@ -226,7 +226,6 @@ SLOW = ("cp4_a2_tp2", "mla_expanded_cp4_a2")  # 17 s each beside other work on 2
 def _assert_counted_equals_planned(got, overrides, world, groups=None):
     """Every rank's counted bytes per step, every group and op (or those of `groups`), equal the planner's
     (tools/plan.py traces the blocks on the recipe's mesh, the all-to-all and ring groups included)."""
-    sys.path.insert(0, str(ROOT))
     from tools.plan import plan
 
     cfg = load_config(RECIPE, overrides, world_size=world)

@@ -70,10 +70,10 @@ def measured(run_dir: Path) -> dict:
 
 def predicted(sets: list[str], link: str) -> dict:
     from moe_lc.config import load_config
-    from tools.clusters import resolve
-    from tools.plan import plan
-    from tools.steptime import predict
-    from tools.steptime_cpu import ACHIEVED
+    from ..clusters import resolve
+    from ..plan import plan
+    from ..steptime import predict
+    from ..steptime_cpu import ACHIEVED
 
     cfg = load_config(RECIPE, sets, world_size=4)
     cluster, eff = resolve("cpu", cluster_sets(link))
