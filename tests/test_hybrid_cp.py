@@ -65,8 +65,8 @@ LINE = {
     "heads": "parallel.cp_a2a=4 must divide the query heads per tp rank, model.n_heads / parallel.tp = 4 / 2 = 2 "
              "(the all-to-all splits heads)",
     "cp": "parallel.cp_a2a=3 must divide parallel.cp=4 (all-to-all groups of consecutive cp ranks)",
-    "mla": "parallel.cp_a2a=2 with MLA needs parallel.mla_ring = 'expanded': the latent is shared by every head, "
-           "so only the up-projected K/V heads split over the all-to-all",
+    "dsa": "parallel.cp_a2a=2 with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its sparse ring "
+           "moves the latent, which the all-to-all cannot split by head",
 }
 MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
        "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=24"]
@@ -75,7 +75,7 @@ MLA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_ran
 @pytest.mark.parametrize("case, overrides, world", [
     ("heads", ["parallel.cp=4", "parallel.cp_a2a=4", "parallel.tp=2"], 8),
     ("cp", ["parallel.cp=4", "parallel.cp_a2a=3"], 4),
-    ("mla", MLA + ["parallel.cp=4", "parallel.cp_a2a=2"], 4),
+    ("dsa", MLA + ["model.dsa.enabled=true", "model.dsa.index_topk=16", "parallel.cp=4", "parallel.cp_a2a=2"], 4),
 ])
 def test_refused_layouts_say_one_line(case, overrides, world):
     with pytest.raises(ConfigError) as info:
@@ -213,6 +213,9 @@ LAYOUTS = {  # name: (overrides beside TRAIN, world); the debug model has 4 quer
     "cp4_a2": (["parallel.cp=4", "parallel.cp_a2a=2"], 4),
     "cp4_a4": (["parallel.cp=4", "parallel.cp_a2a=4"], 4),  # pure Ulysses, kv heads repeated 2x
     "mla_expanded_cp4_a2": (MLA + ["parallel.cp=4", "parallel.cp_a2a=2", "parallel.mla_ring=expanded"], 4),
+    # the latent all-gathered over the a2a ranks, its ring outside, W_UKV's rows split by head group
+    "mla_latent_cp4_a2": (MLA + ["parallel.cp=4", "parallel.cp_a2a=2"], 4),
+    "mla_latent_cp4_a4": (MLA + ["parallel.cp=4", "parallel.cp_a2a=4"], 4),
     "pp2_dualpipe_cp2_a2": (["parallel.cp=2", "parallel.cp_a2a=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe",
                              "train.micro_batch=1"], 4),
     # one kv head per tp rank, fewer than A: repeated 2x
@@ -220,7 +223,7 @@ LAYOUTS = {  # name: (overrides beside TRAIN, world); the debug model has 4 quer
 }
 
 
-SLOW = ("cp4_a2_tp2", "mla_expanded_cp4_a2")  # 17 s each beside other work on 2 cores: -m slow
+SLOW = ("cp4_a2_tp2", "mla_expanded_cp4_a2", "mla_latent_cp4_a4")  # 17 s each beside other work on 2 cores: -m slow
 
 
 def _assert_counted_equals_planned(got, overrides, world, groups=None):
@@ -254,6 +257,9 @@ def test_hybrid_cp_trains_like_one_process(layout):
     got = run_layout(RECIPE, overrides, world=world)
     report = assert_equivalent(ref, got, rtol=1e-5)
     print(f"{layout}: loss {report.max_loss_rel:.1e} params {report.max_param_rel:.1e} ({report.worst_param})")
+    latent = "latent" in layout  # the latent core gathers the latent (and scatters its gradient) over cp_a2a
+    for ranks in got.comm_per_rank:
+        assert all(("comm/cp_a2a/all_gather_bytes" in step) == latent for step in ranks), ranks[0]
     _assert_counted_equals_planned(got, overrides, world)
 
 
@@ -358,6 +364,11 @@ def test_dry_run_traces_the_hybrid_layout_and_holds_the_planner_to_it():
     # the all-to-alls and the ring run again in each replay of the attention core
     pytest.param("cp4-a2-recompute-full", ["parallel.cp=4", "parallel.cp_a2a=2", "parallel.dp=1", "train.micro_batch=4",
                                            "recompute.policy=full"], None, marks=pytest.mark.slow),
+    # MLA's latent core under the "mla_up" and "attention" replays
+    pytest.param("cp4-a2-mla-latent-recompute-mla-up", ["parallel.cp=4", "parallel.cp_a2a=2", "parallel.dp=1",
+                                                        "train.micro_batch=4", *MLA, "recompute.policy=selective",
+                                                        'recompute.selective=["mla_up", "attention"]'], None,
+                 marks=pytest.mark.slow),
 ])
 def test_planner_holds_for_hybrid_cp(name, overrides, act_rtol):
     """tests/test_plan.py's check: optimizer bytes and every counted byte per step equal the plan on a real

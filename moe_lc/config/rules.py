@@ -170,8 +170,8 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
 
 def hybrid_cp_errors(cfg: Config) -> list[str]:
     """What the all-to-all of hybrid context parallelism (parallel.cp_a2a > 1, parallel/ulysses.py) cannot
-    split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), MLA's latent
-    ring, DSA's sparse ring, and a per-micro-batch chunk placement."""
+    split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), DSA's sparse
+    ring, and a per-micro-batch chunk placement."""
     m, p, e = cfg.model, cfg.parallel, []
     A = p.cp_a2a
     if A == 1 or p.cp % A or m.n_heads % p.tp:
@@ -179,13 +179,9 @@ def hybrid_cp_errors(cfg: Config) -> list[str]:
     if (m.n_heads // p.tp) % A:
         e.append(f"parallel.cp_a2a={A} must divide the query heads per tp rank, model.n_heads / parallel.tp = "
                  f"{m.n_heads} / {p.tp} = {m.n_heads // p.tp} (the all-to-all splits heads)")
-    kind = attention_kind(m) if m.attention in names(AttentionKind) else None
     if m.dsa.enabled:
         e.append(f"parallel.cp_a2a={A} with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its "
                  "sparse ring moves the latent, which the all-to-all cannot split by head")
-    elif kind is not None and kind.expanded_ring is not None and p.mla_ring != "expanded":
-        e.append(f"parallel.cp_a2a={A} with {kind.label} needs parallel.mla_ring = 'expanded': the latent is "
-                 "shared by every head, so only the up-projected K/V heads split over the all-to-all")
     if p.cp_layout != "zigzag":
         e.append(f"parallel.cp_layout={p.cp_layout!r} with parallel.cp_a2a={A} is not built: the hybrid placement "
                  "is fixed (parallel/ulysses.py)")

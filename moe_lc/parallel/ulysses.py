@@ -30,14 +30,23 @@ the same chunks (parallelize.prepare_batch), so every rank's work is balanced as
 Heads. tp-local H must be divisible by A (config rule). GQA with J not divisible by A: the kv heads are
 repeated (repeat_interleave) f = lcm(J, A) / J times before the all-to-all, so every a2a rank receives the
 kv heads its H/A consecutive query heads read (query head h reads kv head h // (H / J) before and
-after); their gradients sum back through the repeat. MLA runs with `parallel.mla_ring = "expanded"` only:
-its up-projected K (D_qk = nope + rope) and V heads go through the all-to-all and around the ring; the
-latent ring (c_kv + k_rope per token, shared by all heads) cannot be split by head, so it is refused.
+after); their gradients sum back through the repeat. MLA, as `parallel.mla_ring` says: "expanded" moves its
+up-projected K (D_qk = Dn + Dr) and V heads through the all-to-all and around the ring
+(`HybridRingAttention`, as GQA); "latent" (`HybridLatentRingAttention`) moves only q and the output through
+the all-to-all, all-gathers the latent c_kv and roped k_r (Ckv + Dr per token, shared by every head) over
+"cp_a2a" and runs latent_ring.py's ring over "cp_ring", each rank up-projecting its H/A heads with its rows
+of W_UKV. Values sent forward per token of this rank, DeepSeek-V3 (H = 128 heads, Ckv + Dr = 512 + 64,
+D_qk = 192, D_v = 128): expanded (A-1)/A x H (192 + 192 + 128 + 128) through the all-to-all (q, k, v, out),
+and ring blocks of H / A (192 + 128) values per token; latent (A-1)/A x H (192 + 128) (q, out) plus
+(A-1) x 576 (the all-gather), and ring blocks of 576 values per token (A = 2: 40,960 per token through
+the all-to-all and 20,480 per ring token, against 21,056 and 576).
 
 Traffic per attention call and rank (counted by comm.py, e bytes per element, |x| the local numel of x
 before the all-to-all, kv heads as repeated): "cp_a2a"/"all_to_all" forward (A-1)/A (|q|+|k|+|v|+|out|) e,
 backward the same (dout, then dq, dk, dv); "cp_ring"/"send" the ring's formula (context.py) with R for cp
-and the blocks' numels after the all-to-all (k and v with J f / A heads over 2 A c tokens).
+and the blocks' numels after the all-to-all (k and v with J f / A heads over 2 A c tokens). The latent
+core: all-to-all (A-1)/A (|q|+|out|) e each way; "cp_a2a"/"all_gather" (A-1)(|c|+|k_r|) e forward,
+"cp_a2a"/"reduce_scatter" the same backward; the ring's blocks c and k_r over 2 A c tokens.
 
 Packed documents (`docs`): the ring plans from global positions; after the all-to-all ring position o
 holds super-chunks (o, 2R-1-o), which is `chunk_ids(o, R)` at super-chunk size, so the ring's own
@@ -118,6 +127,39 @@ class _HeadsToSeq(torch.autograd.Function):
         return seq_to_heads(dx.contiguous(), ctx.group), None
 
 
+def gather_seq(x: Tensor, group: Group) -> Tensor:
+    """(B, 2c, ...) this rank's two chunks of a tensor without heads (MLA's latent) -> (B, 2Ac, ...) the ring
+    position's two super-chunks, the same on its A ranks (counted all-gather over "cp_a2a")."""
+    A, (B, S, *rest) = group.size, x.shape
+    send = x.movedim(1, 0).contiguous()  # (2c, B, ...)
+    recv = torch.empty((A * S, *send.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(recv, send, group)
+    ordered = recv.view(A, 2, S // 2, B, *rest).transpose(0, 1).reshape(2 * A * (S // 2), B, *rest)
+    return ordered.movedim(0, 1)
+
+
+def scatter_seq_sum(g: Tensor, group: Group) -> Tensor:
+    """Adjoint of gather_seq: (B, 2Ac, ...) every a2a rank's gradient -> (B, 2c, ...) their sum over this
+    rank's own chunks (counted reduce-scatter over "cp_a2a")."""
+    A, (B, S2, *rest) = group.size, g.shape
+    c = S2 // (2 * A)
+    send = g.movedim(1, 0).reshape(2, A, c, B, *rest).transpose(0, 1).reshape(A * 2 * c, B, *rest).contiguous()
+    out = torch.empty((2 * c, B, *rest), dtype=g.dtype, device=g.device)
+    comm.reduce_scatter(out, send, group)
+    return out.movedim(0, 1)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return scatter_seq_sum(dy, ctx.group), None
+
+
 def hybrid_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, a2a: Group, ring_group: Group,
                               backend: AttentionBackend | str = "auto", docs=None) -> tuple[Tensor, Tensor]:
     """q (B,2c,H,D_qk), k (B,2c,J,D_qk), v (B,2c,J,D_v) in the hybrid placement -> out (B,2c,H,D_v) (same
@@ -152,10 +194,45 @@ class HybridRingAttention(nn.Module):
         return f"backend={self.backend_name}, cp_a2a={self.a2a.size}, cp_ring={self.ring.size}"
 
 
-def hybrid_context_parallel_plan(model: nn.Module, dims: ParallelDims, plan) -> None:
-    """Plan every LocalAttention core swapped for HybridRingAttention over dims' "cp_a2a" and "cp_ring" groups
+class HybridLatentRingAttention(nn.Module):
+    """MLA's latent ring under hybrid cp (parallel.mla_ring = "latent"), drop-in for LatentRingAttention:
+    (q (B,S,H,Dn+Dr), c (B,S,Ckv), k_r (B,S,Dr), scale, mla) -> (B,S,H,Dv), S in the hybrid placement. q goes
+    through the all-to-all (head group a); the latent c and k_r, shared by every head, are all-gathered over
+    "cp_a2a" (gradients reduce-scattered back); the latent ring (latent_ring.py) runs over "cp_ring" with the
+    rows of W_UKV of head group a, so each rank up-projects only its heads (W_UKV's gradient: those rows here,
+    the rest from the other a2a ranks, summed over "dp_cp" as for every dense weight)."""
+
+    def __init__(self, a2a: Group, ring: Group, backend: str = "auto"):
+        super().__init__()
+        self.a2a, self.ring, self.backend_name = a2a, ring, backend
+        self._backend = None
+
+    def forward(self, q: Tensor, c: Tensor, k_r: Tensor, scale: float, mla, docs=None) -> Tensor:
+        from moe_lc.parallel.latent_ring import LatentBlocks
+
+        if self._backend is None:
+            self._backend = get_backend(self.backend_name, q.device)
+        A, a = self.a2a.size, self.a2a.rank
+        heads = mla.n_heads // A
+        rows = heads * (mla.nope_dim + mla.v_dim)  # W_UKV's rows are head-major: (h, Dn + Dv)
+        w = mla.wkv_b.weight[a * rows:(a + 1) * rows]
+        codec = LatentBlocks(mla.wkv_b.gemms, heads, mla.nope_dim, mla.v_dim)
+        ring = P2PRing(self.ring) if self.ring.size > 1 else LoopbackRing(0, 1)
+        q2 = _SeqToHeads.apply(q, self.a2a)
+        c2, kr2 = _GatherSeq.apply(c, self.a2a), _GatherSeq.apply(k_r, self.a2a)
+        out2 = RingAttentionFunction.apply(q2, float(scale), ring, self._backend, "zigzag", codec, docs, c2, kr2, w)[0]
+        return _HeadsToSeq.apply(out2, self.a2a)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend_name}, cp_a2a={self.a2a.size}, cp_ring={self.ring.size}, latent"
+
+
+def hybrid_context_parallel_plan(model: nn.Module, dims: ParallelDims, plan, latent: tuple = ()) -> None:
+    """Plan every LocalAttention core swapped for HybridRingAttention over dims' "cp_a2a" and "cp_ring" groups,
+    or HybridLatentRingAttention for a module type in `latent` (MLA with parallel.mla_ring = "latent")
     (parallel/layer_plan.py calls it instead of context.py's `context_parallel_plan` when cp_a2a > 1; the rest
     of context parallelism, per token, is the ring's: see there)."""
     for module in model.modules():
         if isinstance(getattr(module, "core", None), LocalAttention):
-            plan.set(module, core=HybridRingAttention(dims["cp_a2a"], dims["cp_ring"], module.core.backend_name))
+            core = HybridLatentRingAttention if type(module) in latent else HybridRingAttention
+            plan.set(module, core=core(dims["cp_a2a"], dims["cp_ring"], module.core.backend_name))
