@@ -376,3 +376,18 @@ def test_planner_holds_for_hybrid_cp(name, overrides, act_rtol):
     from tests.test_plan import _check_layout
 
     _check_layout(name, 4, overrides, act_rtol)
+
+
+def test_search_tries_each_all_to_all_size_inside_a_node():
+    """tools/plan.py --search: every cp > 1 candidate also with cp_a2a = 2, 4, ... while A x tp fits a node
+    and A divides the heads per tp rank (moe16b_128k: 16 heads, nodes of 8)."""
+    from tools.clusters import resolve
+    from tools.steptime_search import candidates, name
+
+    cfg = load_config(ROOT / "recipes" / "moe16b_128k.toml", world_size=64)
+    cluster, _ = resolve("h100")
+    found = candidates(cfg, 64, cluster)
+    for d in found:
+        assert d["cp"] % d["cp_a2a"] == 0 and (d["cp_a2a"] == 1 or d["cp_a2a"] * d["tp"] <= 8)
+    assert {d["cp_a2a"] for d in found if d["cp"] == 8 and d["tp"] == 2} == {1, 2, 4}
+    assert name(dict(pp=1, tp=2, cp=8, cp_a2a=2, ep=8, dp=4)) == "tp2 cp8 a2a2 ep8 dp4"
