@@ -245,7 +245,8 @@ def _assert_counted_equals_planned(got, overrides, world, groups=None):
                 step, want = ({k: v for k, v in d.items() if k.split("/")[1] in groups} for d in (step, want))
             assert step.keys() == want.keys(), (r, step, want)
             for key, value in want.items():
-                assert step[key] == (pytest.approx(value, rel=0.10) if key in estimated else value), (r, key, step, want)
+                want_value = pytest.approx(value, rel=0.10) if key in estimated else value
+                assert step[key] == want_value, (r, key, step, want)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS])
@@ -325,7 +326,8 @@ def _link_worker(rank, world):
             comm.all_to_all(torch.empty_like(x), x, [1, 1], [1, 1], group)
         else:
             peer = (group.rank + 1) % group.size
-            ops = [comm.p2p_op("send", x[0].clone(), peer, group), comm.p2p_op("recv", torch.empty(250_000), peer, group)]
+            ops = [comm.p2p_op("send", x[0].clone(), peer, group),
+                   comm.p2p_op("recv", torch.empty(250_000), peer, group)]
             for w in comm.batch_isend_irecv(ops, group):
                 w.wait()
         out[name] = time.perf_counter() - start

@@ -2,14 +2,14 @@
 cluster's memory, ranked by predicted tokens/s/GPU (tools/steptime.py), with why each beats the next.
 
 Candidates: pp a divisor of the world with at least two blocks per stage (the recipe's schedule; 1F1B
-at pp = 1), tp a power of two up to the node and dividing the heads, cp a power of two keeping at least
-4,096 tokens per rank (1 up to 8K tokens) with each hybrid all-to-all size cp_a2a (1, or a power of two
-dividing the heads per tp rank whose all-to-all stays inside a node), ep a power of two dividing
-dp x cp x tp and the experts; the recipe's batch, model and everything else. A layout the recipe's rules refuse is skipped (counted by
-its first reason); one whose parameters and gradients alone exceed the memory is skipped before
-planning (planning 671B takes ~15 s a layout); the rest are planned and fit when the planned peak of
-every pipeline rank is at most the cluster's HBM (`cluster.hbm_gb`; the CUDA context and NCCL buffers
-are not in the plan).
+at pp = 1), tp a power of two up to the node and dividing the heads, cp a power of two keeping at least 4,096
+tokens per rank (1 up to 8K tokens) with each hybrid all-to-all size cp_a2a (1, or a power of two dividing
+the heads per tp rank whose all-to-all stays inside a node), ep a power of two dividing dp x cp x tp and the
+experts; the recipe's batch, model and everything else. A layout the recipe's rules refuse is skipped
+(counted by its first reason); one whose parameters and gradients alone exceed the memory is skipped before
+planning (planning 671B takes ~15 s a layout); the rest are planned and fit when the planned peak of every
+pipeline rank is at most the cluster's HBM (`cluster.hbm_gb`; the CUDA context and NCCL buffers are not in
+the plan).
 """
 
 from __future__ import annotations

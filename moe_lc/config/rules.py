@@ -76,7 +76,8 @@ def layout_errors(p: ParallelConfig, world_size: int | None) -> tuple[dict[str, 
     if (d["dp"] * p.cp * p.tp) % p.ep:
         e.append(f"parallel.ep={p.ep} must divide dp*cp*tp={d['dp'] * p.cp * p.tp} (experts are folded into those ranks)")
     if p.cp % p.cp_a2a:
-        e.append(f"parallel.cp_a2a={p.cp_a2a} must divide parallel.cp={p.cp} (all-to-all groups of consecutive cp ranks)")
+        e.append(f"parallel.cp_a2a={p.cp_a2a} must divide parallel.cp={p.cp} (all-to-all groups of consecutive "
+                 "cp ranks)")
     return d, e
 
 

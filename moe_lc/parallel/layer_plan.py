@@ -166,7 +166,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
     if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (a kind's latent ring: its own core)
         from moe_lc.parallel.ulysses import hybrid_context_parallel_plan
 
-        latent = tuple(t for t, kind in module_kinds().items() if kind.expanded_ring is not None and mla_ring != "expanded")
+        latent = tuple(t for t, kind in module_kinds().items()
+                       if kind.expanded_ring is not None and mla_ring != "expanded")
         hybrid_context_parallel_plan(model, dims, plan, latent)
     elif cp > 1:
         from moe_lc.parallel.context import context_parallel_plan

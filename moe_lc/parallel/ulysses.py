@@ -60,10 +60,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from moe_lc.model.attention import LocalAttention
 from moe_lc.ops.attention import AttentionBackend, get_backend
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
-from moe_lc.model.attention import LocalAttention
 from moe_lc.parallel.context import KVBlocks, LoopbackRing, P2PRing, RingAttentionFunction
 from moe_lc.parallel.mesh import ParallelDims
 

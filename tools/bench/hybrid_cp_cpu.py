@@ -4,14 +4,15 @@
                                         [--link intra=5:1,inter=50:0.1]
 
 Four gloo ranks on this machine as 2 nodes x 2 (`parallel.ranks_per_node = 2`), cp 4, the debug MoE model,
-`parallel.link = "intra=5:1,inter=50:0.1"` (5 us and 1 GB/s inside a node, 50 us and 0.1 GB/s between
-them; `--link` another: the case the hybrid exists for is a slow ring between nodes). Each A in (1, 2, 4) trains `--steps` steps under torchrun; per run
-the mean over the steps after the first of the step time and of the CP groups' link time and exposed time
-("cp" for the ring alone; "cp_a2a" + "cp_ring" for the hybrid), from the trainer's metrics.jsonl. Beside
-each, tools/steptime.py's prediction on the `cpu` cluster (tools/steptime_cpu.py's fitted rates for one of
-4 ranks on this machine) with its links set to the modelled ones (NVLink = the intra bandwidth inside a
-node of 2, the network = the inter one, link efficiency 1; latency is not modelled there). Writes
-results.json and results.md (a --link other than the default: results-<inter GB/s>.json / .md).
+`parallel.link = "intra=5:1,inter=50:0.1"` (5 us and 1 GB/s inside a node, 50 us and 0.1 GB/s between them;
+`--link` another: the case the hybrid exists for is a slow ring between nodes). Each A in (1, 2, 4) trains
+`--steps` steps under torchrun; per run the mean over the steps after the first of the step time and of the
+CP groups' link time and exposed time ("cp" for the ring alone; "cp_a2a" + "cp_ring" for the hybrid), from
+the trainer's metrics.jsonl. Beside each, tools/steptime.py's prediction on the `cpu` cluster
+(tools/steptime_cpu.py's fitted rates for one of 4 ranks on this machine) with its links set to the modelled
+ones (NVLink = the intra bandwidth inside a node of 2, the network = the inter one, link efficiency 1;
+latency is not modelled there). Writes results.json and results.md (a --link other than the default:
+results-<inter GB/s>.json / .md).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def command(sets: list[str], out_dir: Path) -> list[str]:
 def measured(run_dir: Path) -> dict:
     """Mean over the steps after the first: step time, CP link time and exposed time (seconds)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    mean = lambda key: statistics.mean(sum(r.get(f"comm/{g}/{key}", 0.0) for g in CP_GROUPS) for r in rows)  # noqa: E731
+    def mean(key: str) -> float:
+        return statistics.mean(sum(r.get(f"comm/{g}/{key}", 0.0) for g in CP_GROUPS) for r in rows)
+
     return {"step_s": statistics.mean(r["step_time"] for r in rows), "cp_time_s": mean("time_s"),
             "cp_exposed_s": mean("exposed_s"), "steps": len(rows)}
 
@@ -86,16 +89,16 @@ def predicted(sets: list[str], link: str) -> dict:
 def render(rows: list[dict], seq_len: int, link: str) -> str:
     best_m = min(rows, key=lambda r: r["measured"]["step_s"])["a2a"]
     best_p = min(rows, key=lambda r: r["predicted"]["step_s"])["a2a"]
-    out = [f"debug MoE model, cp 4 on 4 gloo ranks as 2 nodes x 2, link `{link}`, seq_len {seq_len}, 4 micro-batches "
-           "of 1 per step; mean over the steps after the first. Predicted: tools/steptime.py on the `cpu` cluster "
+    out = [f"debug MoE model, cp 4 on 4 gloo ranks as 2 nodes x 2, link `{link}`, seq_len {seq_len}, "
+           "4 micro-batches of 1 per step; mean over the steps after the first. Predicted: tools/steptime.py on the `cpu` cluster "
            f"({', '.join(cluster_sets(link))}).", "",
            "| layout | step s measured | CP link s (exposed) measured | step s predicted | CP link s (exposed) predicted |",
            "| --- | --- | --- | --- | --- |"]
     for r in rows:
         m, p = r["measured"], r["predicted"]
         name = "ring alone (A = 1)" if r["a2a"] == 1 else f"A = {r['a2a']}"
-        out.append(f"| {name} | {m['step_s']:.3f} | {m['cp_time_s']:.3f} ({m['cp_exposed_s']:.3f}) | {p['step_s']:.3f} | "
-                   f"{p['cp_time_s']:.3f} ({p['cp_exposed_s']:.3f}) |")
+        out.append(f"| {name} | {m['step_s']:.3f} | {m['cp_time_s']:.3f} ({m['cp_exposed_s']:.3f}) | "
+                   f"{p['step_s']:.3f} | {p['cp_time_s']:.3f} ({p['cp_exposed_s']:.3f}) |")
     out += ["", f"Fastest measured: A = {best_m}; fastest predicted: A = {best_p}.", "", "Commands:", ""]
     out += ["    " + " ".join(r["command"]) for r in rows]
     return "\n".join(out) + "\n"
