@@ -39,7 +39,9 @@ of W_UKV. Values sent forward per token of this rank, DeepSeek-V3 (H = 128 heads
 D_qk = 192, D_v = 128): expanded (A-1)/A x H (192 + 192 + 128 + 128) through the all-to-all (q, k, v, out),
 and ring blocks of H / A (192 + 128) values per token; latent (A-1)/A x H (192 + 128) (q, out) plus
 (A-1) x 576 (the all-gather), and ring blocks of 576 values per token (A = 2: 40,960 per token through
-the all-to-all and 20,480 per ring token, against 21,056 and 576).
+the all-to-all and 20,480 per ring token, against 21,056 and 576). The latent ring's bytes hardly fall
+with A: each of the A ranks rings the whole gathered latent, cp - A blocks of this rank's size instead of
+cp - 1; what A buys it is fewer, longer ring steps.
 
 Traffic per attention call and rank (counted by comm.py, e bytes per element, |x| the local numel of x
 before the all-to-all, kv heads as repeated): "cp_a2a"/"all_to_all" forward (A-1)/A (|q|+|k|+|v|+|out|) e,
