@@ -58,7 +58,8 @@ def eval_dims(cfg: Config, device: torch.device) -> ParallelDims | None:
     if world == 1:
         return None
     rank, world = init_distributed(cfg.parallel.timeout_s, device.type)
-    layout = dataclasses.replace(cfg.parallel, pp=1, dp=1, cp=world, tp=1, ep=1, ranks_per_node=0)
+    layout = dataclasses.replace(cfg.parallel, pp=1, dp=1, cp=world, cp_a2a=1, tp=1, ep=1,
+                                 ranks_per_node=0)  # eval runs the plain ring whatever the run trained with
     dims = ParallelDims.from_config(layout, world, rank, device.type)
     dims.init_groups()
     return dims

@@ -330,7 +330,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                 if cfg.precision.fp8_cache else "activations are kept in bf16")
         notes.append(f"fp8: {kept}; the FP8 copies of a GEMM's operands live only during that GEMM (transients)")
     degrees = dict(world=deg.world, pp=deg.pp, dp=deg.dp, cp=deg.cp, tp=deg.tp, ep=deg.ep, edp=deg.edp,
-                   mirror=deg.pp_mirror)
+                   mirror=deg.pp_mirror, cp_a2a=deg.cp_a2a)
     return Plan(recipe, degrees, policy, ranks, notes)
 
 
@@ -352,7 +352,8 @@ def _mode(row: StatePlacement, dim: str) -> str:
 def render(p: Plan, cfg: Config, terms: bool = False) -> str:
     d, c = p.degrees, param_counts(cfg.model)
     out = [f"moe_lc plan: {p.recipe} | world={d['world']} pp={d['pp']} dp={d['dp']} cp={d['cp']} tp={d['tp']} "
-           f"ep={d['ep']} edp={d['edp']}" + (" (dualpipe mirrors)" if d["mirror"] else ""),
+           f"ep={d['ep']} edp={d['edp']}" + (f" cp_a2a={d['cp_a2a']}" if d.get("cp_a2a", 1) > 1 else "")
+           + (" (dualpipe mirrors)" if d["mirror"] else ""),
            f"model {c['total'] / 1e6:,.2f}M params ({c['activated'] / 1e6:,.2f}M activated) | precision "
            f"{cfg.precision.recipe}, optimizer {cfg.train.optimizer}"
            + (f" (moments {cfg.precision.adam_moments})" if cfg.train.optimizer == "adamw" else "") + " | micro-batch "

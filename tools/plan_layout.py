@@ -27,8 +27,9 @@ the micro-batches this rank runs through the stage holding it, and a pipeline se
 tensor per SEND_F and SEND_B, both read off the schedule's actions (tools/pipeline_memory.py). No rule of
 an attention kind, ring, dispatcher or balance loss is restated here: what the model code sends is what
 is planned. Exact (tests/test_plan.py compares every counter of real tp, cp, ep, pp, DualPipe(V), MLA and
-recomputation runs; tools/dryrun.py holds it to a traced step at full size), except the all-to-alls, whose
-volume follows the routing: the trace routes evenly (the dry run's `balanced_select`; an expert capacity
+recomputation runs, tests/test_hybrid_cp.py hybrid cp's; tools/dryrun.py holds it to a traced step at full
+size), except the expert all-to-alls (not hybrid cp's "cp_a2a", whose sizes are fixed), whose volume follows
+the routing: the trace routes evenly (the dry run's `balanced_select`; an expert capacity
 drops by position), so they are the balanced-routing value, marked ESTIMATE (within 10% of the measured
 volume on the debug model). Hierarchical EP dispatch cannot be traced on the meta device (a `nonzero`).
 """
@@ -175,7 +176,8 @@ def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedul
                 sent[key] += runs[st["id"]] * n
                 met.setdefault(key, Counter())[part] += runs[st["id"]]
     out = [Traffic(g, op, n, "traced: " + ", ".join(f"{k} x {part}" for part, k in met[(g, op)].items()),
-                   ESTIMATE if op == "all_to_all" else "exact") for (g, op), n in sorted(sent.items())]
+                   ESTIMATE if op == "all_to_all" and g != "cp_a2a" else "exact")  # hybrid cp's: fixed sizes
+           for (g, op), n in sorted(sent.items())]
     if schedule:
         out.append(Traffic("pp", "send", stage_sends(schedule, rank) * traced.hidden, "stage activations / gradients"))
     return out

@@ -18,7 +18,8 @@ each over its link: a group whose ranks share this rank's node (mesh rank order,
 uses NVLink, one that leaves it the scale-out network; an all-to-all splits its bytes between the two
 by where its peers are. What hides what:
   tp              exposed (issued on the critical path of every block)
-  cp              the ring hides behind the attention core it feeds; the excess is exposed
+  cp              the ring hides behind the attention core it feeds; the excess is exposed (under
+                  parallel.cp_a2a > 1 the ring is cp_ring, and cp_a2a's all-to-alls are exposed in F and B)
   ep all-to-all   exposed in F and B; in DualPipe's F&B (parallel.overlap) one micro-batch's
                   all-to-alls run beside the other's compute: F&B = max(compute, all-to-alls)
   pp              the simulator's transfer latency (one hidden tensor); exposed = the makespan it adds
@@ -234,14 +235,16 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
     deg, t = plan.degrees, cfg.train
     schedule, layers = pipeline_plan(cfg, t.microbatches(deg["dp"]))
     ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers)
-    rc = max(ranks, key=lambda r: r.compute.F + r.compute.B + sum(r.comm_s.get(g, 0) for g in ("tp", "cp", "ep"))
-             / r.actions)
+    rc = max(ranks, key=lambda r: r.compute.F + r.compute.B + sum(r.comm_s.get(g, 0) for g in (
+        "tp", "cp", "cp_a2a", "cp_ring", "ep")) / r.actions)
     c = rc.compute
     tp = _per_action(rc, "tp") / 2  # forward and backward each move half (all-gather <-> reduce-scatter)
-    cp_f, cp_b = _per_action(rc, "cp") / 3, 2 * _per_action(rc, "cp") / 3  # backward rings K, V and their grads
+    ring = "cp_ring" if cfg.parallel.cp_a2a > 1 else "cp"  # hybrid cp: the ring over cp / cp_a2a positions
+    cp_f, cp_b = _per_action(rc, ring) / 3, 2 * _per_action(rc, ring) / 3  # backward rings K, V and their grads
     cp_f, cp_b = max(0.0, cp_f - c.attention_F), max(0.0, cp_b - c.attention_B)
+    a2a = _per_action(rc, "cp_a2a") / 2  # hybrid cp's all-to-alls: on the critical path, same bytes F and B
     ep = _per_action(rc, "ep") / 2
-    Fc, Bc = c.F + tp + cp_f, c.B + tp + cp_b
+    Fc, Bc = c.F + tp + cp_f + a2a, c.B + tp + cp_b + a2a
     overlap = cfg.parallel.pp_schedule == "dualpipe" and cfg.parallel.overlap and schedule is not None
     costs = dict(F=Fc + ep, B=Bc + ep, W=c.W, FB=max(Fc + Bc, 2 * ep) if overlap else None)
     hidden = t.micro_batch * t.seq_len // (deg["cp"] * deg["tp"]) * cfg.model.dim * _act_bytes(cfg)
@@ -256,7 +259,7 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
         pp_exposed = sim.makespan - simulate(schedule, Costs(comm=0.0, **costs)).makespan
         kinds = _action_counts(schedule, rc.pp_rank)
     ep_pairs = max(0.0, 2 * ep - (Fc + Bc)) if overlap else 2 * ep
-    exposed = {"tp": 2 * tp * rc.actions, "cp": (cp_f + cp_b) * rc.actions,
+    exposed = {"tp": 2 * tp * rc.actions, ring: (cp_f + cp_b) * rc.actions, "cp_a2a": 2 * a2a * rc.actions,
                "ep": ep * (kinds["F"] + kinds["B"]) + ep_pairs * kinds["FB"], "pp": pp_exposed}
     for g in ZERO_GROUPS:  # reduce-scatters hide behind the last backward, the rest is exposed
         rs, rest = rc.ops.get((g, "reduce_scatter"), 0.0), sum(s for (h, op), s in rc.ops.items()

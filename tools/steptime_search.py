@@ -2,13 +2,14 @@
 cluster's memory, ranked by predicted tokens/s/GPU (tools/steptime.py), with why each beats the next.
 
 Candidates: pp a divisor of the world with at least two blocks per stage (the recipe's schedule; 1F1B
-at pp = 1), tp a power of two up to the node and dividing the heads, cp a power of two keeping at least
-4,096 tokens per rank (1 up to 8K tokens), ep a power of two dividing dp x cp x tp and the experts; the
-recipe's batch, model and everything else. A layout the recipe's rules refuse is skipped (counted by
-its first reason); one whose parameters and gradients alone exceed the memory is skipped before
-planning (planning 671B takes ~15 s a layout); the rest are planned and fit when the planned peak of
-every pipeline rank is at most the cluster's HBM (`cluster.hbm_gb`; the CUDA context and NCCL buffers
-are not in the plan).
+at pp = 1), tp a power of two up to the node and dividing the heads, cp a power of two keeping at least 4,096
+tokens per rank (1 up to 8K tokens) with each hybrid all-to-all size cp_a2a (1, or a power of two dividing
+the heads per tp rank whose all-to-all stays inside a node), ep a power of two dividing dp x cp x tp and the
+experts; the recipe's batch, model and everything else. A layout the recipe's rules refuse is skipped
+(counted by its first reason); one whose parameters and gradients alone exceed the memory is skipped before
+planning (planning 671B takes ~15 s a layout); the rest are planned and fit when the planned peak of every
+pipeline rank is at most the cluster's HBM (`cluster.hbm_gb`; the CUDA context and NCCL buffers are not in
+the plan).
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ def candidates(cfg: Config, world: int, cluster: Cluster) -> list[dict[str, int]
             for cp in (c for c in _powers(max(1, seq // 4096)) if world % (pp * tp * c) == 0):
                 dp = world // (pp * tp * cp)
                 for ep in (e for e in _powers(dp * cp * tp) if experts % e == 0 and (dp * cp * tp) % e == 0):
-                    out.append(dict(pp=pp, tp=tp, cp=cp, dp=dp, ep=ep))
+                    out += [dict(pp=pp, tp=tp, cp=cp, cp_a2a=a, dp=dp, ep=ep) for a in _a2a_sizes(m, cp, tp, cluster)]
     return out
+
+
+def _a2a_sizes(m, cp: int, tp: int, cluster: Cluster) -> list[int]:
+    """Hybrid cp's all-to-all sizes worth trying: 1 (the ring alone) and each power of two up to cp that
+    divides the heads per tp rank and keeps the all-to-all inside a node (A x tp <= gpus_per_node)."""
+    return [a for a in _powers(cp) if a == 1 or ((m.n_heads // tp) % a == 0 and a * tp <= cluster.gpus_per_node)]
 
 
 def _static_bytes(cfg: Config, d: dict[str, int]) -> float:
@@ -51,7 +58,9 @@ def _static_bytes(cfg: Config, d: dict[str, int]) -> float:
 
 
 def name(d: dict[str, int]) -> str:
-    return " ".join(f"{k}{d[k]}" for k in ("pp", "tp", "cp", "ep", "dp") if d[k] > 1 or k == "dp")
+    short = {"cp_a2a": "a2a"}
+    return " ".join(f"{short.get(k, k)}{d[k]}" for k in ("pp", "tp", "cp", "cp_a2a", "ep", "dp")
+                    if d.get(k, 1) > 1 or k == "dp")
 
 
 def search(recipe: str, sets: list[str], world: int, cluster: Cluster, eff: dict[str, float],

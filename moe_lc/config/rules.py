@@ -75,6 +75,9 @@ def layout_errors(p: ParallelConfig, world_size: int | None) -> tuple[dict[str, 
         e.append(f"parallel.ranks_per_node={rpn} must divide the world size {world}")
     if (d["dp"] * p.cp * p.tp) % p.ep:
         e.append(f"parallel.ep={p.ep} must divide dp*cp*tp={d['dp'] * p.cp * p.tp} (experts are folded into those ranks)")
+    if p.cp % p.cp_a2a:
+        e.append(f"parallel.cp_a2a={p.cp_a2a} must divide parallel.cp={p.cp} (all-to-all groups of consecutive "
+                 "cp ranks)")
     return d, e
 
 
@@ -166,6 +169,26 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
     return e
 
 
+def hybrid_cp_errors(cfg: Config) -> list[str]:
+    """What the all-to-all of hybrid context parallelism (parallel.cp_a2a > 1, parallel/ulysses.py) cannot
+    split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), DSA's sparse
+    ring, and a per-micro-batch chunk placement."""
+    m, p, e = cfg.model, cfg.parallel, []
+    A = p.cp_a2a
+    if A == 1 or p.cp % A or m.n_heads % p.tp:
+        return e  # the layout and tp rules name those
+    if (m.n_heads // p.tp) % A:
+        e.append(f"parallel.cp_a2a={A} must divide the query heads per tp rank, model.n_heads / parallel.tp = "
+                 f"{m.n_heads} / {p.tp} = {m.n_heads // p.tp} (the all-to-all splits heads)")
+    if m.dsa.enabled:
+        e.append(f"parallel.cp_a2a={A} with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its "
+                 "sparse ring moves the latent, which the all-to-all cannot split by head")
+    if p.cp_layout != "zigzag":
+        e.append(f"parallel.cp_layout={p.cp_layout!r} with parallel.cp_a2a={A} is not built: the hybrid placement "
+                 "is fixed (parallel/ulysses.py)")
+    return e
+
+
 def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
     m, p, t, e = cfg.model, cfg.parallel, cfg.train, []
     seq_shards = p.tp * (2 * p.cp if p.cp > 1 else 1)
@@ -199,7 +222,7 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
     d, e = layout_errors(cfg.parallel, world_size)
     if e and "parallel degrees must be >= 1 (dp >= 0)" in e:
         return e[:-1]  # the section rules already name the bad degree
-    e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
+    e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + hybrid_cp_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
     m, data, t = cfg.model, cfg.data, cfg.train
     if m.vocab_size < 259 and data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")

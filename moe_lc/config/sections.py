@@ -52,6 +52,8 @@ class ParallelConfig:
     pp_stage_layers: list[int] = f([], "blocks per pipeline stage (empty = balanced by estimated cost)")
     expert_dispatch: ExpertDispatch = f("flat", "flat, or hierarchical (cross each node once, then fan out inside it)")
     mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
+    cp_a2a: int = f(1, "hybrid cp: a Ulysses all-to-all over this many consecutive cp ranks (heads split), the "
+                       "zig-zag ring over cp / cp_a2a of them; 1 = the ring alone, cp = all-to-all alone")
     cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
                                       "(data.document_mask: per micro-batch, heaviest chunk paired with lightest)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
@@ -61,32 +63,50 @@ class ParallelConfig:
                             "(DualPipe's F&B hides one micro-batch's all-to-all behind the other's compute); "
                             "false = wait at every issue (same numbers, for comparison)")
     link: str = f("", "modelled network 'LATENCY_US:GBPS' (e.g. '50:2'): every collective takes at least latency + "
-                      "bytes / bandwidth once all its ranks issued it, so overlap shows on a CPU; '' = off")
+                      "bytes / bandwidth once all its ranks issued it, so overlap shows on a CPU; two levels "
+                      "'intra=LATENCY_US:GBPS,inter=LATENCY_US:GBPS': bytes to other nodes (ranks_per_node) take "
+                      "inter's; '' = off")
 
     @property
-    def link_model(self) -> tuple[float, float] | None:
-        """(latency in s, bytes per s) of `link`, None when off; `errors` has vetted the text."""
-        latency_us, _, gbps = self.link.partition(":")
-        return (float(latency_us) * 1e-6, float(gbps) * 1e9) if self.link else None
+    def link_model(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """((latency in s, bytes per s) inside a node, the same between nodes) of `link`, None when off;
+        `errors` has vetted the text."""
+        if not self.link:
+            return None
+        levels = dict(_link_levels(self.link))
+        return levels.get("intra", levels.get("")), levels.get("inter", levels.get(""))
 
     def errors(self) -> list[str]:
         e = []
         if self.link:
-            latency_us, sep, gbps = self.link.partition(":")
-            try:
-                ok = sep and float(latency_us) >= 0 and 0 < float(gbps) < float("inf")
-            except ValueError:
-                ok = False
+            levels = _link_levels(self.link)
+            ok = levels is not None and (sorted(k for k, _ in levels) in ([""], ["inter", "intra"]))
             if not ok:
                 e.append(f"parallel.link={self.link!r} must be 'LATENCY_US:GBPS' with latency >= 0 and bandwidth "
-                         "> 0 (e.g. '50:2': 50 us, 2 GB/s), or '' (off)")
-        for name in ("pp", "cp", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
+                         "> 0 (e.g. '50:2': 50 us, 2 GB/s), 'intra=LATENCY_US:GBPS,inter=LATENCY_US:GBPS' (inside "
+                         "a node, between nodes), or '' (off)")
+        for name in ("pp", "cp", "cp_a2a", "tp", "ep", "pp_chunks", "zero_bucket_mb", "timeout_s"):
             positive(e, f"parallel.{name}", getattr(self, name))
         for name in ("dp", "ranks_per_node"):
             non_negative(e, f"parallel.{name}", getattr(self, name))
         if self.timeout_s > 10**8:
             e.append(f"parallel.timeout_s={self.timeout_s} must be <= 1e8 (about 3 years)")
         return e
+
+
+def _link_levels(text: str) -> list[tuple[str, tuple[float, float]]] | None:
+    """[(level name or "", (latency s, bytes per s))] of a parallel.link text, None when malformed."""
+    out = []
+    for part in text.split(","):
+        name, _, spec = part.strip().rpartition("=")
+        latency_us, sep, gbps = spec.partition(":")
+        try:
+            if not sep or not (float(latency_us) >= 0 and 0 < float(gbps) < float("inf")):
+                return None
+        except ValueError:
+            return None
+        out.append((name.strip(), (float(latency_us) * 1e-6, float(gbps) * 1e9)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -59,10 +59,13 @@ def _call(op: str, group: "Group", call):
         raise CollectiveError(op, group, exc) from exc
 
 
-def _issue(op: str, group: "Group", call, async_op: bool, nbytes: int):
+def _issue(op: str, group: "Group", call, async_op: bool, nbytes: int, inter_nbytes: int | None = None):
     """Issue `call()` (which passes async_op=True) and wrap its work (see comm_timing.py); a
-    synchronous op is waited here. Returns the handle for async_op, else None."""
-    handle = group.issued(_call(op, group, call), op, nbytes)
+    synchronous op is waited here. Returns the handle for async_op, else None. inter_nbytes: the part
+    of nbytes bound for other nodes (None: a ring op, all of it when the next rank is on another node)."""
+    if inter_nbytes is None:
+        inter_nbytes = nbytes if group.ring_is_inter_node() else 0
+    handle = group.issued(_call(op, group, call), op, nbytes, inter_nbytes)
     if async_op:
         return handle
     handle.wait()
@@ -162,11 +165,13 @@ class Group:
     def ring_is_inter_node(self) -> bool:
         return self.node_of((self.rank + 1) % self.size) != self.node_of(self.rank)
 
-    def issued(self, work, op: str, nbytes: int) -> IssuedWork:
-        """A handle for `work` just issued on this group, moving `nbytes` over the (modelled) link."""
+    def issued(self, work, op: str, nbytes: int, inter_nbytes: int = 0) -> IssuedWork:
+        """A handle for `work` just issued on this group, moving `nbytes` (inter_nbytes of them to other
+        nodes) over the (modelled) link."""
         return IssuedWork(work, self.device_type == "cpu" and not self.virtual, self.counter.link, nbytes,
                           lambda *times: self.counter.book(self.name, op, *times),
-                          lambda exc: CollectiveError(op, self, exc), instant=self.device_type == "meta")
+                          lambda exc: CollectiveError(op, self, exc), instant=self.device_type == "meta",
+                          inter_nbytes=inter_nbytes)
 
     def _count_ring(self, op: str, nbytes: int) -> int:
         self.counter.add(self.name, op, nbytes, nbytes if self.ring_is_inter_node() else 0)
@@ -233,8 +238,10 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
             inter += n * row if group.node_of(peer) != group.node_of(group.rank) else 0
     group.counter.add(group.name, "all_to_all", sent, inter)
     received = (sum(out_splits) - out_splits[group.rank]) * row  # the link carries the larger direction
+    inter_in = sum(n * row for peer, n in enumerate(out_splits) if group.node_of(peer) != group.node_of(group.rank))
     return _issue("all_to_all", group, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg,
-                                                                      async_op=True), async_op, max(sent, received))
+                                                                      async_op=True), async_op, max(sent, received),
+                  max(inter, inter_in))
 
 
 def all_gather_object(obj, group: Group) -> list:
@@ -270,10 +277,13 @@ def batch_isend_irecv(ops: list[dist.P2POp], group: Group | None = None) -> list
         return []
     named = group or Group("p2p", [])
     works = _call("batch_isend_irecv", named, lambda: dist.batch_isend_irecv(ops))
+    me = named.ranks[named.rank] // named.node_size if named.ranks else 0
+    inter = [_nbytes(o.tensor) if o.peer // named.node_size != me else 0 for o in ops]  # o.peer: a global rank
     if len(works) != len(ops):  # NCCL coalesces a batch into one work: every op waits for all of it
-        batch = named.issued(_AllOf(works), "batch_isend_irecv", sum(_nbytes(o.tensor) for o in ops))
+        batch = named.issued(_AllOf(works), "batch_isend_irecv", sum(_nbytes(o.tensor) for o in ops), sum(inter))
         return [batch] * len(ops)
-    return [named.issued(w, "send" if o.op is dist.isend else "recv", _nbytes(o.tensor)) for w, o in zip(works, ops)]
+    return [named.issued(w, "send" if o.op is dist.isend else "recv", _nbytes(o.tensor), i)
+            for w, o, i in zip(works, ops, inter)]
 
 
 class _AllOf:

@@ -7,8 +7,9 @@ not where it was issued, is what lets communication hide behind compute (overlap
 On CPU (gloo) the transfer runs in gloo's own threads whether or not anyone waits, but gloo offers
 no completion callback for point-to-point ops or reduce-scatter (`Work.get_future` is not
 implemented), so a small pool of daemon threads (`CompletionWatcher`) waits on each issued work and
-stamps the moment it really finished. With a modelled link (`parallel.link = "LATENCY_US:GBPS"`)
-an op is done `latency + bytes / bandwidth` after that moment (all its ranks had issued it and
+stamps the moment it really finished. With a modelled link (`parallel.link = "LATENCY_US:GBPS"`, or
+two levels, "intra=LATENCY_US:GBPS,inter=LATENCY_US:GBPS": bytes to ranks on other nodes, by
+`parallel.ranks_per_node`, take the inter link) an op is done `latency + bytes / bandwidth` after that moment (all its ranks had issued it and
 gloo had moved the bytes), and `wait()` sleeps only for what is left: time spent computing after
 the issue is hidden for real, so the gloo runs on one host behave like a slow network.
 
@@ -28,13 +29,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Link:
-    """A modelled network: every op takes at least latency + bytes / bandwidth."""
+    """A modelled network: every op takes at least latency + bytes / bandwidth. With `inter` (a two-level
+    link: this one inside a node, `inter` between nodes) the bytes bound for other nodes take `inter`'s
+    time, the rest this one's, both at once: the op takes the longer."""
 
     latency_s: float
     bytes_per_s: float
+    inter: "Link | None" = None
 
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
+    def seconds(self, nbytes: int, inter_nbytes: int = 0) -> float:
+        if self.inter is None:
+            return self.latency_s + nbytes / self.bytes_per_s
+        local = nbytes - inter_nbytes
+        t_local = self.latency_s + local / self.bytes_per_s if local > 0 or not inter_nbytes else 0.0
+        return max(t_local, self.inter.seconds(inter_nbytes) if inter_nbytes else 0.0)
 
 
 class CompletionWatcher:
@@ -78,14 +86,16 @@ class IssuedWork:
     (time.perf_counter() values).
 
     work: the torch Work (None for an op that needed no transfer); timed: stamp completion on a
-    watcher thread (CPU groups); link: the modelled link, or None; nbytes: the bytes the link moves;
-    instant: done as soon as issued (the dry run's fake process groups on the meta device).
+    watcher thread (CPU groups); link: the modelled link, or None; nbytes: the bytes the link moves, of
+    them inter_nbytes to other nodes; instant: done as soon as issued (the dry run's fake process groups
+    on the meta device).
     """
 
-    def __init__(self, work, timed: bool, link: Link | None, nbytes: int, book, on_error, instant: bool = False):
+    def __init__(self, work, timed: bool, link: Link | None, nbytes: int, book, on_error, instant: bool = False,
+                 inter_nbytes: int = 0):
         self.work, self.book, self.on_error, self.instant = work, book, on_error, instant
         self.issued = time.perf_counter()
-        self.model_s = link.seconds(nbytes) if link is not None else 0.0
+        self.model_s = link.seconds(nbytes, inter_nbytes) if link is not None else 0.0
         self._stamp = _WATCHER.watch(work) if timed and work is not None else None
         self._waited = False
 

@@ -162,10 +162,16 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         from moe_lc.parallel.balance_plan import balance_plan
 
         balance_plan(model, dims, plan)
-    if cp > 1:
+    rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
+    if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (a kind's latent ring: its own core)
+        from moe_lc.parallel.ulysses import hybrid_context_parallel_plan
+
+        latent = tuple(t for t, kind in module_kinds().items()
+                       if kind.expanded_ring is not None and mla_ring != "expanded")
+        hybrid_context_parallel_plan(model, dims, plan, latent)
+    elif cp > 1:
         from moe_lc.parallel.context import context_parallel_plan
 
-        rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
         context_parallel_plan(model, dims, plan, {t: load(core) for t, core in rings.items() if core is not None})
     recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
     items = set(recompute.selective) if recompute.policy == "selective" else set()

@@ -10,7 +10,9 @@ is the block of `ep` consecutive j, and the expert-data-parallel (edp) group the
 same j % ep. A node is `ranks_per_node` consecutive global ranks.
 
 Groups (each a `comm.Group` sharing one CommCounter): pp, dp, cp, tp, dp_cp (dense gradients),
-dp_cp_tp (tp-replicated parameters' gradients), ep, edp, world.
+dp_cp_tp (tp-replicated parameters' gradients), ep, edp, world. With `cp_a2a` = A > 1 (hybrid context
+parallelism, parallel/ulysses.py) also cp_a2a, the A consecutive cp ranks of an all-to-all, and cp_ring,
+the cp / A ranks with the same index in theirs (cp indices a, A + a, 2A + a, ...).
 
 With `pp_mirror` (DualPipe: pipeline ranks r and pp-1-r hold the same two stages), the gradient
 groups dp_cp, dp_cp_tp and edp span both mirror ranks' groups (lower pp index first), so the two
@@ -53,6 +55,7 @@ class ParallelDims:
     virtual: bool = False  # groups without process groups (init_groups(virtual=True))
     counter: CommCounter = field(default_factory=CommCounter)
     overlap: bool = True  # parallel.overlap: wait for a transfer where its result is used, not where issued
+    cp_a2a: int = 1  # parallel.cp_a2a: the cp group's all-to-all size (1: the ring alone)
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int, rank: int = 0, device_type: str = "cpu") -> "ParallelDims":
@@ -63,9 +66,10 @@ class ParallelDims:
             raise ConfigError(errors)
         dims = cls(p.pp, d["dp"], p.cp, p.tp, p.ep, world_size, min(d["ranks_per_node"], world_size), rank,
                    pp_mirror=p.pp_schedule == "dualpipe" and p.pp > 1, device_type=device_type,
-                   overlap=p.overlap)
+                   overlap=p.overlap, cp_a2a=p.cp_a2a)
         if p.link_model is not None:
-            dims.counter.link = Link(*p.link_model)
+            intra, inter = p.link_model
+            dims.counter.link = Link(*intra, inter=Link(*inter) if inter != intra else None)
         return dims
 
     # -- coordinates ----------------------------------------------------------------------------
@@ -109,6 +113,12 @@ class ParallelDims:
                 out += [[base + k * self.tp + t for t in range(self.tp)] for k in range(per_stage // self.tp)]
             elif name == "cp":
                 out += [[self.rank_of(pp_i, d, c, t) for c in range(self.cp)] for d in range(self.dp) for t in range(self.tp)]
+            elif name in ("cp_a2a", "cp_ring"):  # hybrid cp (made when cp_a2a > 1), see the module docstring
+                A, R = self.cp_a2a, self.cp // self.cp_a2a
+                cps = [[o * A + a for a in range(A)] for o in range(R)] if name == "cp_a2a" else \
+                      [[o * A + a for o in range(R)] for a in range(A)]
+                out += [[self.rank_of(pp_i, d, c, t) for c in cs] for d in range(self.dp) for t in range(self.tp)
+                        for cs in cps]
             elif name == "dp":
                 out += [[self.rank_of(pp_i, d, c, t) for d in range(self.dp)] for c in range(self.cp) for t in range(self.tp)]
             elif name == "dp_cp":
@@ -131,7 +141,7 @@ class ParallelDims:
         process groups, for building this rank's layout in one process (the planner); a collective on
         such a group raises."""
         self.virtual = virtual
-        for name in GROUP_NAMES:
+        for name in GROUP_NAMES + (("cp_a2a", "cp_ring") if self.cp_a2a > 1 else ()):
             self.add_group(name, self.group_ranks(name))
         return self.groups
 
@@ -155,7 +165,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         return (f"world={self.world} pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp} ep={self.ep} "
-                f"edp={self.edp} ranks_per_node={self.ranks_per_node}" + (" (dualpipe mirror pairs)" if self.pp_mirror else ""))
+                f"edp={self.edp} ranks_per_node={self.ranks_per_node}" + (f" cp_a2a={self.cp_a2a}" if self.cp_a2a > 1 else "") + (" (dualpipe mirror pairs)" if self.pp_mirror else ""))
 
 
 def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int]:

@@ -126,7 +126,8 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     holds the multi-token-prediction targets (built before sharding) or None; "docs" the `Documents`
     attention stays inside with document_mask (over the full sequence: the ring plans from it), or None.
     cp_layout "balanced" (with document_mask): this micro-batch's chunks are placed on cp ranks by
-    `Documents.balanced_chunks`, recorded in "docs" for the ring.
+    `Documents.balanced_chunks`, recorded in "docs" for the ring. parallel.cp_a2a > 1: the hybrid
+    placement (`moe_lc.parallel.ulysses.hybrid_chunk_ids`).
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
@@ -140,6 +141,10 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
         if cp_layout == "balanced" and document_mask:
             docs.chunks = docs.balanced_chunks(dims.cp)
             mine = docs.chunks[group.rank]
+        elif dims.cp_a2a > 1:  # hybrid cp: the chunks whose all-to-all gives the ring its zig-zag (ulysses.py)
+            from moe_lc.parallel.ulysses import hybrid_chunk_ids
+
+            mine = hybrid_chunk_ids(group.rank, dims.cp, dims.cp_a2a)
         inputs, labels, positions = (zigzag_shard(t, group, d, mine)
                                      for t, d in ((inputs, 1), (labels, 1), (positions, positions.dim() - 1)))
         loss_mask = zigzag_shard(loss_mask, group, 1, mine) if loss_mask is not None else None
