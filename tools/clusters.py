@@ -47,6 +47,11 @@ class Cluster:
     net_gbps: float  # scale-out (InfiniBand / RoCE) bandwidth per GPU per direction, GB/s
     gpus_per_node: int  # GPUs of one NVLink domain
     fp32_tflops: float = 0.0  # 0: half the BF16 peak (TF32 tensor cores); the precision.recipe = "fp32" peak
+    # host costs a CPU rank pays on the critical path (0 on GPUs, whose kernel launches run ahead of the kernels):
+    op_us: float = 0.0  # per dispatched aten op (Python, modules, autograd, dispatcher), microseconds
+    call_us: float = 0.0  # per collective call beyond its bytes (the backend's threads, the wait's wake-up)
+    copy_gbps: float = 0.0  # the backend's own copy of a collective's bytes, GB/s; 0: not modelled
+    link_latency_us: float = 0.0  # per collective call of the (modelled) link, microseconds
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak of `precision` ("bf16", "fp8", "fp32") in TFLOP/s."""
