@@ -80,7 +80,8 @@ def test_dualpipe_fb_hides_the_all_to_all_up_to_the_compute_beside_it(capsys):
     (["--cluster", "h900"], "error: --cluster 'h900' is not a known cluster; choose one of h800, h100, h200, b200, gb200, cpu"),
     (["--cluster", "h100", "--set", "cluster.tflops=1"],
      "error: --set cluster.tflops=1: unknown cluster key 'tflops'; keys are bf16_tflops, fp8_tflops, hbm_gbps, "
-     "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops"),
+     "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops, "
+     "op_us, call_us, copy_gbps, link_latency_us"),
     (["--cluster", "h100", "--set", "eff.gemm=fast"], "error: --set eff.gemm=fast: 'fast' is not a number"),
     (["--set", "eff.gemm=0.5"], "error: --set cluster./eff. keys, --bench and --search need --cluster NAME"),
 ])

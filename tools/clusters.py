@@ -23,8 +23,8 @@ Sources (vendor datasheets; the "with sparsity" figures there are halved to dens
              BF16 360 PFLOP/s with sparsity (5,000 / 2,500 dense per GPU), 13.4 TB HBM3e at 576 TB/s (186 GB
              and 8 TB/s per GPU), NVLink 130 TB/s (1.8 TB/s per GPU); one NVLink domain of 72 GPUs; 400 Gb/s
              ConnectX-7 per GPU scale-out.
-  cpu        not a datasheet: fitted to tools/bench/compile_cpu.py's measured steps on this machine
-             (docs/results/compile-cpu) by tools/steptime_cpu.py, which says how.
+  cpu        not a datasheet: built from tools/bench's CPU measurements on this machine (cpu_costs.py,
+             gloo_collectives.py, shared_cpu.py; docs/results/steptime) by tools/steptime_cpu.py, which says how.
 """
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ CLUSTERS = {
     "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 50.0, 8),
     "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8),
     "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72),
-    # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates fitted to
-    # tools/bench's CPU steps (tools/steptime_cpu.py; use them with efficiencies 1), its modelled link
-    "cpu": Cluster("cpu", 0.02818, 0.02818, 1.651, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.02818),
+    # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates and host costs
+    # built from tools/bench's CPU measurements (tools/steptime_cpu.py; use them with efficiencies 1), its
+    # modelled link (parallel.link = "50:0.1")
+    "cpu": Cluster("cpu", 0.043193, 0.043193, 35.643, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.043193, op_us=48.692,
+                   call_us=2521.8, copy_gbps=0.4017, link_latency_us=50.0),
 }
 
 # Achieved fraction of the peak per kernel kind: one set of defaults for every cluster and recipe.

@@ -7,17 +7,19 @@ shapes and per memory-bound byte, on one core (tools/steptime_cpu.py builds the 
 One process, one thread, CPU time of this thread (`time.thread_time`: what the work costs, not the
 wall time a loaded machine adds; tools/steptime_cpu.py scales it by how much sharing the cores costs):
 
-  op_s        framework cost of one dispatched aten op: the recipe's dense and MoE blocks shrunk to
-              negligible FLOPs (dim 16, seq 8: the same modules, heads, experts and routing, so the same
-              op sequence), forward + full backward, over the aten ops they dispatch (counted with a
-              TorchDispatchMode, the count tools/block_trace.py gives the predictor). What Python, the
-              modules, autograd and the dispatcher add per op; the tiny blocks' FLOPs stay in it (<2%).
-  gemm        every GEMM (mm, addmm, bmm, _grouped_mm) the recipe's blocks dispatch at the recipe's
-              micro-batch (1 x 128 tokens: 128-row GEMMs, the experts' grouped GEMMs with the routed
-              counts), forward and backward, replayed with its own arguments: FLOPs / (time - the cost of
-              issuing a 1x1 mm), summed over all of them -> `gemm_flops_per_s`.
+  gemm        every GEMM (mm, addmm, bmm, _grouped_mm) the recipe's dense and MoE blocks dispatch at the
+              recipe's micro-batch (1 x 128 tokens: 128-row GEMMs, the experts' grouped GEMMs with the
+              routed counts), forward and backward, replayed with its own arguments: FLOPs / (time - the
+              cost of issuing a 1x1 mm), summed over all of them -> `gemm_flops_per_s`.
+  op_s        what the same blocks cost beyond those GEMMs, per aten op: each block's forward + backward
+              at the recipe's micro-batch, minus its GEMMs' replayed time, over the ops tools/block_trace.py
+              counts for it (F + B + W: the count the predictor multiplies by). The framework (Python,
+              modules, autograd, dispatcher), allocating the activations and the memory-bound kernels, at
+              the recipe's sizes and in the block's own order. `framework_op_s`: the framework alone, the
+              blocks shrunk to no FLOPs (dim 16, seq 8: the same modules and routing), for comparison.
   memory      out-of-place add and mul on the recipe's activation sizes ((S, D) and (S, ffn), fp32): bytes
-              read + written / (time - the cost of issuing them on 1 element) -> `memory_bytes_per_s`.
+              read + written / (time - the cost of issuing them on 1 element) -> `memory_bytes_per_s` (the
+              predictor's memory-bound bytes at this rate are also inside op_s: `memory_share_of_op_s`).
 
 Results: cpu_costs.json (`meta`, `op_s`, `gemm_flops_per_s`, `memory_bytes_per_s`, and the pieces).
 """
@@ -115,35 +117,50 @@ def forward_backward(block, x, dy, cos, sin) -> None:
     block.zero_grad(set_to_none=True)
 
 
-def op_cost(recipe: str, reps: int) -> dict:
-    """Per-op framework seconds: the tiny blocks' forward + backward CPU time over their op count."""
+def _traced_ops(recipe: str) -> dict[str, int]:
+    """tools/block_trace.py's F + B + W op count of each block kind, on the one-process layout."""
+    from ..block_trace import trace_parts
+
+    cfg = load_config(ROOT / recipe, ONE_PROCESS, world_size=1, check=False)
+    return {k: sum(v.values()) for k, v in trace_parts(cfg, cfg.data.has_loss_mask, backward=True).ops.items()}
+
+
+def gemm_rate(recipe: str, reps: int) -> dict:
+    """The recipe's blocks' GEMMs at its micro-batch, each replayed: summed FLOPs / summed seconds; and
+    each block's forward + backward with what it costs beyond them per traced op (`op_s`)."""
+    one = torch.ones(1, 1)
+    issue = cpu_time(lambda: [torch.mm(one, one) for _ in range(100)], reps) / 100
+    flops = seconds = 0.0
+    shapes, rows, traced = {}, {}, _traced_ops(recipe)
+    for kind, block, x, dy, cos, sin in blocks(recipe, []):
+        forward_backward(block, x, dy, cos, sin)
+        with OpLog(keep_gemms=True) as log:
+            forward_backward(block, x, dy, cos, sin)
+        block_gemm_s = 0.0
+        for func, args, kwargs in log.gemms:
+            f = gemm_flops(func, args)
+            t = max(cpu_time(lambda: func(*args, **kwargs), reps) - issue, 1e-9)
+            flops, seconds, block_gemm_s = flops + f, seconds + t, block_gemm_s + t
+            key = f"{kind} {func.overloadpacket.__name__} " + " x ".join(
+                str(list(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.dim() > 1)
+            shapes[key] = {"flops": f, "s": t, "gflops_per_s": f / t / 1e9}
+        total = cpu_time(lambda: forward_backward(block, x, dy, cos, sin), reps)
+        rows[kind] = {"s": total, "gemm_s": block_gemm_s, "ops": traced[kind], "dispatched": log.count}
+    beyond = sum(r["s"] - r["gemm_s"] for r in rows.values())
+    return {"gemm_flops_per_s": flops / seconds, "gemm_issue_s": issue, "op_s": beyond / sum(r["ops"] for r in rows.values()),
+            "blocks": rows, "gemms": shapes}
+
+
+def framework_op_cost(recipe: str, reps: int) -> dict:
+    """Per-op framework seconds: the tiny blocks' forward + backward CPU time over the ops they dispatch."""
     rows = {}
     for kind, block, x, dy, cos, sin in blocks(recipe, TINY):
         forward_backward(block, x, dy, cos, sin)
         with OpLog() as log:
             forward_backward(block, x, dy, cos, sin)
         rows[kind] = {"ops": log.count, "s": cpu_time(lambda: forward_backward(block, x, dy, cos, sin), reps)}
-    return {"op_s": sum(r["s"] for r in rows.values()) / sum(r["ops"] for r in rows.values()), "blocks": rows}
-
-
-def gemm_rate(recipe: str, reps: int) -> dict:
-    """The recipe's blocks' GEMMs at its micro-batch, each replayed: summed FLOPs / summed seconds."""
-    one = torch.ones(1, 1)
-    issue = cpu_time(lambda: [torch.mm(one, one) for _ in range(100)], reps) / 100
-    flops = seconds = 0.0
-    shapes = {}
-    for kind, block, x, dy, cos, sin in blocks(recipe, []):
-        forward_backward(block, x, dy, cos, sin)
-        with OpLog(keep_gemms=True) as log:
-            forward_backward(block, x, dy, cos, sin)
-        for func, args, kwargs in log.gemms:
-            f = gemm_flops(func, args)
-            t = max(cpu_time(lambda: func(*args, **kwargs), reps) - issue, 1e-9)
-            flops, seconds = flops + f, seconds + t
-            key = f"{kind} {func.overloadpacket.__name__} " + " x ".join(
-                str(list(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.dim() > 1)
-            shapes[key] = {"flops": f, "s": t, "gflops_per_s": f / t / 1e9}
-    return {"gemm_flops_per_s": flops / seconds, "gemm_issue_s": issue, "gemms": shapes}
+    return {"framework_op_s": sum(r["s"] for r in rows.values()) / sum(r["ops"] for r in rows.values()),
+            "tiny_blocks": rows}
 
 
 def memory_rate(recipe: str, reps: int) -> dict:
@@ -160,6 +177,18 @@ def memory_rate(recipe: str, reps: int) -> dict:
     return {"memory_bytes_per_s": moved / seconds, "memory_issue_s": issue}
 
 
+def _memory_share(recipe: str, out: dict) -> float:
+    """The predictor's memory-bound seconds of the blocks' F + B at `memory_bytes_per_s` over their time beyond
+    the GEMMs: how much of op_s the predictor counts twice."""
+    from ..steptime import block_work
+
+    cfg = load_config(ROOT / recipe, ONE_PROCESS, world_size=1, check=False)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    layers = {"dense": 0, "moe": cfg.model.moe.n_dense_layers}
+    memory = sum(3 * block_work(cfg, layers[k]).memory * tokens for k in out["blocks"])  # F 1x, full backward 2x
+    return memory / out["memory_bytes_per_s"] / sum(r["s"] - r["gemm_s"] for r in out["blocks"].values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.cpu_costs", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"a CPU recipe (default {DEFAULT_RECIPE})")
@@ -172,9 +201,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1, "recipe": args.recipe, "reps": args.reps,
             "torch": torch.__version__, "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
-    out = {**op_cost(args.recipe, args.reps), **gemm_rate(args.recipe, args.reps), **memory_rate(args.recipe, args.reps)}
+    out = {**gemm_rate(args.recipe, args.reps), **framework_op_cost(args.recipe, args.reps),
+           **memory_rate(args.recipe, args.reps)}
+    out["memory_share_of_op_s"] = _memory_share(args.recipe, out)
     meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"op {out['op_s'] * 1e6:.1f} us, GEMMs at the recipe's shapes {out['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+    print(f"op {out['op_s'] * 1e6:.1f} us (framework alone {out['framework_op_s'] * 1e6:.1f}), GEMMs at the recipe's shapes {out['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, "
           f"memory-bound {out['memory_bytes_per_s'] / 1e9:.1f} GB/s (one thread, CPU time)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="processes sharing the machine (default 4)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per process (default 4)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    ap.add_argument("--out", default=None, help=f"write {OUT_NAME} here (shared_cpu_N.json for --procs N other than 4)")
+    ap.add_argument("--out", default=None, help=f"write {OUT_NAME} here (shared_cpu_1.json for --procs 1: the steps alone)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = OUT_NAME if args.procs == 4 else f"shared_cpu_{args.procs}.json"
+        name = "shared_cpu_1.json" if args.procs == 1 else OUT_NAME
         (out / name).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
