@@ -26,8 +26,12 @@ by where its peers are. What hides what:
                   finishes the buckets); parameter all-gathers and the trainer's all-reduces are exposed
   other           subgroups made on demand (cp_tp's document-balance sums, tp_kv: the tp ranks
                   sharing a kv head): exposed, after the pipeline
-Then the optimizer step, memory-bound over the rank's optimizer state. Not modelled: kernel launch
-and collective latencies, SMs given to communication kernels, routing imbalance (the planner's
+Then the optimizer step, memory-bound over the rank's optimizer state.
+Host costs (a CPU cluster's; 0 on the GPU ones, whose launches run ahead of the kernels): each aten op
+a part dispatches in F, B and W (tools/block_trace.py's count) costs `op_us`, each collective call
+`call_us` + `link_latency_us` and its bytes a copy at `copy_gbps`; the host's part of the EP all-to-alls
+is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: kernel launch
+and collective latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's
 all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
 """
 

@@ -1,7 +1,7 @@
 """The `cpu` cluster of tools/clusters.py, built from tools/bench's CPU measurements, and its prediction
 of recipes/overlap_cpu.toml against that recipe's measured steps.
 
-    python -m tools.steptime_cpu [--bench docs/results/steptime] [--out docs/results/steptime]
+    python -m tools.steptime_cpu [--bench docs/results/steptime] [--measured RESULTS_JSON] [--out docs/results/steptime]
 
 The cost model of one rank (4 gloo ranks on this 2-core machine), each term a measured input:
 
@@ -104,13 +104,15 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench", default=str(BENCH), help="folder of cpu_costs.json, gloo_collectives.json, shared_cpu*.json")
+    ap.add_argument("--measured", default=str(MEASURED), help="tools/overlap_bench.py's results.json to hold the "
+                    "prediction to (default: the committed docs/results/overlap-cpu one)")
     ap.add_argument("--out", default="docs/results/steptime")
     args = ap.parse_args(argv)
     f = fit(Path(args.bench))
     cluster = cluster_from_fit(f)
     if Path(args.bench).resolve() == BENCH.resolve() and cluster != CLUSTERS["cpu"]:
         print(f"note: tools/clusters.py's cpu entry differs from these benches': {cluster}")
-    measured = _read(MEASURED)
+    measured = _read(Path(args.measured))
     rows = []
     for run, sets in RUNS.items():
         cfg = load_config(RECIPE, sets, world_size=RANKS)
