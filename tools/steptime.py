@@ -224,11 +224,12 @@ def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], sched
         rank = dims.rank_of(rp.pp_rank, 0, 0, 0)
         rc = RankCosts(rp.pp_rank, n, mean)
         calls = _step_calls(cfg, {s: (runs[s], stages[s]) for s in runs}) if cluster.call_us or cluster.link_latency_us \
-            else {}
+            else None
         for t in rp.traffic:
-            s = link_seconds(dims, rank, t.group, t.op, t.bytes, cluster, eff, _row_calls(t, calls))
+            n_calls = _row_calls(t, calls)
+            s = link_seconds(dims, rank, t.group, t.op, t.bytes, cluster, eff, n_calls)
             if s:
-                rc.host_s[t.group] = rc.host_s.get(t.group, 0.0) + host_seconds(t.bytes, _row_calls(t, calls), cluster)
+                rc.host_s[t.group] = rc.host_s.get(t.group, 0.0) + host_seconds(t.bytes, n_calls, cluster)
             rc.ops[(t.group, t.op)] = rc.ops.get((t.group, t.op), 0.0) + s
             rc.comm_s[t.group] = rc.comm_s.get(t.group, 0.0) + s
         out.append(rc)
@@ -267,14 +268,13 @@ def _step_calls(cfg: Config, stages: dict[int, tuple[int, tuple]]) -> Counter:
     return calls
 
 
-def _row_calls(t, calls: Counter) -> float:
-    """Calls behind one traffic row: the traced parts' count, one per stage transfer (a hidden tensor
-    each, as the simulator sends them), else one (a ZeRO bucket's or the trainer's collective)."""
-    if not calls:
+def _row_calls(t, calls: Counter | None) -> float:
+    """Calls behind one traffic row (0 where the cluster has no per-call cost: `calls` None): the traced
+    parts' count, none for the stage sends (the simulator's transfers carry their own call), else one
+    (a ZeRO bucket's or the trainer's collective)."""
+    if calls is None or t.group == "pp":
         return 0.0
-    if t.what.startswith("traced"):
-        return calls[(t.group, t.op)]
-    return 0.0 if t.group == "pp" else 1.0  # pp: the simulator's transfers carry their own call
+    return calls[(t.group, t.op)] if t.what.startswith("traced") else 1.0
 
 
 def _per_action(rc: RankCosts, group: str) -> float:

@@ -1,7 +1,7 @@
 """CPU benchmark: what one rank of a CPU recipe pays per framework op, per GEMM FLOP at the recipe's own
 shapes and per memory-bound byte, on one core (tools/steptime_cpu.py builds the `cpu` cluster from it).
 
-    python -m tools.bench.cpu_costs --out docs/results/steptime     # ~1 min on an idle machine
+    python -m tools.bench.cpu_costs --out docs/results/steptime     # ~15 s
     python -m tools.bench.cpu_costs --recipe recipes/overlap_cpu.toml --reps 50
 
 One process, one thread, CPU time of this thread (`time.thread_time`: what the work costs, not the
@@ -125,7 +125,7 @@ def _traced_ops(recipe: str) -> dict[str, int]:
     return {k: sum(v.values()) for k, v in trace_parts(cfg, cfg.data.has_loss_mask, backward=True).ops.items()}
 
 
-def gemm_rate(recipe: str, reps: int) -> dict:
+def block_costs(recipe: str, reps: int) -> dict:
     """The recipe's blocks' GEMMs at its micro-batch, each replayed: summed FLOPs / summed seconds; and
     each block's forward + backward with what it costs beyond them per traced op (`op_s`)."""
     one = torch.ones(1, 1)
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1, "recipe": args.recipe, "reps": args.reps,
             "torch": torch.__version__, "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
-    out = {**gemm_rate(args.recipe, args.reps), **framework_op_cost(args.recipe, args.reps),
+    out = {**block_costs(args.recipe, args.reps), **framework_op_cost(args.recipe, args.reps),
            **memory_rate(args.recipe, args.reps)}
     out["memory_share_of_op_s"] = _memory_share(args.recipe, out)
     meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())

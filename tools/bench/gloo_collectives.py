@@ -1,7 +1,7 @@
 """CPU benchmark: what one gloo collective costs a rank of a CPU recipe, through moe_lc.parallel.comm (its
 completion watcher and modelled link included), with 4 ranks sharing the machine as overlap_cpu's do.
 
-    python -m tools.bench.gloo_collectives --out docs/results/steptime     # ~1 min on an idle machine
+    python -m tools.bench.gloo_collectives --out docs/results/steptime     # ~40 s
     python -m tools.bench.gloo_collectives --procs 2 --calls 50
 
 `--procs` processes (default 4, one thread each) in pairs (ranks 2i, 2i+1: one EP group of 2 each, every
