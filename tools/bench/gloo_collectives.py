@@ -5,20 +5,23 @@ completion watcher and modelled link included), with 4 ranks sharing the machine
     python -m tools.bench.gloo_collectives --procs 2 --calls 50
 
 `--procs` processes (default 4, one thread each) in pairs (ranks 2i, 2i+1: one EP group of 2 each, every
-pair busy at once), each timing back-to-back blocking calls of comm.py's collectives on its pair:
+pair busy at once), each timing blocking calls of comm.py's collectives on its pair:
 
   all_to_all   rows of D fp32 (the recipe's model dim), `rows` to the peer and `rows` kept, for rows in
-               ROWS (1, the recipe's balanced dispatch: micro_batch x seq x topk / 2 per peer, and 4x it)
+               1, the recipe's balanced dispatch (micro_batch x seq x topk / ep per peer) and 4x it
   all_gather   the dispatch layout: one int64 per routed expert (what `AllToAllDispatcher._gather` sends)
 
-each with the link off (gloo alone) and on (the recipe's `parallel.link`). Per op the wall time of one call
-(median over the pair's ranks of the mean over `--calls`) -> a least-squares line over the sizes with the
-link off: `call_s` (per call: Python, gloo's threads, the watcher's wake-up, the scheduler) and
-`copy_bytes_per_s` (gloo's own transfer: copies through the loopback). With the link on each call
-should take that plus the link's latency + bytes / bandwidth (`link_check`: measured minus predicted).
-
-Both ranks of a pair issue together here: a rank that reaches a collective before its peer also waits
-for it, which this bench does not measure (the recipe's predictor leaves it out too).
+Per op and size the wall time of one call: the median over `--calls` calls on each rank, then over ranks.
+  idle   back to back, link off (gloo alone) and on (the recipe's `parallel.link`): a least-squares line
+         over the link-off sizes gives `call_s` (per call: Python, gloo's threads, the watcher's wake-up)
+         and `copy_bytes_per_s` (gloo's own transfer through the loopback); `link_check_s`: link-on calls
+         minus (link off + the link's latency + bytes / bandwidth), the wake-up after the link's sleep.
+  busy   link on, every rank computing BETWEEN_GEMMS GEMMs before each call (as the recipe's ranks
+         compute between EP calls), the call's blocked time only: `busy_call_s`, per op, what a call costs
+         beyond the link and the copy when the cores are busy: gloo, the wake-up on a busy core, and the
+         peer the scheduler had not yet run to the call (what tools/steptime_cpu.py takes per call).
+Both ranks of a pair do the same work here: a peer behind for other reasons (the recipe's routing sends
+unequal rows) is not measured.
 Results: gloo_collectives.json.
 """
 
