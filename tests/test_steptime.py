@@ -127,6 +127,14 @@ def test_the_cpu_cluster_is_built_from_the_committed_cpu_benches():
     assert table.link_latency_us == 50.0 and table.net_gbps == 0.1  # overlap_cpu's parallel.link = "50:0.1"
 
 
+def test_plan_on_the_cpu_cluster_is_the_committed_cpu_prediction(capsys):
+    # `--cluster cpu` takes the measured rates as they are (efficiencies 1) and gives cpu.json's DualPipe row
+    pred = _plan_json(["recipes/overlap_cpu.toml", "--cluster", "cpu"], capsys)["predicted"]
+    committed = json.loads((ROOT / "docs/results/steptime/cpu.json").read_text())["runs"][0]
+    assert committed["run"] == "dualpipe" and set(pred["efficiency"].values()) == {1.0}
+    assert pred["step_s"] == pytest.approx(committed["predicted"]["step_s"], rel=1e-9)
+
+
 def test_host_costs_add_each_traced_op_and_call_and_only_the_link_hides_in_fb(capsys):
     from tools.block_trace import trace_parts
 

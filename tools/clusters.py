@@ -69,8 +69,8 @@ CLUSTERS = {
     "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8),
     "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72),
     # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates and host costs
-    # built from tools/bench's CPU measurements (tools/steptime_cpu.py; use them with efficiencies 1), its
-    # modelled link (parallel.link = "50:0.1")
+    # built from tools/bench's CPU measurements (tools/steptime_cpu.py; efficiencies 1: ACHIEVED_RATES), its
+    # modelled link (parallel.link = "50:0.1", exact)
     "cpu": Cluster("cpu", 0.043193, 0.043193, 35.643, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.043193, op_us=48.692,
                    call_us=2521.8, copy_gbps=0.4017, link_latency_us=50.0),
 }
@@ -97,6 +97,11 @@ EFFICIENCY = {
     # ~160-200 and 43-58 GB/s internode of the 50 GB/s NIC: ~0.8 of a link's bandwidth
     "link": 0.80,
 }
+
+
+# clusters whose figures are achieved rates measured on the machine (not datasheet peaks): every default
+# efficiency is 1 for them (--bench and --set still apply)
+ACHIEVED_RATES = ("cpu",)
 
 
 class ClusterError(ValueError):
@@ -126,7 +131,7 @@ def resolve(name: str, sets: list[str] = (), bench: str | None = None) -> tuple[
     """The cluster called `name` and the efficiencies, with the --bench file and --set overrides applied."""
     if name not in CLUSTERS:
         raise ClusterError(f"--cluster {name!r} is not a known cluster; choose one of {', '.join(CLUSTERS)}")
-    cluster, eff = CLUSTERS[name], dict(EFFICIENCY)
+    cluster, eff = CLUSTERS[name], {k: 1.0 if name in ACHIEVED_RATES else v for k, v in EFFICIENCY.items()}
     if bench:
         eff.update(_bench_efficiency(bench))
     changes = {}
