@@ -127,6 +127,15 @@ def test_the_cpu_cluster_is_built_from_the_committed_cpu_benches():
     assert table.link_latency_us == 50.0 and table.net_gbps == 0.1  # overlap_cpu's parallel.link = "50:0.1"
 
 
+def test_steptime_cpu_names_a_missing_bench_file(tmp_path, capsys):
+    from tools.steptime_cpu import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--bench", str(tmp_path), "--out", str(tmp_path)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'cpu_costs.json'}: ")
+
+
 def test_plan_on_the_cpu_cluster_is_the_committed_cpu_prediction(capsys):
     # `--cluster cpu` takes the measured rates as they are (efficiencies 1) and gives cpu.json's DualPipe row
     pred = _plan_json(["recipes/overlap_cpu.toml", "--cluster", "cpu"], capsys)["predicted"]

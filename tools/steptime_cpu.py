@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 from moe_lc.config import load_config
@@ -56,10 +57,12 @@ RUNS = {"dualpipe": [], "dualpipe_no_overlap": ["parallel.overlap=false"], "1f1b
 
 
 def _read(path: Path) -> dict:
+    """A bench's or overlap_bench's JSON; a missing or broken one is one `error:` line, exit status 2."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"error: {path}: {exc} (tools/steptime_cpu.py's docstring names the bench that writes it)")
+        print(f"error: {path}: {exc} (tools/steptime_cpu.py's docstring names what writes it)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def slowdown(bench: Path = BENCH, cores: int = 2) -> tuple[float, str]:
