@@ -80,7 +80,8 @@ def test_dualpipe_fb_hides_the_all_to_all_up_to_the_compute_beside_it(capsys):
     (["--cluster", "h900"], "error: --cluster 'h900' is not a known cluster; choose one of h800, h100, h200, b200, gb200, cpu"),
     (["--cluster", "h100", "--set", "cluster.tflops=1"],
      "error: --set cluster.tflops=1: unknown cluster key 'tflops'; keys are bf16_tflops, fp8_tflops, hbm_gbps, "
-     "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops"),
+     "hbm_gb, nvlink_gbps, net_gbps, gpus_per_node, fp32_tflops, "
+     "op_us, call_us, copy_gbps, link_latency_us"),
     (["--cluster", "h100", "--set", "eff.gemm=fast"], "error: --set eff.gemm=fast: 'fast' is not a number"),
     (["--set", "eff.gemm=0.5"], "error: --set cluster./eff. keys, --bench and --search need --cluster NAME"),
 ])
@@ -116,12 +117,63 @@ def test_search_ranks_the_layouts_that_fit_and_says_why_each_beats_the_next():
     assert small["skipped"] == {"planned peak exceeds the memory": sum(r["peak_gb"] > limit for r in ranked)}
 
 
-def test_the_cpu_cluster_is_the_fit_to_the_committed_cpu_bench():
+def test_the_cpu_cluster_is_built_from_the_committed_cpu_benches():
     from tools.steptime_cpu import cluster_from_fit, fit
 
     fitted, table = cluster_from_fit(fit()), CLUSTERS["cpu"]
-    for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node"):
+    for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node", "op_us", "call_us",
+                "copy_gbps", "link_latency_us"):
         assert getattr(table, key) == pytest.approx(getattr(fitted, key), rel=1e-3), key
+    assert table.link_latency_us == 50.0 and table.net_gbps == 0.1  # overlap_cpu's parallel.link = "50:0.1"
+
+
+def test_steptime_cpu_names_a_missing_bench_file(tmp_path, capsys):
+    from tools.steptime_cpu import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--bench", str(tmp_path), "--out", str(tmp_path)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'cpu_costs.json'}: ")
+
+
+def test_plan_on_the_cpu_cluster_is_the_committed_cpu_prediction(capsys):
+    # `--cluster cpu` takes the measured rates as they are (efficiencies 1) and gives cpu.json's DualPipe row
+    pred = _plan_json(["recipes/overlap_cpu.toml", "--cluster", "cpu"], capsys)["predicted"]
+    committed = json.loads((ROOT / "docs/results/steptime/cpu.json").read_text())["runs"][0]
+    assert committed["run"] == "dualpipe" and set(pred["efficiency"].values()) == {1.0}
+    assert pred["step_s"] == pytest.approx(committed["predicted"]["step_s"], rel=1e-9)
+
+
+def test_host_costs_add_each_traced_op_and_call_and_only_the_link_hides_in_fb(capsys):
+    from tools.block_trace import trace_parts
+
+    # dense_cpu: one rank, no pipeline; every micro-batch runs embed, the blocks and the head F, B and W
+    base = ["recipes/dense_cpu.toml", "--cluster", "h100"]
+    cfg = load_config("recipes/dense_cpu.toml", [])
+    ops = trace_parts(cfg, cfg.data.has_loss_mask, backward=True).ops
+    n = {k: ops["embed"][k] + cfg.model.n_layers * ops["dense"][k] + ops["head"][k] for k in "FBW"}
+    assert min(n.values()) > 0
+    off = _plan_json(base, capsys)["predicted"]["costs_s"]
+    on = _plan_json(base + ["--set", "cluster.op_us=10"], capsys)["predicted"]["costs_s"]
+    assert on["F"] - off["F"] == pytest.approx(n["F"] * 1e-5)
+    assert on["B"] - off["B"] == pytest.approx((n["B"] + n["W"]) * 1e-5)  # B is the full backward
+    assert on["W"] - off["W"] == pytest.approx(n["W"] * 1e-5)
+    # overlap_cpu (DualPipe, ep 2): 1 all-gather and 4 all-to-alls per MoE block and micro-batch
+    ocfg = load_config("recipes/overlap_cpu.toml", [], world_size=4)
+    calls = trace_parts(ocfg, False, backward=True).calls
+    assert calls["moe"] == {("ep", "all_gather"): 1, ("ep", "all_to_all"): 4} and calls["dense"] == {}
+    # the link made fast (the pairs compute-bound): what the host adds per call the pair cannot hide
+    sets = ["recipes/overlap_cpu.toml", "--cluster", "h100", "--set", "cluster.gpus_per_node=1",
+            "--set", "cluster.net_gbps=1e6"]
+    plain = _plan_json(sets, capsys)["predicted"]
+    host = _plan_json(sets + ["--set", "cluster.call_us=1000"], capsys)["predicted"]
+    moe_per_rank = ocfg.model.n_moe_layers  # DualPipe: each rank runs half the micro-batches through both halves
+    ep_calls = 5 * moe_per_rank * ocfg.train.microbatches(2) // 2
+    assert host["comm_s"]["ep"] - plain["comm_s"]["ep"] == pytest.approx(ep_calls * 1e-3)
+    per_action = ep_calls * 1e-3 / (plain["actions"]["F"] + plain["actions"]["FB"]) / 2
+    a, b = plain["costs_s"], host["costs_s"]
+    assert b["F"] - a["F"] == pytest.approx(per_action) and b["B"] - a["B"] == pytest.approx(per_action)
+    assert b["FB"] - a["FB"] == pytest.approx(2 * per_action)  # the host's part is not hidden by the pair
 
 
 def test_shared_cpu_bench_times_each_process_and_refuses_bad_arguments(tmp_path):
@@ -135,6 +187,44 @@ def test_shared_cpu_bench_times_each_process_and_refuses_bad_arguments(tmp_path)
     assert row["eager_step_s"] == pytest.approx(sum(row["per_process_step_s"]) / 2) and row["eager_step_s"] > 0
     bad = subprocess.run(argv[:3] + ["--models", "huge"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--models a subset of debug,large" in bad.stderr
+
+
+def test_cpu_costs_bench_counts_gemm_flops_and_writes_its_rates(tmp_path):
+    import torch
+
+    from tools.bench.cpu_costs import gemm_flops
+
+    aten = torch.ops.aten
+    a, b = torch.empty(128, 256), torch.empty(256, 512)
+    assert gemm_flops(aten.mm.default, [a, b]) == 2 * 128 * 256 * 512
+    assert gemm_flops(aten.addmm.default, [torch.empty(512), a, b]) == 2 * 128 * 256 * 512
+    assert gemm_flops(aten.bmm.default, [torch.empty(4, 8, 16), torch.empty(4, 16, 32)]) == 2 * 4 * 8 * 16 * 32
+    # the experts' grouped GEMMs: rows (T, K) by expert into (E, K, N); the wgrad (K, T) x (T, N) by row groups
+    assert gemm_flops(aten._grouped_mm.default, [torch.empty(256, 64), torch.empty(8, 64, 32)]) == 2 * 256 * 64 * 32
+    assert gemm_flops(aten._grouped_mm.default, [torch.empty(64, 256), torch.empty(256, 32)]) == 2 * 64 * 256 * 32
+    done = subprocess.run([sys.executable, "-m", "tools.bench.cpu_costs", "--reps", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "cpu_costs.json").read_text())
+    assert data["op_s"] > 0 and data["gemm_flops_per_s"] > 0 and data["memory_bytes_per_s"] > 0
+    assert set(data["blocks"]) == {"dense", "moe"} and all(b["ops"] > 0 for b in data["blocks"].values())
+    assert any(k.startswith("moe _grouped_mm") for k in data["gemms"])
+
+
+def test_gloo_collectives_bench_times_each_call_and_fits_a_line(tmp_path):
+    from tools.bench.gloo_collectives import fit_line
+
+    assert fit_line([(0, 1.0), (10, 3.0), (20, 5.0)]) == pytest.approx((1.0, 0.2))
+    done = subprocess.run([sys.executable, "-m", "tools.bench.gloo_collectives", "--procs", "2", "--calls", "3",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "gloo_collectives.json").read_text())
+    assert data["meta"]["rows"] == 128 and data["meta"]["link"] == pytest.approx([50e-6, 0.1e9])  # overlap_cpu's
+    assert set(data["busy_call_s"]) == {"all_to_all", "all_gather"} and data["call_s"] > 0
+    assert all(t > 0 for t in data["times_s"].values()) and len(data["times_s"]) == 10
+    bad = subprocess.run([sys.executable, "-m", "tools.bench.gloo_collectives", "--procs", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--procs must be an even number >= 2" in bad.stderr
 
 
 def test_bench_results_of_the_gpu_bench_become_efficiencies(tmp_path):

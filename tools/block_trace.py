@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,9 @@ class TracedParts:
     held      bytes a split backward's B leaves for its W (`_backward`); only with `backward`
     comm      {(group, op): bytes} this rank sends while the part runs forward, backward (recompute
               replays included) and W, as comm.py counts them, on the recipe's mesh; only with `backward`
+    calls     {(group, op): collective calls} of the same, as comm.py counts them; only with `backward`
+    ops       {"F" | "B" | "W": aten ops dispatched} by the part's forward, its B and its W (what a CPU
+              rank pays framework overhead on, tools/steptime.py); B and W only with `backward`
     hidden    bytes of the tensor between two blocks (B, S/cp, D), S/(cp tp) under SP: what a pipeline
               stage sends the next one (its gradient comes back alike)
     """
@@ -75,6 +78,8 @@ class TracedParts:
     held: dict[str, int]
     comm: dict[str, dict[tuple[str, str], int]]
     hidden: int
+    calls: dict[str, dict[tuple[str, str], int]] = field(default_factory=dict)
+    ops: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def block(self, kind: str) -> int:
         return self.saved.get(kind, 0)
@@ -231,59 +236,79 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     counter = _SavedCounter(model, tracer)
     counter.skip |= {x.untyped_storage()._cdata for x in tables}
     comm: dict[str, dict[tuple[str, str], int]] = {}
+    calls: dict[str, dict[tuple[str, str], int]] = {}
+    ops: dict[str, dict[str, int]] = {}
+
+    def sent(part: str):
+        return _sent(dims.counter, comm.setdefault(part, {}), calls.setdefault(part, {}))
+
     with counter.counting():
-        with _sent(dims.counter, comm.setdefault("embed", {})):
+        with sent("embed"), _ops(tracer, ops, "embed", "F"):
             h = chain[0](batch["inputs"])[0]
         outputs = [("embed", batch["inputs"], h)]
         for i, block in model.layers.items():
             kind = counter.part = block_kind(m, int(i))
             x = torch.empty_like(h).requires_grad_()
-            with _sent(dims.counter, comm.setdefault(kind, {})):
+            with sent(kind), _ops(tracer, ops, kind, "F"):
                 outputs.append((kind, x, run_phases(block.phases(*tables), x)))
         if head:
             counter.part = "head"
             x = torch.empty_like(h).requires_grad_()
-            with _sent(dims.counter, comm.setdefault("head", {})):
+            with sent("head"), _ops(tracer, ops, "head", "F"):
                 outputs.append(("head", x, chain[-1](x)[0]))
     held = {}
     if store is not None:
         for part, x, y in outputs:
-            with _sent(dims.counter, comm[part]):
-                held[part] = _backward(model, tracer, store, x, y)
+            with sent(part):
+                held[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}))
     saved, tensors = counter.by_part()
     rope = {x.untyped_storage()._cdata: (x.untyped_storage().nbytes(), f"rope: {str(x.dtype)[6:]}{list(x.shape)}")
             for x in tables}
     saved["rope"], tensors["rope"] = sum(n for n, _ in rope.values()), sorted(rope.values(), reverse=True)
-    return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if store is not None else {},
-                       h.numel() * h.element_size())
+    backward = store is not None
+    return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if backward else {},
+                       h.numel() * h.element_size(), calls if backward else {}, ops)
 
 
 @contextlib.contextmanager
-def _sent(counter: CommCounter, into: dict[tuple[str, str], int]):
+def _sent(counter: CommCounter, into: dict[tuple[str, str], int], calls_into: dict[tuple[str, str], int]):
     """Add to `into` what this rank sends inside, {(group, op): bytes} as comm.py counts it (an op called
-    with nothing to send keeps its key, as in the trainer's metrics)."""
+    with nothing to send keeps its key, as in the trainer's metrics), and to `calls_into` its calls."""
     calls, sent = dict(counter.calls), dict(counter.bytes)
     yield
     for key, n in counter.calls.items():
         if n > calls.get(key, 0):
             into[key] = into.get(key, 0) + counter.bytes[key] - sent.get(key, 0)
+            calls_into[key] = calls_into.get(key, 0) + n - calls.get(key, 0)
+
+
+@contextlib.contextmanager
+def _ops(tracer: StepTracer, into: dict[str, dict[str, int]], part: str, phase: str):
+    """Add the aten ops dispatched inside to into[part][phase]."""
+    before = tracer.ops
+    yield
+    into.setdefault(part, {})[phase] = into.get(part, {}).get(phase, 0) + tracer.ops - before
 
 
 def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore, x: torch.Tensor,
-              y: torch.Tensor) -> int:
+              y: torch.Tensor, ops: dict[str, int]) -> int:
     """y's backward as a split schedule runs it, B (`store` deferring) then W -> the bytes B leaves for W:
     what B created that is still alive after it, other than parameters and the gradients of them and of
     x, is what the queued W closures hold (output gradients, inputs B rebuilt or re-quantized for the
     wgrad GEMM). W runs after (its collectives, e.g. a replicated kv head's gradient rows, count)."""
     before = list(tracer.memory.live.values())  # held, so that no entry's id is reused
     known = {id(e) for e in before}
+    start = tracer.ops
     with store.deferring():
         y.backward(torch.empty_like(y))
+    ops["B"] = tracer.ops - start
     params = list(model.parameters())  # (their storages, first seen by the tracer when an op aliases one)
     other = {t.untyped_storage()._cdata for t in (*params, *(p.grad for p in params), x.grad) if t is not None}
     new = [e for e in tracer.memory.live.values() if id(e) not in known]
     held = sum(e[1] for e in new if e[0]() is not None and e[0]()._cdata not in other)
+    start = tracer.ops
     WeightGradStore.run(store.take())
+    ops["W"] = tracer.ops - start
     for p in params:
         p.grad = None
     return held

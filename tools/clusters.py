@@ -23,8 +23,8 @@ Sources (vendor datasheets; the "with sparsity" figures there are halved to dens
              BF16 360 PFLOP/s with sparsity (5,000 / 2,500 dense per GPU), 13.4 TB HBM3e at 576 TB/s (186 GB
              and 8 TB/s per GPU), NVLink 130 TB/s (1.8 TB/s per GPU); one NVLink domain of 72 GPUs; 400 Gb/s
              ConnectX-7 per GPU scale-out.
-  cpu        not a datasheet: fitted to tools/bench/compile_cpu.py's measured steps on this machine
-             (docs/results/compile-cpu) by tools/steptime_cpu.py, which says how.
+  cpu        not a datasheet: built from tools/bench's CPU measurements on this machine (cpu_costs.py,
+             gloo_collectives.py, shared_cpu.py; docs/results/steptime) by tools/steptime_cpu.py, which says how.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class Cluster:
     net_gbps: float  # scale-out (InfiniBand / RoCE) bandwidth per GPU per direction, GB/s
     gpus_per_node: int  # GPUs of one NVLink domain
     fp32_tflops: float = 0.0  # 0: half the BF16 peak (TF32 tensor cores); the precision.recipe = "fp32" peak
+    # host costs a CPU rank pays on the critical path (0 on GPUs, whose kernel launches run ahead of the kernels):
+    op_us: float = 0.0  # per dispatched aten op (Python, modules, autograd, dispatcher), microseconds
+    call_us: float = 0.0  # per collective call beyond its bytes (the backend's threads, the wait's wake-up)
+    copy_gbps: float = 0.0  # the backend's own copy of a collective's bytes, GB/s; 0: not modelled
+    link_latency_us: float = 0.0  # per collective call of the (modelled) link, microseconds
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak of `precision` ("bf16", "fp8", "fp32") in TFLOP/s."""
@@ -63,9 +68,11 @@ CLUSTERS = {
     "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 50.0, 8),
     "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8),
     "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72),
-    # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates fitted to
-    # tools/bench's CPU steps (tools/steptime_cpu.py; use them with efficiencies 1), its modelled link
-    "cpu": Cluster("cpu", 0.02818, 0.02818, 1.651, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.02818),
+    # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates and host costs
+    # built from tools/bench's CPU measurements (tools/steptime_cpu.py; efficiencies 1: ACHIEVED_RATES), its
+    # modelled link (parallel.link = "50:0.1", exact)
+    "cpu": Cluster("cpu", 0.043193, 0.043193, 35.643, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.043193, op_us=48.692,
+                   call_us=2521.8, copy_gbps=0.4017, link_latency_us=50.0),
 }
 
 # Achieved fraction of the peak per kernel kind: one set of defaults for every cluster and recipe.
@@ -90,6 +97,11 @@ EFFICIENCY = {
     # ~160-200 and 43-58 GB/s internode of the 50 GB/s NIC: ~0.8 of a link's bandwidth
     "link": 0.80,
 }
+
+
+# clusters whose figures are achieved rates measured on the machine (not datasheet peaks): every default
+# efficiency is 1 for them (--bench and --set still apply)
+ACHIEVED_RATES = ("cpu",)
 
 
 class ClusterError(ValueError):
@@ -119,7 +131,7 @@ def resolve(name: str, sets: list[str] = (), bench: str | None = None) -> tuple[
     """The cluster called `name` and the efficiencies, with the --bench file and --set overrides applied."""
     if name not in CLUSTERS:
         raise ClusterError(f"--cluster {name!r} is not a known cluster; choose one of {', '.join(CLUSTERS)}")
-    cluster, eff = CLUSTERS[name], dict(EFFICIENCY)
+    cluster, eff = CLUSTERS[name], {k: 1.0 if name in ACHIEVED_RATES else v for k, v in EFFICIENCY.items()}
     if bench:
         eff.update(_bench_efficiency(bench))
     changes = {}

@@ -27,8 +27,12 @@ by where its peers are. What hides what:
                   finishes the buckets); parameter all-gathers and the trainer's all-reduces are exposed
   other           subgroups made on demand (cp_tp's document-balance sums, tp_kv: the tp ranks
                   sharing a kv head): exposed, after the pipeline
-Then the optimizer step, memory-bound over the rank's optimizer state. Not modelled: kernel launch
-and collective latencies, SMs given to communication kernels, routing imbalance (the planner's
+Then the optimizer step, memory-bound over the rank's optimizer state.
+Host costs (a CPU cluster's; 0 on the GPU ones, whose launches run ahead of the kernels): each aten op
+a part dispatches in F, B and W (tools/block_trace.py's count) costs `op_us`, each collective call
+`call_us` + `link_latency_us` and its bytes a copy at `copy_gbps`; the host's part of the EP all-to-alls
+is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: kernel launch
+and collective latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's
 all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
 """
 
@@ -157,18 +161,30 @@ def seconds(cfg: Config, w: Work, cluster: Cluster, eff: dict[str, float]) -> Se
 
 
 def link_seconds(dims: ParallelDims, rank: int, group: str, op: str, nbytes: float, cluster: Cluster,
-                 eff: dict[str, float]) -> float:
+                 eff: dict[str, float], calls: float = 0.0) -> float:
     """Time to send `nbytes` (what `rank` sends of this op) over the group's links: NVLink to the peers
     on its node, the network to the others (a ring over several nodes runs at the network's rate). A
-    subgroup made on demand (e.g. "tp_kv": the tp ranks sharing a kv head) is placed as its mesh dim."""
+    subgroup made on demand (e.g. "tp_kv": the tp ranks sharing a kv head) is placed as its mesh dim.
+    Plus, in `calls` calls, what a host pays per call (the cluster's call_us and link_latency_us) and the
+    backend's copy of the bytes (copy_gbps): 0 on the GPU clusters."""
     try:
         partition = dims.group_ranks(group)
     except ValueError:
         partition = dims.group_ranks(group.split("_")[0])
     ranks = next(r for r in partition if rank in r)
     peers = [r for r in ranks if r != rank]
-    if not peers or not nbytes:
+    if not peers or not (nbytes or calls):
         return 0.0
+    return host_seconds(nbytes, calls, cluster) + _bytes_seconds(rank, peers, op, nbytes, cluster, eff)
+
+
+def host_seconds(nbytes: float, calls: float, cluster: Cluster) -> float:
+    """The part of `link_seconds` the rank's host spends itself (per call and the backend's copy): no compute
+    of its own runs beside it, so no overlap hides it. The link latency is the link's, not the host's."""
+    return calls * cluster.call_us * 1e-6 + (nbytes / (cluster.copy_gbps * 1e9) if cluster.copy_gbps else 0.0)
+
+
+def _bytes_seconds(rank: int, peers: list[int], op: str, nbytes: float, cluster: Cluster, eff: dict[str, float]) -> float:
     node = rank // cluster.gpus_per_node
     off = sum(r // cluster.gpus_per_node != node for r in peers) / len(peers)
     nv, net = cluster.nvlink_gbps * 1e9 * eff["link"], cluster.net_gbps * 1e9 * eff["link"]
@@ -185,6 +201,7 @@ class RankCosts:
     actions: int  # micro-batch x chunk passes per step
     compute: Seconds
     comm_s: dict[str, float] = field(default_factory=dict)  # group -> link seconds per step, every op
+    host_s: dict[str, float] = field(default_factory=dict)  # group -> the host's part of comm_s (host_seconds)
     ops: dict[tuple[str, str], float] = field(default_factory=dict)  # (group, op) -> seconds per step
 
 
@@ -200,18 +217,65 @@ def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], sched
             runs = stage_forwards(schedule, rp.pp_rank)
             stages = {s: (layers[s], s == 0, s == schedule.n_stages - 1) for s in runs}
         n = sum(runs.values())
-        total = [seconds(cfg, stage_work(cfg, *stages[s]), cluster, eff) for s in runs]
+        total = [_with_ops(seconds(cfg, stage_work(cfg, *stages[s]), cluster, eff), cfg, stages[s], cluster)
+                 for s in runs]
         k = [runs[s] / n for s in runs]
         mean = Seconds(*(sum(w * getattr(x, f) for w, x in zip(k, total)) for f in Seconds.__dataclass_fields__))
         dims = ParallelDims.from_config(p, deg["world"])
         rank = dims.rank_of(rp.pp_rank, 0, 0, 0)
         rc = RankCosts(rp.pp_rank, n, mean)
+        calls = _step_calls(cfg, {s: (runs[s], stages[s]) for s in runs}) if cluster.call_us or cluster.link_latency_us \
+            else None
         for t in rp.traffic:
-            s = link_seconds(dims, rank, t.group, t.op, t.bytes, cluster, eff)
+            n_calls = _row_calls(t, calls)
+            s = link_seconds(dims, rank, t.group, t.op, t.bytes, cluster, eff, n_calls)
+            if s:
+                rc.host_s[t.group] = rc.host_s.get(t.group, 0.0) + host_seconds(t.bytes, n_calls, cluster)
             rc.ops[(t.group, t.op)] = rc.ops.get((t.group, t.op), 0.0) + s
             rc.comm_s[t.group] = rc.comm_s.get(t.group, 0.0) + s
         out.append(rc)
     return out
+
+
+def _traced(cfg: Config):
+    from .block_trace import trace_parts  # (the planner traced it already: cached)
+    return trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
+
+
+def _parts(cfg: Config, layers: list[int], first: bool, last: bool) -> list[str]:
+    from .block_trace import block_kind
+    return ["embed"] * first + [block_kind(cfg.model, i) for i in layers] + ["head"] * last
+
+
+def _with_ops(sec: Seconds, cfg: Config, stage: tuple, cluster: Cluster) -> Seconds:
+    """sec plus the framework time of the aten ops one micro-batch dispatches through the stage (F, its
+    B and W as tools/block_trace.py counts them) at the cluster's op_us; sec itself where op_us is 0."""
+    if not cluster.op_us:
+        return sec
+    ops = _traced(cfg).ops
+    n = {k: sum(ops[p].get(k, 0) for p in _parts(cfg, *stage)) for k in "FBW"}
+    op_s = cluster.op_us * 1e-6
+    return Seconds(sec.F + n["F"] * op_s, sec.B + (n["B"] + n["W"]) * op_s, sec.W + n["W"] * op_s,
+                   sec.attention_F, sec.attention_B)
+
+
+def _step_calls(cfg: Config, stages: dict[int, tuple[int, tuple]]) -> Counter:
+    """(group, op) -> collective calls per step of the model's parts: {stage: (micro-batches, stage)}."""
+    calls, traced = Counter(), _traced(cfg).calls
+    for runs, stage in stages.values():
+        for part in _parts(cfg, *stage):
+            for key, k in traced.get(part, {}).items():
+                calls[key] += runs * k
+    return calls
+
+
+def _row_calls(t, calls: Counter | None) -> float:
+    """Calls behind one traffic row (0 where the cluster has no per-call cost: `calls` None): the traced
+    parts' count, none for the stage sends (the simulator's transfers carry their own call), else one
+    (a ZeRO bucket's or the trainer's collective)."""
+    if calls is None or t.group == "pp":
+        return 0.0
+    return calls[(t.group, t.op)] if t.what.startswith("traced") else 1.0
 
 
 def _per_action(rc: RankCosts, group: str) -> float:
@@ -244,12 +308,14 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
     cp_f, cp_b = max(0.0, cp_f - c.attention_F), max(0.0, cp_b - c.attention_B)
     a2a = _per_action(rc, "cp_a2a") / 2  # hybrid cp's all-to-alls: on the critical path, same bytes F and B
     ep = _per_action(rc, "ep") / 2
-    Fc, Bc = c.F + tp + cp_f + a2a, c.B + tp + cp_b + a2a
+    ep_host = rc.host_s.get("ep", 0.0) / rc.actions / 2  # (0 on GPUs) what the host spends, unhidable
+    Fc, Bc = c.F + tp + cp_f + a2a + ep_host, c.B + tp + cp_b + a2a + ep_host
+    ep -= ep_host
     overlap = cfg.parallel.pp_schedule == "dualpipe" and cfg.parallel.overlap and schedule is not None
     costs = dict(F=Fc + ep, B=Bc + ep, W=c.W, FB=max(Fc + Bc, 2 * ep) if overlap else None)
     hidden = t.micro_batch * t.seq_len // (deg["cp"] * deg["tp"]) * cfg.model.dim * _act_bytes(cfg)
     pp_send = (link_seconds(ParallelDims.from_config(cfg.parallel, deg["world"]), rc.pp_rank * deg["world"] // deg["pp"],
-                            "pp", "send", hidden, cluster, eff) if schedule else 0.0)
+                            "pp", "send", hidden, cluster, eff, calls=1.0) if schedule else 0.0)
     if schedule is None:
         pipeline_s, bubble, kinds = rc.actions * (costs["F"] + costs["B"]), 0.0, Counter(F=rc.actions, B=rc.actions)
         pp_exposed = 0.0
@@ -258,9 +324,9 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
         pipeline_s, bubble = sim.makespan, sim.published_bubble
         pp_exposed = sim.makespan - simulate(schedule, Costs(comm=0.0, **costs)).makespan
         kinds = _action_counts(schedule, rc.pp_rank)
-    ep_pairs = max(0.0, 2 * ep - (Fc + Bc)) if overlap else 2 * ep
+    ep_pairs = (max(0.0, 2 * ep - (Fc + Bc)) if overlap else 2 * ep) + 2 * ep_host
     exposed = {"tp": 2 * tp * rc.actions, ring: (cp_f + cp_b) * rc.actions, "cp_a2a": 2 * a2a * rc.actions,
-               "ep": ep * (kinds["F"] + kinds["B"]) + ep_pairs * kinds["FB"], "pp": pp_exposed}
+               "ep": (ep + ep_host) * (kinds["F"] + kinds["B"]) + ep_pairs * kinds["FB"], "pp": pp_exposed}
     for g in ZERO_GROUPS:  # reduce-scatters hide behind the last backward, the rest is exposed
         rs, rest = rc.ops.get((g, "reduce_scatter"), 0.0), sum(s for (h, op), s in rc.ops.items()
                                                                if h == g and op != "reduce_scatter")

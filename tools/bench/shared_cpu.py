@@ -1,7 +1,7 @@
 """CPU benchmark: one eager training step per process while N one-thread processes share the machine.
 
     python -m tools.bench.shared_cpu --out docs/results/steptime      # N = 4 (overlap_cpu's gloo ranks)
-    python -m tools.bench.shared_cpu --procs 1 --steps 3               # one process alone
+    python -m tools.bench.shared_cpu --procs 1 --out docs/results/steptime   # one process alone: shared_cpu_1.json
 
 Why: tools/steptime_cpu.py predicts recipes/overlap_cpu.toml, whose 4 gloo ranks share this machine's 2
 cores. Rates measured by one process alone and divided by ranks / cores leave out what sharing costs
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="processes sharing the machine (default 4)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per process (default 4)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    ap.add_argument("--out", default=None, help=f"write {OUT_NAME} here")
+    ap.add_argument("--out", default=None, help=f"write {OUT_NAME} here (shared_cpu_1.json for --procs 1: the steps alone)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / OUT_NAME).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        name = "shared_cpu_1.json" if args.procs == 1 else OUT_NAME
+        (out / name).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
 
