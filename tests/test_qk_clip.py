@@ -177,6 +177,10 @@ LAYOUTS = {
     "dsa_sparse_cp2": (DSA_SPARSE + ["train.steps=5", "train.seq_len=64", "train.micro_batch=4", "train.lr=1.5e-3",
                                      "train.qk_clip=2.84"], ["parallel.cp=2"], 2),
     "dp2_tp2": ([], ["parallel.dp=2", "parallel.tp=2"], 4),
+    # hybrid cp: each rank sees its head group's lse over its ring position (moe_lc/parallel/ulysses.py)
+    "cp4_a2a2": ([], ["parallel.cp=4", "parallel.cp_a2a=2"], 4),
+    "mla_cp4_a2a2_latent": (MLA_SMALL + ["train.lr=0.005", "train.qk_clip=3.6"], ["parallel.cp=4", "parallel.cp_a2a=2"],
+                            4),
 }
 
 

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_lc.model.attention import LocalAttention
-from moe_lc.ops.attention import AttentionBackend, get_backend
+from moe_lc.ops.attention import AttentionBackend, get_backend, note_max_lse
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.context import KVBlocks, LoopbackRing, P2PRing, RingAttentionFunction
@@ -178,6 +178,18 @@ def hybrid_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, a2a
     return _HeadsToSeq.apply(out2, a2a), lse
 
 
+def note_head_group_lse(holder, lse_BhS: Tensor, a2a: Group) -> None:
+    """QK-clip's probe (moe_lc/optim/qk_clip.py) for this rank's head group: lse (B, H/A, S') -> the per-head
+    max at the group's place among the module's H heads, -inf at the others (the all-reduce over dp x cp,
+    which holds the a2a peers, fills them in)."""
+    if not getattr(holder, "max_lse_probe", False):
+        return
+    h = lse_BhS.shape[1]
+    full = lse_BhS.new_full((1, h * a2a.size, 1), float("-inf"))
+    full[0, a2a.rank * h:(a2a.rank + 1) * h, 0] = lse_BhS.detach().float().amax(dim=(0, 2))
+    note_max_lse(holder, full)
+
+
 class HybridRingAttention(nn.Module):
     """Drop-in for LocalAttention under cp > 1 with parallel.cp_a2a > 1: (q (B,S,H,D_qk), k, v (B,S,J,D_v))
     -> (B,S,H,D_v), S this rank's two chunks in the hybrid placement (`hybrid_chunk_ids`)."""
@@ -190,7 +202,9 @@ class HybridRingAttention(nn.Module):
     def forward(self, q, k, v, scale: float, docs=None) -> Tensor:
         if self._backend is None:
             self._backend = get_backend(self.backend_name, q.device)
-        return hybrid_attention_with_lse(q, k, v, scale, self.a2a, self.ring, self._backend, docs)[0]
+        out, lse = hybrid_attention_with_lse(q, k, v, scale, self.a2a, self.ring, self._backend, docs)
+        note_head_group_lse(self, lse, self.a2a)
+        return out
 
     def extra_repr(self) -> str:
         return f"backend={self.backend_name}, cp_a2a={self.a2a.size}, cp_ring={self.ring.size}"
@@ -222,7 +236,8 @@ class HybridLatentRingAttention(nn.Module):
         ring = P2PRing(self.ring) if self.ring.size > 1 else LoopbackRing(0, 1)
         q2 = _SeqToHeads.apply(q, self.a2a)
         c2, kr2 = _GatherSeq.apply(c, self.a2a), _GatherSeq.apply(k_r, self.a2a)
-        out2 = RingAttentionFunction.apply(q2, float(scale), ring, self._backend, "zigzag", codec, docs, c2, kr2, w)[0]
+        out2, lse = RingAttentionFunction.apply(q2, float(scale), ring, self._backend, "zigzag", codec, docs, c2, kr2, w)
+        note_head_group_lse(self, lse, self.a2a)
         return _HeadsToSeq.apply(out2, self.a2a)
 
     def extra_repr(self) -> str:
