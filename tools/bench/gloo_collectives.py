@@ -63,7 +63,8 @@ def recipe_shapes(recipe: str) -> dict:
     cfg = load_config(ROOT / recipe, [], world_size=4)
     m, t = cfg.model, cfg.train
     rows = t.micro_batch * t.seq_len * m.moe.topk // cfg.parallel.ep
-    return {"dim": m.dim, "rows": rows, "experts": m.moe.n_routed_experts, "link": list(cfg.parallel.link_model)}
+    intra, _ = cfg.parallel.link_model  # overlap_cpu's link has one level (inter = intra)
+    return {"dim": m.dim, "rows": rows, "experts": m.moe.n_routed_experts, "link": list(intra)}
 
 
 def _time_calls(fn, calls: int, between=None) -> float:

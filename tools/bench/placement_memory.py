@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, sets: list[str], out: str) -> None
 def measure(world: int, steps: int, bucket_mb: float, grads: str, mmap_threshold: str | None) -> dict:
     """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement and malloc setting."""
     from moe_lc.config import load_config
-    from tools.plan import plan
+    from ..plan import plan
 
     sets = overrides(world, steps, bucket_mb, grads)
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # the spawned workers read it as they start
