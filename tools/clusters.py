@@ -71,8 +71,8 @@ CLUSTERS = {
     # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates and host costs
     # built from tools/bench's CPU measurements (tools/steptime_cpu.py; efficiencies 1: ACHIEVED_RATES), its
     # modelled link (parallel.link = "50:0.1", exact)
-    "cpu": Cluster("cpu", 0.043193, 0.043193, 35.643, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.043193, op_us=48.692,
-                   call_us=2521.8, copy_gbps=0.4017, link_latency_us=50.0),
+    "cpu": Cluster("cpu", 0.034381, 0.034381, 41.0818, 1000.0, 0.1, 0.1, 4, fp32_tflops=0.034381, op_us=51.392,
+                   call_us=2371.9, copy_gbps=6.7983, link_latency_us=50.0),
 }
 
 # Achieved fraction of the peak per kernel kind: one set of defaults for every cluster and recipe.

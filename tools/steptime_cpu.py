@@ -27,7 +27,8 @@ Not modelled: a peer behind for other reasons than the scheduler (routing imbala
 the same on paper), the optimizer's per-op cost and its state streamed from memory (it is timed at the
 activations' cache-resident rate), the trainer's work outside the pipeline beyond the optimizer, and that a
 rank blocked on the link gives its core to the others (the slowdown assumes all 4 busy).
-The prediction is held to the three measured pipeline runs of docs/results/overlap-cpu.
+The prediction is held to the three pipeline runs of tools/overlap_bench.py measured in the same sitting as
+the benches (docs/results/steptime/overlap_measured.json; docs/results/overlap-cpu has an earlier sitting's).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from .clusters import CLUSTERS, Cluster, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs/results/steptime"
-MEASURED = ROOT / "docs/results/overlap-cpu/results.json"
+MEASURED = ROOT / "docs/results/steptime/overlap_measured.json"  # tools/overlap_bench.py's, in the benches' sitting
 RECIPE = ROOT / "recipes/overlap_cpu.toml"
 RANKS = 4  # overlap_cpu's gloo ranks
 RUNS = {"dualpipe": [], "dualpipe_no_overlap": ["parallel.overlap=false"], "1f1b": ["parallel.pp_schedule=1f1b"]}

@@ -76,11 +76,10 @@ def predicted(sets: list[str], link: str) -> dict:
     from ..clusters import resolve
     from ..plan import plan
     from ..steptime import predict
-    from ..steptime_cpu import ACHIEVED
 
     cfg = load_config(RECIPE, sets, world_size=4)
     cluster, eff = resolve("cpu", cluster_sets(link))
-    pred = predict(cfg, plan(cfg, 4, str(RECIPE)), cluster, {**eff, **ACHIEVED})
+    pred = predict(cfg, plan(cfg, 4, str(RECIPE)), cluster, eff)  # the cpu entry's efficiencies are 1
     cp = {g: s for g, s in pred["exposed_comm_s"].items() if g in CP_GROUPS}
     return {"step_s": pred["step_s"], "cp_exposed_s": sum(cp.values()),
             "cp_time_s": sum(s for g, s in pred["comm_s"].items() if g in CP_GROUPS)}
