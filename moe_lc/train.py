@@ -34,7 +34,7 @@ from moe_lc.model.counting import param_counts, train_flops_per_token, train_flo
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
 from moe_lc.optim import build_rule
-from moe_lc.optim.qk_clip import QKClip
+from moe_lc.parallel.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
@@ -104,7 +104,7 @@ class Trainer:
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
             grads=cfg.parallel.placement.grads)
-        self.qk_clip = None  # QK-clip (moe_lc/optim/qk_clip.py): heads' logits bounded by train.qk_clip
+        self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip
         if t.qk_clip:  # the statistic is per local head: reduced over the attention weights' dp x cp replicas
             self.qk_clip = QKClip(self.model, t.qk_clip, self.dims["dp_cp"], self.dims["world"], cfg.model.n_layers,
                                   cfg.model.mtp.depth)

@@ -25,7 +25,7 @@ from tests.harness import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PARALLEL, CONVERT = ("moe_lc.model.",), ("moe_lc.model.", "moe_lc.parallel."), ("moe_lc.convert.",)
-# field -> the layers its references may sit in (qk_clip_rows: read by moe_lc/optim/qk_clip.py, above the model)
+# field -> the layers its references may sit in (qk_clip_rows: read by moe_lc/parallel/qk_clip.py, above the model)
 READER = {"module": MODEL, "params": MODEL, "vector_params": MODEL, "saved_bytes": MODEL, "decode": MODEL,
           "tp_rule": PARALLEL, "tp_groups": PARALLEL, "local": PARALLEL, "ring": PARALLEL, "expanded_ring": PARALLEL,
           "hf_pieces": CONVERT, "hf_family": CONVERT, "core_flops": MODEL,

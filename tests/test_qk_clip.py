@@ -1,4 +1,4 @@
-"""QK-clip (moe_lc/optim/qk_clip.py, Kimi K2's MuonClip): each kind's rescaling multiplies every logit of a
+"""QK-clip (moe_lc/parallel/qk_clip.py, Kimi K2's MuonClip): each kind's rescaling multiplies every logit of a
 clipped head by exactly its gamma; the cores' lse probe bounds the exact max logit; on a run built to grow
 its logits (Muon at a high rate) the clip holds the exact max logit near tau while the unclipped run grows
 past it; a tau never reached changes nothing, bit for bit; clipping runs equal one process under dp2, cp2

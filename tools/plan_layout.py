@@ -43,7 +43,7 @@ from moe_lc.config import Config
 from moe_lc.model.balance_losses import stat_columns
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.optim import recipe_rule
-from moe_lc.optim.qk_clip import attention_sites, statistic_elems
+from moe_lc.parallel.qk_clip import attention_sites, statistic_elems
 from moe_lc.parallel.parallelize import grad_group_of_zero, param_lr_scale, zero_group_of
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
@@ -133,7 +133,7 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
             ("world", 4, "stop-signal flag (int32)"),
             ("world", 24 if m.dsa.enabled else 0, "sparse attention's indexer-loss sums (3 fp64)"),
             ("dp_cp_tp", n_moe * per_moe, f"expert loads{' and counters' if ep else ''} of {n_moe} MoE layers")]
-    if cfg.train.qk_clip:  # moe_lc/optim/qk_clip.py: per local head of each attention module, then per layer
+    if cfg.train.qk_clip:  # moe_lc/parallel/qk_clip.py: per local head of each attention module, then per layer
         n_attn = sum(len(attention_sites(st["module"])) for st in stages)
         heads = sum(statistic_elems(st["module"]) for st in stages)
         rows += [("dp_cp", 4 * heads, f"QK-clip: max lse per head of {n_attn} layers"),

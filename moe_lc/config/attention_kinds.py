@@ -11,8 +11,8 @@ package, tools/ and eval/ for such comparisons). An entry names, per layer of th
     parallel  its tensor-parallel rule (and the process groups that rule needs), the
               core and `attend` seams on one device and on each context-parallel ring,
               under recomputation (parallel/layer_plan.py)                          "module:name"
+              QK-clip's rescaling of its query / key rows (parallel/qk_clip.py)     "module:name" (a model piece)
     convert   its Hugging Face weight pieces and the transformers family of a config  "module:name"
-    optim     QK-clip's rescaling of its query / key rows (optim/qk_clip.py reads it)  "module:name", a model piece
 
 The table sits in config, the leaf every layer may import, because the recipe's rules and the config's
 head dims read it too. Pieces of higher layers are "package.module:name" strings, so that importing this
@@ -88,7 +88,7 @@ class AttentionSpec:
     core_flops: str | None = None  # (m, seq_len) -> forward FLOPs per token of its attention core; None: causal
     #                                dense attention over S/2 keys (model/counting.py)
     qk_clip_rows: str | None = None  # (module, gamma (H,)) -> {parameter: factor per row}: QK-clip's rescaling
-    #                                  (moe_lc/optim/qk_clip.py); None: train.qk_clip is refused for the kind
+    #                                  (moe_lc/parallel/qk_clip.py); None: train.qk_clip is refused for the kind
     extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale, selective recompute items) ->
     #                                decisions only this kind has, on every layout (parallel/layer_plan.py)
 

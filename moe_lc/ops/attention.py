@@ -190,7 +190,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, sca
 
 
 def note_max_lse(holder, lse_BHS: Tensor) -> None:
-    """QK-clip's probe (moe_lc/optim/qk_clip.py): when `holder.max_lse_probe` is set, keep holder.max_lse
+    """QK-clip's probe (moe_lc/parallel/qk_clip.py): when `holder.max_lse_probe` is set, keep holder.max_lse
     (H,) fp32, the per-head max of lse over every call since the probe was last reset. A row's lse bounds
     its largest scaled score from above (by at most log of the keys it sees), and ring attention's merged
     lse is the full row's, so the bound is the same under any context-parallel layout."""

@@ -179,7 +179,7 @@ def hybrid_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, a2a
 
 
 def note_head_group_lse(holder, lse_BhS: Tensor, a2a: Group) -> None:
-    """QK-clip's probe (moe_lc/optim/qk_clip.py) for this rank's head group: lse (B, H/A, S') -> the per-head
+    """QK-clip's probe (moe_lc/parallel/qk_clip.py) for this rank's head group: lse (B, H/A, S') -> the per-head
     max at the group's place among the module's H heads, -inf at the others (the all-reduce over dp x cp,
     which holds the a2a peers, fills them in)."""
     if not getattr(holder, "max_lse_probe", False):

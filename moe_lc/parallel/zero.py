@@ -367,7 +367,7 @@ class ZeroOptimizer:
         """Finish gradient sync, clip, update, re-gather parameters. Returns (grad_norm, applied).
         A non-finite norm skips the update (gradients are dropped) when skip_if_nonfinite. row_scales:
         {id(param): (rows,) factors} applied to the updated master rows before the all-gather (QK-clip,
-        moe_lc/optim/qk_clip.py); a frozen group's parameters are left as they are."""
+        moe_lc/parallel/qk_clip.py); a frozen group's parameters are left as they are."""
         for s in self.shards:
             s.finish_grad_sync()
         sq = sum((s.grad_sq_sum() for s in self.shards if s.lr_scale), torch.zeros((), dtype=torch.float64,
