@@ -128,18 +128,22 @@ def recipe_beside(step_dir: Path) -> Path | None:
     return None
 
 
-def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]], fresh: str | None = None) -> list[str]:
     """Why the checkpoint at `path` cannot give a model of these full `shapes` its weights; [] if it can.
     Both directions count: a tensor of the model the checkpoint lacks, and a tensor of the checkpoint's
     model the recipe lacks (a 4-layer checkpoint into 3 layers would otherwise drop layers.3.* without a
     word). Key-set differences come first, one line each, naming the first few and the count. A missing
-    router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero)."""
+    router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero), and so are tensors whose name
+    holds `fresh` when the checkpoint has none of them (a module the run adds and initializes: DeepSeek
+    Sparse Attention's indexer, new in the warm-up stage from a dense model)."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:
         return [f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})"]
     saved = {key[len("model."):]: m for key, m in meta.items() if key.startswith("model.")}
     missing = [n for n in shapes if n not in saved and not n.endswith("expert_bias")]
+    if fresh and not any(fresh in n for n in saved):
+        missing = [n for n in missing if fresh not in n]
     extra = [n for n in saved if n not in shapes]
     errors = []
     if missing:

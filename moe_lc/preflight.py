@@ -38,7 +38,9 @@ def init_from_checkpoint(cfg: Config) -> Path:
         path = ckpt.find_checkpoint(cfg.checkpoint.init_from)
     except (ckpt.CheckpointError, FileNotFoundError) as exc:
         raise ConfigError([f"checkpoint.init_from: {exc}"]) from None
-    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, state_shapes(cfg.model))]
+    dsa = cfg.model.dsa
+    fresh = ".indexer." if dsa.enabled and dsa.stage == "warmup" else None  # V3.2's warm-up adds the indexer
+    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, state_shapes(cfg.model), fresh)]
     if errors:
         raise ConfigError(errors[:8] + ([f"... and {len(errors) - 8} more"] if len(errors) > 8 else []))
     return path

@@ -82,6 +82,24 @@ def test_warmup_stage_trains_only_the_indexer_like_one_process(layout, world):
     assert _kl(got) == pytest.approx(_kl(ref), rel=1e-3)
 
 
+def test_the_warmup_starts_from_a_dense_mla_checkpoint_and_the_sparse_stage_does_not(tmp_path):
+    """DeepSeek-V3.2's warm-up starts from the dense model: checkpoint.init_from a dense MLA run's checkpoint
+    (no indexer tensors) is taken, the indexer starting from its init and every main weight the checkpoint's,
+    bit for bit (frozen); the sparse stage from the same dense checkpoint is refused in one line naming the
+    indexer (it needs the warm-up's)."""
+    from moe_lc.config import ConfigError
+    from moe_lc.preflight import init_from_checkpoint
+
+    ckpt = tmp_path / "dense" / "checkpoints"
+    dense = run_layout(RECIPE, TRAIN + DSA[:6] + ["train.steps=1", f"checkpoint.dir={ckpt}"], world=1)
+    warm = run_layout(RECIPE, TRAIN + WARMUP + ["train.steps=1", f"checkpoint.init_from={ckpt}"], world=1)
+    assert {k for k in warm.final_state if k not in dense.final_state} == \
+        {k for k in warm.final_state if ".indexer." in k} != set()
+    assert all(torch.equal(warm.final_state[k], v) for k, v in dense.final_state.items())
+    with pytest.raises(ConfigError, match=r"checkpoint.init_from: .* lacks 16 tensors: layers.0.attn.indexer"):
+        init_from_checkpoint(load_config(RECIPE, TRAIN + DSA + [f"checkpoint.init_from={ckpt}"]))
+
+
 def test_topk_as_long_as_the_sequence_is_the_dense_model():
     dense = reference(RECIPE, TRAIN + DSA[:6])
     full = run_layout(RECIPE, TRAIN + DSA + ["model.dsa.index_topk=64", "train.steps=2"], world=1)
