@@ -21,6 +21,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -253,6 +254,11 @@ def _json_safe(value):
     if isinstance(value, (torch.dtype, torch.device, Path)):
         return str(value)
     return value
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as a bench's meta records them before and after its runs."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def write_json(path: Path, results: dict) -> None:

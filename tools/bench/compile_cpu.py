@@ -43,7 +43,7 @@ import torch
 from moe_lc.config import load_config
 from moe_lc.model.counting import param_counts
 
-from .common import ROOT
+from .common import ROOT, load_average
 
 MODELS = {
     "debug": [],
@@ -182,14 +182,14 @@ def main(argv=None) -> int:
         return 0
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
             "torch": torch.__version__, "rounds": args.rounds, "warmup": args.warmup,
-            "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "argv": sys.argv[1:] if argv is None else argv}
+            "load_before": load_average(), "argv": sys.argv[1:] if argv is None else argv}
     results = []
     for model in args.models:
         for precision in args.precisions:
             print(f"{model} {precision}:", flush=True)
             results.append(measure_in_fresh_process(model, precision, args))
             print("  " + " | ".join(f"{c} {v}" for c, v in zip(COLUMNS[3:], row(results[-1])[3:])), flush=True)
-    meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    meta["load_after"] = load_average()
     text = markdown(results, meta)
     print(text)
     if args.out:

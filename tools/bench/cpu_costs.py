@@ -33,7 +33,6 @@ if __name__ == "__main__" and not __package__:  # `python tools/bench/cpu_costs.
     sys.exit(0)
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -46,7 +45,7 @@ from moe_lc.config import load_config
 from moe_lc.model.block import Block
 from moe_lc.model.init import init_weights
 from moe_lc.model.rope import RotaryEmbedding
-from .common import ROOT
+from .common import ROOT, load_average, write_json
 from .compile_cpu import cpu_name
 
 OUT_NAME = "cpu_costs.json"
@@ -200,16 +199,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1, "recipe": args.recipe, "reps": args.reps,
-            "torch": torch.__version__, "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+            "torch": torch.__version__, "load_before": load_average()}
     out = {**block_costs(args.recipe, args.reps), **framework_op_cost(args.recipe, args.reps),
            **memory_rate(args.recipe, args.reps)}
     out["memory_share_of_op_s"] = _memory_share(args.recipe, out)
-    meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    meta["load_after"] = load_average()
     print(f"op {out['op_s'] * 1e6:.1f} us (framework alone {out['framework_op_s'] * 1e6:.1f}), GEMMs at the recipe's shapes {out['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, "
           f"memory-bound {out['memory_bytes_per_s'] / 1e9:.1f} GB/s (one thread, CPU time)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / OUT_NAME).write_text(json.dumps({"meta": meta, **out}, indent=1))
+        write_json(Path(args.out) / OUT_NAME, {"meta": meta, **out})
     return 0
 
 

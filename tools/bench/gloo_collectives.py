@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 from moe_lc.config import load_config
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm_timing import Link
-from .common import ROOT
+from .common import ROOT, load_average, write_json
 from .compile_cpu import cpu_name
 
 OUT_NAME = "gloo_collectives.json"
@@ -152,12 +152,12 @@ def main(argv=None) -> int:
         ap.error("--procs must be an even number >= 2 and --calls >= 1")
     shapes = recipe_shapes(args.recipe)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "procs": args.procs, "calls": args.calls, "recipe": args.recipe,
-            "torch": torch.__version__, "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), **shapes}
+            "torch": torch.__version__, "load_before": load_average(), **shapes}
     with tempfile.TemporaryDirectory(prefix="moe_lc_gloo_") as work:
         mp.start_processes(_rank, args=(args.procs, f"{work}/store", shapes, args.calls, work), nprocs=args.procs,
                            start_method="spawn")
         per_rank = [json.loads(Path(work, f"{r}.json").read_text()) for r in range(args.procs)]
-    meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    meta["load_after"] = load_average()
     out = summarize(per_rank, shapes)
     for k, t in out["times_s"].items():
         print(f"{k:>24}: {t * 1e6:8.0f} us")
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in out["busy_call_s"].items()))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / OUT_NAME).write_text(json.dumps({"meta": meta, **out}, indent=1))
+        write_json(Path(args.out) / OUT_NAME, {"meta": meta, **out})
     return 0
 
 

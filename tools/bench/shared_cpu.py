@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT
+from .common import ROOT, load_average
 from .compile_cpu import MODELS, build, cpu_name, timed_step
 
 OUT_NAME = "shared_cpu.json"
@@ -78,14 +78,14 @@ def main(argv=None) -> int:
         return 0
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "procs": args.procs, "threads_per_proc": 1,
             "steps": args.steps, "torch": torch.__version__,
-            "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+            "load_before": load_average()}
     results = []
     for model in models:
         results.append(measure(model, args.procs, args.steps))
         r = results[-1]
         print(f"{model}: {args.procs} processes, fastest step median {r['eager_step_s']:.3f} s "
               f"(each: {', '.join(f'{t:.3f}' for t in r['per_process_step_s'])})", flush=True)
-    meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    meta["load_after"] = load_average()
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
