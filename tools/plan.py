@@ -42,7 +42,7 @@ from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
-from moe_lc.parallel.parallelize import grad_group_of_zero, tie_group_of_zero
+from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
@@ -252,7 +252,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         # being filled (a bucket) and a reduced output; at backward's start, where the peak is, nothing of this
         # micro-batch is in flight yet (the last bucket's launch folded the previous one's rounds)
         out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
-                                     for g, b in buckets.items() if b and g.partition("*")[2] != "0")
+                                     for g, b in buckets.items() if b and not frozen_zero_group(g))
         out["step"] += out["gradient rounds"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
@@ -274,7 +274,7 @@ def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[
     out = []
     for g, sizes in buckets.items():
         group = layout.dims[grad_group_of_zero(g)]
-        if g.partition("*")[2] != "0" and extra:  # a frozen group reduces nothing
+        if not frozen_zero_group(g) and extra:  # a frozen group reduces nothing
             out.append(Traffic(group.name, "reduce_scatter", extra * ring_bytes("reduce_scatter", 4 * sum(sizes),
                                                                                  group.size),
                                f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))

@@ -184,6 +184,11 @@ def tie_group_of_zero(zero_group: str) -> str | None:
     return tie or None
 
 
+def frozen_zero_group(zero_group: str) -> bool:
+    """A ZeRO group of learning-rate scale 0 ("<group>*0"): it reduces and gathers nothing (zero.py)."""
+    return zero_group.partition("*")[2] == "0"
+
+
 def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
     """[(group name, [(param name, param, placement)], Group, lr scale, tie Group or None)] for ZeroOptimizer,
     one per gradient group, learning-rate scale (`lr_scale(param name) -> float`, `param_lr_scale`; default

@@ -269,13 +269,14 @@ class ShardedParams:
         group launches none); ZeRO-2: the open rounds, then fold every round in."""
         if self.rounds is not None:
             self.rounds.finish()
-        for b in self.buckets if self.rounds is None else ():
-            if not b.launched and self.lr_scale != 0:
-                self._launch(b)
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-            b.launched, b.work = False, None
+        else:
+            for b in self.buckets:
+                if not b.launched and self.lr_scale != 0:
+                    self._launch(b)
+            for b in self.buckets:
+                if b.work is not None:
+                    b.work.wait()
+                b.launched, b.work = False, None
         if self.tie is not None and self.lr_scale != 0:  # a tied parameter's copies on two stages (parallel/tie.py)
             comm.all_reduce(self.grad_shard, self.tie)
         self.sync = False
