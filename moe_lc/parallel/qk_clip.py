@@ -20,37 +20,25 @@ the fp32 master rows before its all-gather (moe_lc/parallel/zero.py `row_scales`
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from moe_lc.config.attention_kinds import kind_of_module, load
+from moe_lc.model.block import Block
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 
 
-def attention_sites(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every attention module in `model` (the registry's kinds), in module order."""
-    return [(name, m) for name, m in model.named_modules() if kind_of_module(m) is not None]
+def attention_sites(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer id, attention module) of every block in `model` (one rank's): `Block.layer_id`, the model's
+    n_layers blocks and then its MTP blocks, the same on every pipeline stage."""
+    return [(m.layer_id, m.attn) for m in model.modules() if isinstance(m, Block)]
 
 
 def statistic_elems(model: nn.Module) -> int:
     """fp32 elements of the per-head statistic QK-clip all-reduces over dp x cp each step for `model` (one
     rank's modules): one per local query head of each attention module (the planner's bytes)."""
     return sum(m.n_heads for _, m in attention_sites(model))
-
-
-def global_layer(name: str, n_layers: int) -> int:
-    """The index of the attention module `name` among the model's n_layers blocks and then its MTP blocks,
-    from its module path (`layers.<i>.`; an MTP block's `mtp.<j>.`), the same on every pipeline stage."""
-    found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    if found:
-        return int(found.group(1))
-    found = re.search(r"(?:^|\.)mtp\.(?:\w+\.)?(\d+)\.", name)
-    if found:
-        return n_layers + int(found.group(1))
-    raise ValueError(f"cannot tell which layer the attention module {name!r} belongs to")
 
 
 class QKClip:
@@ -64,11 +52,11 @@ class QKClip:
         self.tau, self.group, self.world = tau, group, world
         self.n_total = n_layers + n_mtp
         self.sites = []
-        for name, module in attention_sites(model):
+        for layer, module in attention_sites(model):
             kind = kind_of_module(module)
             if kind.qk_clip_rows is None:
-                raise ValueError(f"train.qk_clip: no rescaling rule for {kind.label} attention ({name})")
-            self.sites.append((global_layer(name, n_layers), module, load(kind.qk_clip_rows)))
+                raise ValueError(f"train.qk_clip: no rescaling rule for {kind.label} attention (layer {layer})")
+            self.sites.append((layer, module, load(kind.qk_clip_rows)))
         for holder in self._holders():
             holder.max_lse_probe, holder.max_lse = True, None
 
