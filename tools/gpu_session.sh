@@ -6,6 +6,10 @@
 #
 #     OUT=/tmp/gpu bash tools/gpu_session.sh           # on the GPU machine (9.3 min at most)
 #     DRY=1 OUT=/tmp/gpu bash tools/gpu_session.sh     # on a CPU: tiny shapes, proves the sequence runs
+#     PARTS="env tests gemm model_step muon_step" OUT=/tmp/gpu bash tools/gpu_session.sh   # a subset
+#
+# Parts: env, tests, attention, gemm, grouped_gemm, model_step (with --profile), muon_step (the same
+# step with train.optimizer = muon), layer, compile (model_step with train.compile on).
 #
 # Limits in seconds; the sum stays under a 10-minute call with room for the start-up.
 set -u
@@ -16,9 +20,12 @@ export PYTHONUNBUFFERED=1
 DRY_FLAG=${DRY:+--dry-run}
 FAST=(--warmup 2 --iters 10 --max-s 0.3)
 
-part() {  # part NAME LIMIT_S COMMAND...
+PARTS=" ${PARTS:-env tests attention gemm grouped_gemm model_step layer compile} "
+
+part() {  # part NAME LIMIT_S COMMAND...   (skipped unless NAME is in $PARTS)
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
+    [[ $PARTS == *" $name "* ]] || return 0
     echo "==== $name (limit ${limit}s): $*" >>"$WORK/log.txt"
     timeout -k 10 "$limit" "$@" >>"$WORK/log.txt" 2>&1
     local rc=$?
@@ -27,11 +34,13 @@ part() {  # part NAME LIMIT_S COMMAND...
 
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
 part env 40 python -m tools.gpu_check --steps env --out "$WORK" $DRY_FLAG
-part tests 120 python -m pytest -m gpu -rs -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
+part tests 180 python -m pytest -m gpu -rs -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
 part attention 90 python -m tools.bench.run --out "$WORK" --parts attention --quick "${FAST[@]}" $DRY_FLAG
 part gemm 45 python -m tools.bench.run --out "$WORK" --parts gemm --quick "${FAST[@]}" $DRY_FLAG
 part grouped_gemm 40 python -m tools.bench.run --out "$WORK" --parts grouped_gemm --quick "${FAST[@]}" $DRY_FLAG
-part model_step 90 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
+part model_step 80 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
+mkdir -p "$WORK/muon"
+part muon_step 60 python -m tools.bench.run --out "$WORK/muon" --parts model_step --quick --set train.optimizer=muon $DRY_FLAG
 part layer 55 python -m tools.bench.run --out "$WORK" --parts layer --quick $DRY_FLAG
 mkdir -p "$WORK/compile"
 part compile 75 python -m tools.bench.run --out "$WORK/compile" --parts model_step --quick --set train.compile=true $DRY_FLAG
@@ -41,5 +50,6 @@ for f in "$WORK"/*.json "$WORK"/*.md; do
     case $f in *env.json|*summary.md) ;; *) cp "$f" "$OUT/" ;; esac
 done
 for f in "$WORK"/compile/*.md; do [ -e "$f" ] && cp "$f" "$OUT/compile.md"; done
+for f in "$WORK"/muon/*.md; do [ -e "$f" ] && cp "$f" "$OUT/muon.md"; done
 tar czf "$OUT/all.tgz" -C "$WORK" .
 ls -la "$OUT"
