@@ -34,7 +34,7 @@ part() {  # part NAME LIMIT_S COMMAND...   (skipped unless NAME is in $PARTS)
 
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
 part env 40 python -m tools.gpu_check --steps env --out "$WORK" $DRY_FLAG
-part tests 180 python -m pytest -m gpu -rs -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
+part tests 180 python -m pytest -m gpu -rsP -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
 part attention 90 python -m tools.bench.run --out "$WORK" --parts attention --quick "${FAST[@]}" $DRY_FLAG
 part gemm 45 python -m tools.bench.run --out "$WORK" --parts gemm --quick "${FAST[@]}" $DRY_FLAG
 part grouped_gemm 40 python -m tools.bench.run --out "$WORK" --parts grouped_gemm --quick "${FAST[@]}" $DRY_FLAG
