@@ -268,6 +268,8 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"train.sgd_momentum={t.sgd_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_momentum" in given and t.muon_momentum != TrainConfig().muon_momentum and t.optimizer != "muon":
         w.append(f"train.muon_momentum={t.muon_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
+    if "train.muon_ns_dtype" in given and t.muon_ns_dtype != "auto" and t.optimizer != "muon":
+        w.append(f"train.muon_ns_dtype={t.muon_ns_dtype!r} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_exact_rms" in given and t.muon_exact_rms and t.optimizer != "muon":
         w.append(f"train.muon_exact_rms = true is set, but train.optimizer={t.optimizer!r} does not read it")
     if t.warmup_steps > t.steps:

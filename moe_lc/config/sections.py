@@ -14,7 +14,7 @@ from typing import Literal
 
 from moe_lc.config.choices import (
     AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
-    Logger, LrSchedule, MixtureSource, MlaRing, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
+    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
     RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
@@ -172,6 +172,9 @@ class TrainConfig:
     muon_exact_rms: bool = f(False, "muon: scale each orthogonalized update to exactly 0.2 lr RMS (divide by "
                                     "its own RMS); false = Moonlight's 0.2 sqrt(max(A, B)), which assumes an "
                                     "orthogonal output (Newton-Schulz's leaves 0.85-0.90 of it)")
+    muon_ns_dtype: MuonNsDtype = f("auto", "muon: dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA (as "
+                                           "Muon's and Moonlight's code: fp32 is compute-bound there, 1.14 s per "
+                                           "step for a 1.7B MoE on an H100) and fp32 elsewhere")
     qk_clip: float = f(0.0, "QK-clip (Kimi K2's MuonClip) threshold tau: after each step, heads whose max "
                             "attention logit (bounded by the max log-sum-exp) exceeded tau get their q / k "
                             "weights scaled down to reach tau; 0 = off; any optimizer")

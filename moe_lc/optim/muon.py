@@ -8,7 +8,8 @@ embedding table and the output head) take Muon; embeddings, the head, norms, bia
     m = mu m + g                          (the momentum buffer, mu = train.muon_momentum = 0.95)
     u = g + mu m                          (Nesterov)
     O = NS5(u)                            (5 Newton-Schulz steps, coefficients (3.4445, -4.7750, 2.0315),
-                                           fp32, on u / ||u||_F, transposed when A > B)
+                                           on u / ||u||_F, transposed when A > B; matmuls in fp32, or
+                                           bf16 by train.muon_ns_dtype, bf16 on CUDA by default)
     W = W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     (0.2 sqrt(max(A, B)): AdamW's update RMS, were O
                                                        orthogonal; NS5's O has 0.85-0.90 of that RMS, and
                                                        train.muon_exact_rms scales by 0.2 / RMS(O) instead)
@@ -39,19 +40,21 @@ NS_STEPS = 5
 ADAMW_NAMES = ("embed", "head")  # module names of matrices that take AdamW (Moonlight: embeddings, the head)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
-    """(..., A, B) -> the same shape, each matrix's approximate U V^T (its singular values pushed into
-    about [0.68, 1.13]) by `steps` iterations of X = a X + (b X X^T + c (X X^T)^2) X in fp32."""
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(..., A, B) -> the same shape in fp32, each matrix's approximate U V^T (its singular values pushed
+    into about [0.68, 1.13]) by `steps` iterations of X = a X + (b X X^T + c (X X^T)^2) X, the iterations
+    in `dtype` (the quintic tolerates bf16: its fixed point is a band, not a value)."""
     a, b, c = NS_COEFFICIENTS
     x = g.float()
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # X X^T is then the smaller Gram matrix
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.mT if tall else x
+    return (x.mT if tall else x).float()
 
 
 def fused_sections(model) -> dict[str, tuple[int, ...]]:
@@ -77,15 +80,16 @@ class Muon(UpdateRule):
     update_bytes_per_element = 32
 
     def __init__(self, momentum: float = 0.95, weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.95,
-                 eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None, exact_rms: bool = False):
-        self.momentum, self.weight_decay, self.exact_rms = momentum, weight_decay, exact_rms
+                 eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None, exact_rms: bool = False,
+                 ns_dtype: str = "auto"):
+        self.momentum, self.weight_decay, self.exact_rms, self.ns_dtype = momentum, weight_decay, exact_rms, ns_dtype
         self.adamw = AdamW(beta1, beta2, eps, weight_decay)
         self.sections = dict(sections or {})
 
     @classmethod
     def from_config(cls, train, precision, model=None) -> "Muon":
         return cls(train.muon_momentum, train.weight_decay, train.beta1, train.beta2, train.eps,
-                   fused_sections(model), train.muon_exact_rms)
+                   fused_sections(model), train.muon_exact_rms, train.muon_ns_dtype)
 
     def states(self) -> tuple[StateSpec, ...]:
         return StateSpec("momentum", torch.float32), StateSpec("exp_avg_sq", torch.float32)
@@ -110,8 +114,9 @@ class Muon(UpdateRule):
         0.2 NS5(.) / RMS(NS5(.)) instead: the same for an exactly orthogonal output (its RMS is
         1 / sqrt(max(A, B))), and exactly AdamW's 0.2 for Newton-Schulz's approximate one."""
         parts = []
+        bf16 = self.ns_dtype == "bf16" or (self.ns_dtype == "auto" and u.is_cuda)
         for block in u.split(self.rows_of(name, u.shape[-2]), dim=-2):
-            o = newton_schulz(block)
+            o = newton_schulz(block, dtype=torch.bfloat16 if bf16 else torch.float32)
             if self.exact_rms:
                 parts.append(o.mul_(0.2 / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30)))
             else:
