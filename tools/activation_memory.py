@@ -55,6 +55,11 @@ class ActivationEstimate:
     status: str
     tensors: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     working: Callable[[], float] = lambda: 0.0  # see `recompute_working`
+    host_layers: dict[int, float] = field(default_factory=dict)  # per block id: bytes train.offload puts on the host
+
+    def on_host(self) -> "ActivationEstimate":
+        """The same micro-batch's host bytes (train.offload) as an estimate of their own, for the schedule walk."""
+        return ActivationEstimate(dict(self.host_layers), 0.0, 0.0, 0.0, self.status)
 
     @property
     def total(self) -> float:
@@ -119,7 +124,8 @@ def stage_estimate(cfg: Config, layers=None, first_stage: bool = True, last_stag
     return ActivationEstimate(per_layer, float(traced.saved["embed"]) if first_stage else 0.0,
                               float(traced.saved["rope"]), float(traced.saved["head"]) if last_stage else 0.0,
                               CHECKED, {p: traced.tensors.get(p, []) for p in parts},
-                              lambda: max((replay_working(cfg, mask)[k] for k in kinds), default=0.0))
+                              lambda: max((replay_working(cfg, mask)[k] for k in kinds), default=0.0),
+                              {i: float(traced.host.get(block_kind(m, i), 0)) for i in layers})
 
 
 def recipe_config(m: ModelConfig, micro_batch: int, seq_len: int, compute_bytes: int, *, policy: str = "none",

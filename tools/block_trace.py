@@ -50,6 +50,7 @@ from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
 from moe_lc.parallel.comm import CommCounter
 from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.offload import host_ledger
 from moe_lc.parallel.parallelize import prepare_batch
 from .dry_trace import HostLiterals, StepTracer, balanced_select, held_checkpoint_inputs, position_priority
 
@@ -71,6 +72,8 @@ class TracedParts:
               rank pays framework overhead on, tools/steptime.py); B and W only with `backward`
     hidden    bytes of the tensor between two blocks (B, S/cp, D), S/(cp tp) under SP: what a pipeline
               stage sends the next one (its gradient comes back alike)
+    host      bytes train.offload keeps in host memory from the forward to the backward, by part (not in
+              `saved`: moe_lc/parallel/offload.py)
     """
 
     saved: dict[str, int]
@@ -80,6 +83,7 @@ class TracedParts:
     hidden: int
     calls: dict[str, dict[tuple[str, str], int]] = field(default_factory=dict)
     ops: dict[str, dict[str, int]] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
 
     def block(self, kind: str) -> int:
         return self.saved.get(kind, 0)
@@ -95,7 +99,7 @@ def trace_parts(cfg: Config, loss_mask: bool = False, backward: bool = False, he
     sends in all (`TracedParts.comm`); not `head`: the blocks only (the head's figures read 0). Cached;
     a trace that did more serves one that asks less."""
     key = repr((cfg.model, cfg.precision, cfg.recompute, cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device,
-                _trace_parallel(cfg.parallel), loss_mask))
+                _trace_parallel(cfg.parallel), loss_mask, cfg.train.offload))
     for b, h in ((True, True), (backward, True), (True, head), (backward, head)):
         if (key, b, h) in _CACHE:
             return _CACHE[(key, b, h)]
@@ -170,6 +174,7 @@ class _SavedCounter:
     def __init__(self, model: torch.nn.Module, tracer: StepTracer):
         self.tracer, self.part, self.skip = tracer, "embed", {p.untyped_storage()._cdata for p in model.parameters()}
         self.owner: dict[int, tuple[str, int, str]] = {}
+        self.host: dict[str, int] = {}  # part -> bytes offloaded (train.offload): each pack copies its view
         self.held: list = []
         self.modules: list[str] = ["?"]
         self.handles = [h for name, mod in model.named_modules() for h in (
@@ -188,9 +193,13 @@ class _SavedCounter:
                 self.held.append(storage)
         return t
 
+    def book_host(self, t: torch.Tensor) -> None:
+        self.host[self.part] = self.host.get(self.part, 0) + t.numel() * t.element_size()
+
     @contextlib.contextmanager
     def counting(self):
-        with held_checkpoint_inputs(self.pack), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+        with held_checkpoint_inputs(self.pack), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), \
+                host_ledger(self.book_host):
             yield self
         for h in self.handles:
             h.remove()
@@ -267,7 +276,8 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     saved["rope"], tensors["rope"] = sum(n for n, _ in rope.values()), sorted(rope.values(), reverse=True)
     backward = store is not None
     return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if backward else {},
-                       h.numel() * h.element_size(), calls if backward else {}, ops)
+                       h.numel() * h.element_size(), calls if backward else {}, ops,
+                       dict(counter.host))
 
 
 @contextlib.contextmanager

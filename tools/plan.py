@@ -73,6 +73,7 @@ class RankPlan:
     traffic: list[Traffic]
     buckets: dict[str, list[int]]  # ZeRO group -> padded bucket sizes (elements)
     transients: dict[str, float] = field(default_factory=dict)  # working sets by name (`_transients`)
+    host_activations: float = 0.0  # train.offload's bytes in host memory at their peak (not in `memory`)
 
     @property
     def memory(self) -> dict[str, float]:
@@ -117,6 +118,7 @@ class Plan:
                 "policy": self.policy, "notes": self.notes,
                 "ranks": [{"pp_rank": r.pp_rank, "layers": r.layers, "memory_bytes": r.memory,
                            "total_bytes": r.total_bytes, "peak_bytes": r.peak_bytes(), "transients": r.transients,
+                           "host_activation_bytes": r.host_activations,
                            "activations_by_policy": r.activations,
                            "activation_status": r.activation_status, "comm_per_step": r.comm_per_step(),
                            "traffic": [asdict(t) for t in r.traffic], "zero_buckets": r.buckets,
@@ -200,6 +202,15 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
         checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1 and schedule is None
         status[policy] = CHECKED if checked else UNCHECKED
     return by_policy, status
+
+
+def _host_activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule, per_stage: list) -> float:
+    """Host bytes of train.offload at their peak: the offloaded part of each micro-batch's saved bytes,
+    walked through the schedule as the device's are."""
+    if not cfg.train.offload:
+        return 0.0
+    policy = cfg.recompute.policy
+    return _activations(cfg, deg, stages, pp_rank, schedule, {policy: [e.on_host() for e in per_stage]})[0][policy]
 
 
 def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int, schedule,
@@ -321,7 +332,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                  + grad_round_traffic(cfg, layout, buckets, schedule))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
-                              _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy])))
+                              _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy]),
+                              _host_activations(cfg, deg, stages, pp_rank, schedule, estimates[policy])))
     notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]

@@ -30,6 +30,7 @@ GradPlacement = Literal["replicated", "sharded"]  # parallel.placement.grads: Ze
 MuonNsDtype = Literal["auto", "fp32", "bf16"]  # train.muon_ns_dtype: Newton-Schulz's matmul dtype
 Optimizer = Literal["adamw", "sgd", "muon"]  # update rules on ZeRO-1's shards (moe_lc/optim: RULES)
 RecomputePolicy = Literal["none", "selective", "full"]
+OffloadItem = Literal["attn_core", "expert_fc1", "experts"]  # train.offload (moe_lc/parallel/offload.py)
 RecomputeItem = Literal["norm", "swiglu", "attention", "mla_up", "router"]
 LrSchedule = Literal["cosine", "wsd", "constant"]
 Device = Literal["auto", "cpu", "cuda"]

@@ -129,6 +129,16 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
     if m.moe.weighted_swiglu and p.expert_dispatch != "flat":
         e.append(f"model.moe.weighted_swiglu with parallel.expert_dispatch={p.expert_dispatch!r} is not built: the "
                  "gate weights travel with the rows through the flat dispatcher only")
+    if cfg.train.offload and r.policy == "full":
+        e.append(f"train.offload={cfg.train.offload} with recompute.policy='full': full recomputation keeps only each "
+                 "block's input, so there is nothing to offload")
+    if "attn_core" in cfg.train.offload and r.policy == "selective" and "attention" in r.selective:
+        e.append("train.offload item 'attn_core' with recompute.selective item 'attention': the core is replayed in "
+                 "backward, so it keeps nothing to offload; choose one")
+    if cfg.train.offload and cfg.train.compile:
+        e.append("train.offload with train.compile is not built: the offload hooks wrap eager modules")
+    if cfg.train.offload and not m.has_moe and set(cfg.train.offload) - {"attn_core"}:
+        e.append(f"train.offload items {sorted(set(cfg.train.offload) - {'attn_core'})} need MoE layers (model has none)")
     if cfg.precision.fp8_cache and r.policy == "full":
         e.append(f"precision.fp8_cache={cfg.precision.fp8_cache} with recompute.policy='full': full recomputation "
                  "keeps only each block's input, so there is nothing to cache")

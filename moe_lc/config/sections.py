@@ -14,7 +14,7 @@ from typing import Literal
 
 from moe_lc.config.choices import (
     AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
-    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
+    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
     RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
@@ -189,6 +189,10 @@ class TrainConfig:
     device: Device = f("auto", "auto = cuda where torch sees a GPU")
     threads: int = f(0, "torch CPU threads per process; 0 = auto: OMP_NUM_THREADS if set, else this process's idle "
                             "cores (moe_lc/cpu_threads.py); the start-up line says which and why")
+    offload: list[OffloadItem] = f([], "activations kept in host memory from forward to backward "
+                                       "(moe_lc/parallel/offload.py): attn_core = what the attention core "
+                                       "keeps; expert_fc1 = the routed experts' up-projection input; experts "
+                                       "= everything the routed experts keep")
     compile: bool = f(False, "torch.compile the compute regions of each block and the loss head "
                              "(moe_lc/parallel/compile.py)")
     peak_tflops: float = f(0.0, "peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU")

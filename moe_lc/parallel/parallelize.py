@@ -33,7 +33,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
                 schedule=None, stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
                 recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
                 device: torch.device | None = None, route=None, defer_wgrad: bool | None = None,
-                compiled: bool = False) -> Parallelized:
+                compiled: bool = False, offload: tuple[str, ...] = ()) -> Parallelized:
     """Shard `model` for this rank's coordinates (see the module docstring).
 
     Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
@@ -44,6 +44,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     `defer_wgrad`: give the deferring Linears the rank's weight-gradient store (default: under a
     pipeline schedule; the planner asks for it to measure what a split backward holds). `compiled`: the
     model's regions run through torch.compile (train.compile; the result's `compile_watch` counts them).
+    `offload`: train.offload's items, whose saved tensors live on the host (moe_lc/parallel/offload.py).
     """
     single_device_order = [name for name, _ in model.named_parameters()]
     placements = Placements()
@@ -63,6 +64,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     named = [(name, local[name]) for name in single_device_order if name in local]
     result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe(),
                           plan.compile_watch)
+    if offload:  # after the split: hooks on this rank's modules only
+        from moe_lc.parallel.offload import ActivationOffload
+
+        result.offload = ActivationOffload(model, offload, device if device is not None else "cpu")
     if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
         install_grad_hooks(model, result.placements)
     return result

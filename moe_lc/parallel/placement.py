@@ -165,6 +165,7 @@ class Parallelized:
     wgrad_store where the chunks' deferring Linears push their weight gradients (pipelines; else None)
     decisions   the layer plan it was built from, one line per decision (moe_lc/parallel/layer_plan.py)
     compile_watch  what compiling its regions cost and broke (train.compile; else None: parallel/compile.py)
+    offload     the rank's ActivationOffload (train.offload; else None: parallel/offload.py)
     """
 
     module: nn.Module
@@ -174,6 +175,7 @@ class Parallelized:
     wgrad_store: object = None
     decisions: list[str] = field(default_factory=list)
     compile_watch: object = None
+    offload: object = None
 
     def __post_init__(self):
         self.chunks = self.chunks or [self.module]

@@ -1,0 +1,106 @@
+"""Activation offloading (train.offload, moe_lc/parallel/offload.py): what the named modules save goes to
+host memory and comes back bit for bit, so training is ZeRO-1's without it, bit for bit, under dp2,
+dp2 x ep2, dp2 x tp2 and pp2 DualPipe x dp2; a checkpoint saved without it resumes with it exactly;
+the tensors really leave (the device-side saved bytes drop by what the host holds); the planner's trace
+books them as host bytes; the recipe's rules refuse the combinations where nothing would be kept."""
+
+import shutil
+
+import pytest
+import torch
+
+from moe_lc.config import ConfigError, load_config
+from tests.harness import FAST, RECIPES, run_layout
+
+RECIPE = RECIPES / "debug_cpu.toml"
+ALL = ['train.offload=["attn_core", "experts"]']
+STEPS = ["train.steps=10", "train.seq_len=64", "train.global_batch=8", "train.warmup_steps=2"]
+LAYOUTS = {  # overrides, world
+    "dp2": (["parallel.dp=2", "train.micro_batch=2"], 2),
+    "dp2_ep2": (["parallel.dp=2", "parallel.ep=2", "train.micro_batch=2"], 2),
+    "dp2_tp2": (["parallel.dp=2", "parallel.tp=2", "train.micro_batch=2"], 4),
+    "pp2_dualpipe_dp2": (["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"], 4),
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if LAYOUTS[k][1] > 2 else [])
+                                    for k in LAYOUTS])
+def test_offloaded_activations_train_bit_for_bit_like_kept_ones(layout):
+    extra, world = LAYOUTS[layout]
+    kept = run_layout(RECIPE, STEPS + extra, world=world)
+    away = run_layout(RECIPE, STEPS + extra + ALL, world=world)
+    assert away.losses == kept.losses
+    assert all(torch.equal(away.final_state[k], v) for k, v in kept.final_state.items())
+
+
+def test_a_checkpoint_without_offload_resumes_with_it_exactly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saving = STEPS[1:] + ["train.steps=6", "parallel.dp=2", "train.micro_batch=2", "checkpoint.interval=3",
+                          f"checkpoint.dir={ckpt}"]
+    full = run_layout(RECIPE, saving, world=2)
+    shutil.rmtree(ckpt / "step_00000006")
+    resumed = run_layout(RECIPE, saving + ALL + ["checkpoint.resume=true"], world=2)
+    assert resumed.losses == full.losses[3:]
+    assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
+
+
+def _saved_bytes(cfg) -> tuple[int, int]:
+    """(bytes autograd holds on the device for one micro-batch's backward, bytes the offload holds on the
+    host), one process, measured with saved-tensor hooks around the whole forward."""
+    from moe_lc.parallel.build import build_rank_model
+    from moe_lc.parallel.mesh import ParallelDims
+
+    torch.manual_seed(0)
+    built = build_rank_model(cfg, ParallelDims.from_config(cfg.parallel, 1), "cpu", pipeline=(None, None))
+    held = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = built.module(tokens, labels=tokens)
+    host = built.offload.host_bytes if built.offload is not None else 0
+    loss.backward()
+    if built.offload is not None:
+        assert built.offload.host_bytes == 0  # backward took every copy back
+    return sum(held.values()), host
+
+
+def test_offloaded_tensors_leave_the_device_and_come_back():
+    """The tensors the hooks take are not among those autograd keeps on the device: the device's saved
+    bytes drop by at least the host's (a host copy of each); after backward the host holds nothing."""
+    base = FAST + ["train.seq_len=128", "train.micro_batch=4"]
+    device_kept, host_none = _saved_bytes(load_config(RECIPE, base))
+    device_away, host = _saved_bytes(load_config(RECIPE, base + ALL))
+    assert host_none == 0 and host > 0
+    assert device_away <= device_kept - host, (device_kept, device_away, host)
+
+
+@pytest.mark.parametrize("items", [ALL, ['train.offload=["attn_core"]'], ['train.offload=["expert_fc1"]']],
+                         ids=["attn_core+experts", "attn_core", "expert_fc1"])
+def test_the_planner_books_offloaded_bytes_on_the_host_as_measured(items):
+    """The planner's trace (meta tensors) books each offloaded tensor as host bytes: its host bytes equal
+    the measured offload's, and its device saved bytes drop by exactly what the measured forward's drop."""
+    from tools.plan import plan
+
+    base = FAST + ["train.seq_len=128", "train.micro_batch=4"]
+    (device_kept, _), (device_away, host) = (_saved_bytes(load_config(RECIPE, base + extra)) for extra in ([], items))
+    kept = plan(load_config(RECIPE, base), 1).ranks[0]
+    away = plan(load_config(RECIPE, base + items), 1).ranks[0]
+    assert kept.host_activations == 0 and away.host_activations == host > 0
+    assert kept.memory["activations"] - away.memory["activations"] == device_kept - device_away
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["recompute.policy=full"], "nothing to offload"),
+    (["recompute.policy=selective", 'recompute.selective=["norm", "attention"]', 'train.offload=["attn_core"]'],
+     "replayed in backward"),
+    (["train.compile=true"], "train.compile is not built"),
+])
+def test_offload_refuses_what_would_keep_nothing(extra, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPE, ALL + extra)
+    assert any(words in e for e in err.value.errors), err.value.errors
