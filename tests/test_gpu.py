@@ -339,3 +339,11 @@ def test_paths_built_since_the_first_gpu_run_match_the_cpu(case, tmp_path):
     print(f"{case}: cpu {cpu} cuda {gpu}")
     assert len(gpu) == 5 and all(torch.isfinite(torch.tensor(gpu)))
     assert max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu)) < rtol, (gpu, cpu)
+
+
+def test_offloaded_activations_on_cuda_train_bit_for_bit_like_kept_ones(tmp_path):
+    """train.offload on CUDA (pinned host copies on a side stream, prefetch): the same losses, bit for bit."""
+    offload = ('train.offload=["attn_core", "experts"]',)
+    kept = _train("cuda", "fp32", tmp_path, "kept")
+    away = _train("cuda", "fp32", tmp_path, "away", offload)
+    assert away == kept, (away, kept)
