@@ -77,7 +77,7 @@ class _Saved:
 def _empty_like(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
     """An uninitialized tensor like t on `device`, with t's strides where they are dense (so that a kernel
     reading it back takes the same path), contiguous otherwise."""
-    dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or _dense(t)
+    dense = t.is_contiguous() or _dense(t)
     if dense:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
     return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
