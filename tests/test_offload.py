@@ -99,6 +99,7 @@ def test_the_planner_books_offloaded_bytes_on_the_host_as_measured(items):
     (["recompute.policy=selective", 'recompute.selective=["norm", "attention"]', 'train.offload=["attn_core"]'],
      "replayed in backward"),
     (["train.compile=true"], "train.compile is not built"),
+    (["recompute.policy=selective", 'recompute.selective=["norm", "swiglu"]'], "offload 'expert_fc1' instead"),
 ])
 def test_offload_refuses_what_would_keep_nothing(extra, words):
     with pytest.raises(ConfigError) as err:

@@ -15,8 +15,9 @@ choice in turn. Per choice and length:
   peak       the highest device allocation during forward + backward above the inputs
   fwd+bwd    median time of forward + backward (the copies run on their own stream; what does not hide
              behind compute shows here)
-  exact      the input's and every parameter's gradient equal, bit for bit, to the run that keeps
-             everything on the device
+  exact      the input's and every parameter's gradient equal, bit for bit, to the first run that keeps
+             everything on the device; grad diff, the largest relative difference of one (a second run
+             keeping everything gives the bar: CUDA's scatter-add atomics are not deterministic)
 
 Writes results.json and results.md to --out.
 """
@@ -42,7 +43,9 @@ from ..activation_memory import stage_estimate
 from .common import ROOT
 from .layer import DRY_MODEL
 
-CHOICES = ([], ["expert_fc1"], ["experts"], ["attn_core"], ["attn_core", "experts"])
+# "none" twice: the second says how far two identical runs' gradients differ (CUDA's atomics in scatter-add
+# and some backward kernels are not deterministic), the bar the offloaded runs are read against
+CHOICES = ([], [], ["expert_fc1"], ["attn_core"], ["attn_core", "expert_fc1"])
 ONE_RANK = ["parallel.pp=1", "parallel.dp=1", "parallel.cp=1", "parallel.tp=1", "parallel.ep=1",
             "train.micro_batch=1", "train.global_batch=1"]
 GIB = 2 ** 30
@@ -101,6 +104,8 @@ def measure(recipe: str, seq: int, device: torch.device, dry: bool, iters: int) 
         if reference is None:
             reference = grads
         row["exact"] = all(torch.equal(a, b) for a, b in zip(grads, reference))
+        row["grad_rel_diff"] = max(((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+                                   for a, b in zip(grads, reference))
         times = []
         for _ in range(iters + 1):
             x.grad = None
@@ -121,11 +126,11 @@ def measure(recipe: str, seq: int, device: torch.device, dry: bool, iters: int) 
 
 
 def markdown(rows: list[dict], facts: dict) -> str:
-    head = ("| S | offload | saved GiB | planned | host GiB | planned host | peak GiB | fwd+bwd ms | exact |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| S | offload | saved GiB | planned | host GiB | planned host | peak GiB | fwd+bwd ms | exact | grad diff |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(f"| {r['seq']} | {r['offload']} | {r['saved_gib']:.3f} | {r['planned_saved_gib']:.3f} | "
                    f"{r['host_gib']:.3f} | {r['planned_host_gib']:.3f} | {r.get('peak_gib', float('nan')):.2f} | "
-                   f"{r['fwd_bwd_ms']:.1f} | {r['exact']} |\n" for r in rows)
+                   f"{r['fwd_bwd_ms']:.1f} | {r['exact']} | {r['grad_rel_diff']:.1e} |\n" for r in rows)
     return f"# Activation offloading, one MoE block\n\n{json.dumps(facts)}\n\n" + head + body
 
 
