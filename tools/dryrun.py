@@ -112,7 +112,8 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
                 "peak_bytes": mem.peak, "saved_bytes": mem.most["saved"], "peak_by_category": {c: mem.at_peak.get(c, 0) for c in
                                                              ("params", "grads", "optimizer", "buffers", "saved",
                                                               "transients")},
-                "top_transients": mem.top_transients, "comm": trainer.dims.counter.as_dict(), "host_reads": dict(tracer.host_reads.most_common()),
+                "top_transients": mem.top_transients,
+                "host_bytes": trainer.parallel.offload.peak if trainer.parallel.offload is not None else 0, "comm": trainer.dims.counter.as_dict(), "host_reads": dict(tracer.host_reads.most_common()),
                 "problems": sorted(set(tracer.problems))}
     finally:
         dist.destroy_process_group()
@@ -174,6 +175,8 @@ def compare(report: dict, rank_plan) -> dict:
         rows[key] = (report["static_bytes"][key], planned[key])
     rows["saved activations"] = (report["saved_bytes"], planned["activations"])
     rows["peak"] = (report["peak_bytes"], rank_plan.peak_bytes())
+    if report.get("host_bytes") or rank_plan.host_activations:  # train.offload: in host memory, not in the peak
+        rows["host (offloaded)"] = (report.get("host_bytes", 0), rank_plan.host_activations)
     comm = {}
     planned_comm = rank_plan.comm_per_step()
     status = {t.key: t.status for t in rank_plan.traffic}

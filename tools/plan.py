@@ -231,6 +231,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
       gradient rounds    ZeRO-2 (parallel.placement.grads = "sharded"): each group's round being filled (a
                          bucket, fp32) and a reduced output (1/N of one); added to "step"
+      offload fetch      train.offload: backward copies a module call's offloaded tensors back (and the
+                         call's before it, prefetched): at most one block's host bytes; added to "step"
       optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
                          (16 B/element, zero.py), or the update rule's temporaries as it declares them
                          (AdamW: sqrt and denominator, the no-decay copy of the master, and fp32 copies
@@ -265,6 +267,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
                                      for g, b in buckets.items() if b and not frozen_zero_group(g))
         out["step"] += out["gradient rounds"]
+    if cfg.train.offload:
+        out["offload fetch"] = max((b for e in per_stage for b in e.host_layers.values()), default=0.0)
+        out["step"] += out["offload fetch"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())

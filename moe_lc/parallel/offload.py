@@ -15,8 +15,9 @@ memory and the device copy dropped; backward copies it back. On a GPU the copies
 own into pinned memory, and when backward first reaches a module call's tensors it starts copying back
 the call saved just before it (the next backward needs them), so transfers overlap compute. On a CPU
 the same code copies into fresh host tensors (no memory is saved: the host is the device; the tests hold
-the path to bit-exactness), and on the meta device (the planner's trace) the bytes are booked as host
-bytes in `host_ledger` instead of the trace's device bytes.
+the path to bit-exactness), and on the meta device (the planner's trace, the dry run) only the shape is
+kept (the bytes booked in `host_ledger` instead of the trace's device bytes) and backward gets a fresh
+tensor, allocated where the copy back would be.
 
 Values are unchanged: a tensor comes back bit for bit, with its strides. Refused (the recipe's rules) with
 recompute policy "full" and with "attention" among the selective items for attn_core (the checkpoint
@@ -130,10 +131,10 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         if nbytes < MIN_BYTES:
             return t
-        if t.device.type == "meta":
+        if t.device.type == "meta":  # the planner's trace or the dry run: nothing to copy, and t must go
             for book in _LEDGERS[-1:]:
                 book(t)
-            saved = _Saved(t)
+            saved = _Saved((t.shape, t.stride(), t.dtype))
         elif self.stream is not None:
             host = _empty_like(t, "cpu", True)
             self.stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -147,7 +148,7 @@ class ActivationOffload:
             host = _empty_like(t, "cpu", False)
             host.copy_(t)
             saved = _Saved(host)
-        self._book(saved, nbytes if t.device.type != "meta" else 0)
+        self._book(saved, nbytes)
         call.append(weakref.ref(saved))
         return saved
 
@@ -162,8 +163,9 @@ class ActivationOffload:
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
-        if saved.host.device.type == "meta":
-            return saved.host
+        if isinstance(saved.host, tuple):  # meta: a fresh tensor, as backward would allocate the copy
+            shape, stride, dtype = saved.host
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         if self.stream is None:
             return saved.host  # a CPU rank: the host copy is already where backward runs
         if saved.device is None:
@@ -190,7 +192,7 @@ class ActivationOffload:
                 for group in (call, self.calls[i - 1] if i > 0 else []):
                     for r in group:
                         s = r()
-                        if s is not None and s.device is None and not s.used and s.host.device.type != "meta":
+                        if s is not None and s.device is None and not s.used and isinstance(s.host, torch.Tensor):
                             self._fetch(s)
                 return
 
