@@ -126,3 +126,19 @@ def test_the_dry_run_sees_offloaded_bytes_leave_the_device_as_the_planner_does()
     (kept_traced, kept_planned), (away_traced, away_planned) = kept["peak"], away["peak"]
     assert away_traced - kept_traced == pytest.approx(away_planned - kept_planned, abs=0.05 * away_planned)
     assert away_traced < kept_traced
+
+
+@pytest.mark.slow  # two plans of the 671B model at 128K: ~40 s
+def test_the_671b_128k_layout_on_1024_gpus_fits_80gb_by_offloading_expert_inputs():
+    """recipes/deepseek_v3_671b_128k_1024.toml: the planner puts pp 0 over an 80 GB GPU (74.5 GiB)
+    without offloading and every pipeline rank under it with expert_fc1 offloaded, the host bytes stated
+    (the dry run traces every role: docs/results/dryrun-671b-128k-1024)."""
+    from tools.plan import plan
+
+    recipe = RECIPES / "deepseek_v3_671b_128k_1024.toml"
+    gib80 = 80e9
+    offloaded = plan(load_config(recipe, world_size=1024), 1024)
+    kept = plan(load_config(recipe, ["train.offload=[]"], world_size=1024), 1024)
+    assert offloaded.degrees["world"] == 1024 and offloaded.degrees["dp"] == 2
+    assert max(r.peak_bytes() for r in kept.ranks) > gib80
+    assert all(r.peak_bytes() < gib80 and r.host_activations > 0 for r in offloaded.ranks)
