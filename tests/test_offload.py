@@ -107,6 +107,17 @@ def test_offload_refuses_what_would_keep_nothing(extra, words):
     assert any(words in e for e in err.value.errors), err.value.errors
 
 
+def test_attn_core_beside_the_mla_up_replay_warns():
+    from moe_lc.config.rules import recipe_warnings
+
+    mla = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+           "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "recompute.policy=selective",
+           'recompute.selective=["norm", "mla_up"]']
+    assert not any("offload" in w for w in recipe_warnings(load_config(RECIPE, mla)))
+    warned = [w for w in recipe_warnings(load_config(RECIPE, mla + ['train.offload=["attn_core"]'])) if "offload" in w]
+    assert len(warned) == 1 and "frees almost no device memory" in warned[0]
+
+
 def test_the_dry_run_sees_offloaded_bytes_leave_the_device_as_the_planner_does():
     """A traced step (tools/dryrun.py, meta tensors) with offloading under pp2 DualPipe x ep2: the host
     bytes at their most equal the planner's schedule walk of them; the saved activations are within the

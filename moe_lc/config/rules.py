@@ -287,6 +287,11 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"train.muon_ns_dtype={t.muon_ns_dtype!r} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_exact_rms" in given and t.muon_exact_rms and t.optimizer != "muon":
         w.append(f"train.muon_exact_rms = true is set, but train.optimizer={t.optimizer!r} does not read it")
+    r = cfg.recompute
+    if "attn_core" in t.offload and r.policy == "selective" and "mla_up" in r.selective:
+        w.append("train.offload item 'attn_core' with recompute.selective item 'mla_up': the replay already drops "
+                 "the core's q, k, v (rebuilt from the latents), so offloading them adds host copies and frees "
+                 "almost no device memory (the planner's host and activation bytes show how much)")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")
