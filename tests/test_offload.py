@@ -153,3 +153,17 @@ def test_the_671b_128k_layout_on_1024_gpus_fits_80gb_by_offloading_expert_inputs
     assert offloaded.degrees["world"] == 1024 and offloaded.degrees["dp"] == 2
     assert max(r.peak_bytes() for r in kept.ranks) > gib80
     assert all(r.peak_bytes() < gib80 and r.host_activations > 0 for r in offloaded.ranks)
+
+
+def test_mid_size_dualpipe_ep_tp_layout_with_offload_matches_the_planner():
+    """The dry run's mid-size layout (16B widths, pp4 DualPipe x dp8 x tp2, ep8, 4K) with expert_fc1
+    offloaded: states and traffic exact, saved activations and peak within 5% of the planner's, host bytes
+    within 5% (measured: -3.3% and 0.0%). (On pp16 with 32 micro-batches the planner's peak runs up to 15%
+    over the traced one on the deeper ranks: docs/results/dryrun-671b-128k-1024.)"""
+    from tests.test_dryrun import MID, MID_RECIPE, assert_holds_the_planner_to_it, dryrun
+
+    result = dryrun(MID_RECIPE, "--ranks", "0,16", *[f"--set={s}" for s in MID], '--set=train.offload=["expert_fc1"]')
+    for report in result["ranks"]:
+        assert_holds_the_planner_to_it(report)
+        traced, planned = report["comparison"]["memory"]["host (offloaded)"]
+        assert traced == pytest.approx(planned, rel=0.05) and planned > 0
