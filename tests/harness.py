@@ -13,6 +13,7 @@ final parameters. Single-process references are cached per (recipe, overrides) f
 from __future__ import annotations
 
 import json
+import shutil
 import multiprocessing
 import os
 import socket
@@ -111,6 +112,17 @@ def run_layout(recipe: str | Path, overrides: list[str], world: int, *, timeout_
 
 
 _REFERENCE_CACHE: dict[tuple, LayoutResult] = {}
+
+
+def interrupted_and_resumed(recipe: str | Path, overrides: list[str], changed: list[str], world: int,
+                            ckpt: Path) -> tuple[LayoutResult, LayoutResult]:
+    """(6 uninterrupted steps of `overrides`, checkpointing into `ckpt` every 3; steps 4-6 again, resumed
+    from the step-3 checkpoint with `changed` added): what a run interrupted after step 3 and restarted
+    under another setting trains."""
+    saving = list(overrides) + ["train.steps=6", "checkpoint.interval=3", f"checkpoint.dir={ckpt}"]
+    full = run_layout(recipe, saving, world=world)
+    shutil.rmtree(Path(ckpt) / "step_00000006")
+    return full, run_layout(recipe, saving + list(changed) + ["checkpoint.resume=true"], world=world)
 
 
 def reference(recipe: str | Path, overrides: list[str]) -> LayoutResult:

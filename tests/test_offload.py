@@ -4,13 +4,11 @@ dp2 x ep2, dp2 x tp2 and pp2 DualPipe x dp2; a checkpoint saved without it resum
 the tensors really leave (the device-side saved bytes drop by what the host holds); the planner's trace
 books them as host bytes; the recipe's rules refuse the combinations where nothing would be kept."""
 
-import shutil
-
 import pytest
 import torch
 
 from moe_lc.config import ConfigError, load_config
-from tests.harness import FAST, RECIPES, run_layout
+from tests.harness import FAST, RECIPES, interrupted_and_resumed, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
 ALL = ['train.offload=["attn_core", "experts"]']
@@ -34,12 +32,8 @@ def test_offloaded_activations_train_bit_for_bit_like_kept_ones(layout):
 
 
 def test_a_checkpoint_without_offload_resumes_with_it_exactly(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    saving = STEPS[1:] + ["train.steps=6", "parallel.dp=2", "train.micro_batch=2", "checkpoint.interval=3",
-                          f"checkpoint.dir={ckpt}"]
-    full = run_layout(RECIPE, saving, world=2)
-    shutil.rmtree(ckpt / "step_00000006")
-    resumed = run_layout(RECIPE, saving + ALL + ["checkpoint.resume=true"], world=2)
+    full, resumed = interrupted_and_resumed(RECIPE, STEPS[1:] + ["parallel.dp=2", "train.micro_batch=2"], ALL,
+                                            world=2, ckpt=tmp_path / "ckpt")
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
 

@@ -4,13 +4,11 @@ under dp2, dp2 x ep2, dp2 x tp2 and pp2 DualPipe x dp2; a ZeRO-1 checkpoint resu
 bytes (one reduce-scatter per micro-batch) equal to the planner's; the gradient state is the shard alone
 and the staging is gone after each step."""
 
-import shutil
-
 import pytest
 import torch
 
 from moe_lc.config import load_config
-from tests.harness import FAST, RECIPES, assert_equivalent, run_layout
+from tests.harness import FAST, RECIPES, assert_equivalent, interrupted_and_resumed, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
 ZERO2 = ["parallel.placement.grads=sharded"]
@@ -57,12 +55,8 @@ def test_zero2_trains_like_zero1_and_sends_what_the_planner_says(layout):
 def test_a_zero1_checkpoint_resumes_under_zero2_exactly(tmp_path):
     """Checkpoints hold the master and the rule's state, no gradients: saved under ZeRO-1 at step 3,
     resumed under ZeRO-2 (one micro-batch per rank), steps 4-6 are the uninterrupted ZeRO-1 run's bit for bit."""
-    ckpt = tmp_path / "ckpt"
-    saving = STEPS[1:] + ["train.steps=6", "parallel.dp=2", "train.micro_batch=4", "checkpoint.interval=3",
-                          f"checkpoint.dir={ckpt}"]
-    full = run_layout(RECIPE, saving, world=2)
-    shutil.rmtree(ckpt / "step_00000006")
-    resumed = run_layout(RECIPE, saving + ZERO2 + ["checkpoint.resume=true"], world=2)
+    full, resumed = interrupted_and_resumed(RECIPE, STEPS[1:] + ["parallel.dp=2", "train.micro_batch=4"], ZERO2,
+                                            world=2, ckpt=tmp_path / "ckpt")
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
 

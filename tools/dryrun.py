@@ -112,8 +112,9 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
                 "peak_bytes": mem.peak, "saved_bytes": mem.most["saved"], "peak_by_category": {c: mem.at_peak.get(c, 0) for c in
                                                              ("params", "grads", "optimizer", "buffers", "saved",
                                                               "transients")},
-                "top_transients": mem.top_transients,
-                "host_bytes": trainer.parallel.offload.peak if trainer.parallel.offload is not None else 0, "comm": trainer.dims.counter.as_dict(), "host_reads": dict(tracer.host_reads.most_common()),
+                "top_transients": mem.top_transients, "comm": trainer.dims.counter.as_dict(),
+                "host_reads": dict(tracer.host_reads.most_common()),
+                "host_bytes": trainer.parallel.offload.peak if trainer.parallel.offload is not None else 0,
                 "problems": sorted(set(tracer.problems))}
     finally:
         dist.destroy_process_group()

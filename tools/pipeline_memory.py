@@ -52,6 +52,15 @@ def phase_count(stage: dict) -> int:
     return len(stage["module"].phases(torch.arange(1, device="meta")))
 
 
+def rank_saved_peak(schedule, rank: int, stages: list[dict], per_stage: list) -> float:
+    """Most bytes of the estimates `per_stage` (one micro-batch through each of `rank`'s stages) the rank
+    holds at once: its micro-batches through its stages in the schedule's order (`schedule_peak`), or one
+    micro-batch's without a pipeline."""
+    if schedule is None:
+        return per_stage[0].total
+    return schedule_peak(schedule, rank, stage_sizes(stages, per_stage), {st["id"]: phase_count(st) for st in stages})[0]
+
+
 def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
                   held: dict[int, float] | None = None, spikes: dict[int, float] | None = None) -> tuple[float, float]:
     """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions

@@ -47,8 +47,8 @@ from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import (
     MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
 )
-from .pipeline_memory import (phase_count, pipeline_schedule, schedule_peak, stage_forwards, stage_sizes,
-                              wgrad_held_bytes)
+from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak, stage_forwards,
+                              stage_sizes, wgrad_held_bytes)
 from .plan_layout import RankLayout, mesh, muon_traffic, rank_layouts, traced_traffic, trainer_traffic
 from . import steptime, steptime_search
 from .clusters import CLUSTERS, ClusterError, resolve, split_sets
@@ -192,25 +192,12 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
     the order of the pipeline schedule (`schedule_peak`)."""
     by_policy, status = {}, {}
     for policy, per_stage in estimates.items():
-        if schedule is None:
-            by_policy[policy] = per_stage[0].total
-        else:
-            by_policy[policy] = schedule_peak(schedule, pp_rank, stage_sizes(stages, per_stage),
-                                              {st["id"]: phase_count(st) for st in stages})[0]
+        by_policy[policy] = rank_saved_peak(schedule, pp_rank, stages, per_stage)
         # EP's expert rows follow the routing (traced balanced); PP's peak is the schedule walk's: both
         # are held to a traced step by the dry run (tools/dryrun.py)
         checked = all(e.status == CHECKED for e in per_stage) and deg.ep == 1 and schedule is None
         status[policy] = CHECKED if checked else UNCHECKED
     return by_policy, status
-
-
-def _host_activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule, per_stage: list) -> float:
-    """Host bytes of train.offload at their peak: the offloaded part of each micro-batch's saved bytes,
-    walked through the schedule as the device's are."""
-    if not cfg.train.offload:
-        return 0.0
-    policy = cfg.recompute.policy
-    return _activations(cfg, deg, stages, pp_rank, schedule, {policy: [e.on_host() for e in per_stage]})[0][policy]
 
 
 def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int, schedule,
@@ -338,7 +325,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy]),
-                              _host_activations(cfg, deg, stages, pp_rank, schedule, estimates[policy])))
+                              # train.offload's host bytes, walked through the schedule as the device's are
+                              rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]])))
     notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]

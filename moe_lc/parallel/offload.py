@@ -19,9 +19,9 @@ the path to bit-exactness), and on the meta device (the planner's trace, the dry
 kept (the bytes booked in `host_ledger` instead of the trace's device bytes) and backward gets a fresh
 tensor, allocated where the copy back would be.
 
-Values are unchanged: a tensor comes back bit for bit, with its strides. Refused (the recipe's rules) with
-recompute policy "full" and with "attention" among the selective items for attn_core (the checkpoint
-replays those forwards: there is nothing kept to move), and with train.compile.
+Values are unchanged: a tensor comes back bit for bit, with its strides. The recipe's rules refuse it where
+it would move nothing or only copies of what stays on the device: recompute policy "full", attn_core
+beside the "attention" replay, experts beside the SwiGLU replay or FP8 cache, and train.compile.
 """
 
 from __future__ import annotations
@@ -48,26 +48,26 @@ def host_ledger(book):
         _LEDGERS.pop()
 
 
-def offloaded_modules(model: nn.Module, items) -> list[tuple[str, nn.Module]]:
-    """[(item, module)] whose forwards' saved tensors `items` move to the host."""
+def offloaded_modules(model: nn.Module, items) -> list[nn.Module]:
+    """The modules whose forwards' saved tensors `items` move to the host."""
     from moe_lc.config.attention_kinds import module_kinds
 
     kinds, out = tuple(module_kinds()), []
     for module in model.modules():
         if "attn_core" in items and isinstance(module, kinds):
-            out += [("attn_core", m) for m in (getattr(module, "core", None), getattr(module, "sparse_core", None))
+            out += [m for m in (getattr(module, "core", None), getattr(module, "sparse_core", None))
                     if isinstance(m, nn.Module)]
         elif isinstance(module, RoutedExperts):
             if "experts" in items:
-                out.append(("experts", module))
+                out.append(module)
             elif "expert_fc1" in items:
-                out.append(("expert_fc1", module.w13))
+                out.append(module.w13)
     return out
 
 
 class _Saved:
-    """One saved tensor while it is away: its host copy (or, on meta, the tensor), and once prefetched
-    its device copy with the event that says it has landed."""
+    """One saved tensor while it is away: its host copy (on meta, its (shape, stride, dtype)), and once
+    fetched its device copy with the event that says it has landed."""
 
     __slots__ = ("host", "device", "ready", "used", "__weakref__")
 
@@ -78,31 +78,29 @@ class _Saved:
 def _empty_like(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
     """An uninitialized tensor like t on `device`, with t's strides where they are dense (so that a kernel
     reading it back takes the same path), contiguous otherwise."""
-    dense = t.is_contiguous() or _dense(t)
-    if dense:
+    if _dense(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
     return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its strided span exactly (a permutation of a contiguous layout)."""
+    """Whether t's elements fill its strided span exactly (contiguous, or a permutation of it)."""
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
-    return t.numel() > 0 and span == t.numel() and all(s > 0 for s in t.stride())
+    return t.numel() > 0 and span == t.numel() and all(s > 0 for n, s in zip(t.shape, t.stride()) if n > 1)
 
 
 class ActivationOffload:
-    """The hooks of one rank's model (`install`); host bytes held now and at most (`host_bytes`, `peak`)."""
+    """The hooks on one rank's model, installed by the constructor (`remove` takes them off); host bytes
+    held now and at most (`host_bytes`, `peak`)."""
 
     def __init__(self, model: nn.Module, items, device: torch.device | str):
         self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.pin = cuda
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.calls: list[list[weakref.ref]] = []  # each module call's saved tensors, in forward order
         self.host_bytes = self.peak = 0
         self.modules = offloaded_modules(model, items)
         self.handles = []
-        for _, module in self.modules:
+        for module in self.modules:
             self.handles.append(module.register_forward_pre_hook(self._enter))
             self.handles.append(module.register_forward_hook(self._leave, always_call=True))
         self._open: list = []
