@@ -43,19 +43,24 @@ COLUMNS = [("seq", "S", "{:d}"), ("policy", "recompute", None), ("fwd_ms", "fwd 
            ("peak_gib", "peak GiB", "{:.2f}"), ("peak_vs_saved_plan", "peak/plan", "{:.2f}")]
 
 
+def first_moe_block(cfg, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """(block, rope): cfg's first MoE block (block 0 in a model without MoE layers), initialized, on
+    `device` in `dtype`, with cfg's recompute seams, and the RoPE tables' module."""
+    m = cfg.model
+    block = Block(m, m.moe.n_dense_layers if m.moe.n_routed_experts else 0)
+    with torch.no_grad():
+        init_weights(block, 0, 0.02, m.n_layers)
+    block = block.to(device=device, dtype=dtype)
+    apply_layer_plan(block, recompute=cfg.recompute)
+    return block, RotaryEmbedding.from_config(m.rope, m.rope_dim).to(device)
+
+
 def build(ctx: Context):
     """(block, rope, model cfg, recompute cfg) on the device, bf16."""
     recipe = ctx.recipes[0] if ctx.recipes else DEFAULT_RECIPE
     cfg = load_config(ROOT / recipe, DRY_MODEL if ctx.dry_run else [], check=False)
-    m = cfg.model
-    layer_id = m.moe.n_dense_layers if m.moe.n_routed_experts else 0
-    block = Block(m, layer_id)
-    with torch.no_grad():
-        init_weights(block, 0, 0.02, m.n_layers)
-    block = block.to(device=ctx.device, dtype=torch.bfloat16)
-    apply_layer_plan(block, recompute=cfg.recompute)
-    rope = RotaryEmbedding.from_config(m.rope, m.rope_dim).to(ctx.device)
-    return block, rope, m, cfg.recompute
+    block, rope = first_moe_block(cfg, ctx.device)
+    return block, rope, cfg.model, cfg.recompute
 
 
 def run(ctx: Context, rec: Recorder) -> None:

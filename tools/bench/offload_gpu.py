@@ -33,15 +33,11 @@ from pathlib import Path
 import torch
 
 from moe_lc.config import load_config
-from moe_lc.model.block import Block
-from moe_lc.model.init import init_weights
-from moe_lc.model.rope import RotaryEmbedding
-from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.parallel.offload import ActivationOffload
 
 from ..activation_memory import stage_estimate
-from .common import ROOT
-from .layer import DRY_MODEL
+from .common import ROOT, sync
+from .layer import DRY_MODEL, first_moe_block
 
 # "none" twice: the second says how far two identical runs' gradients differ (CUDA's atomics in scatter-add
 # and some backward kernels are not deterministic), the bar the offloaded runs are read against
@@ -57,11 +53,6 @@ def _cfg(recipe: str, seq: int, items: list[str], dry: bool):
     return load_config(ROOT / recipe, extra + ONE_RANK + [f"train.seq_len={seq}", offload], check=False)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -69,14 +60,9 @@ def _allocated(device) -> int:
 def measure(recipe: str, seq: int, device: torch.device, dry: bool, iters: int) -> list[dict]:
     cfg = _cfg(recipe, seq, [], dry)
     m = cfg.model
-    layer = m.moe.n_dense_layers if m.moe.n_routed_experts else 0
-    block = Block(m, layer)
-    with torch.no_grad():
-        init_weights(block, 0, 0.02, m.n_layers)
     dtype = torch.float32 if dry else torch.bfloat16
-    block = block.to(device=device, dtype=dtype)
-    apply_layer_plan(block, recompute=cfg.recompute)
-    rope = RotaryEmbedding.from_config(m.rope, m.rope_dim).to(device)
+    block, rope = first_moe_block(cfg, device, dtype)
+    layer = block.layer_id
     g = torch.Generator(device=device).manual_seed(seq)
     x = torch.randn(1, seq, m.dim, generator=g, device=device, dtype=dtype).requires_grad_()
     dy = torch.randn(1, seq, m.dim, generator=g, device=device, dtype=dtype)
@@ -89,14 +75,14 @@ def measure(recipe: str, seq: int, device: torch.device, dry: bool, iters: int) 
                "planned_saved_gib": plan.layers[layer] / GIB, "planned_host_gib": plan.host_layers.get(layer, 0) / GIB}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
+        sync(device)
         base = _allocated(device)
         y = block(x, cos, sin)
-        _sync(device)
+        sync(device)
         row["saved_gib"] = (_allocated(device) - base - y.numel() * y.element_size()) / GIB
         row["host_gib"] = (offload.host_bytes if offload else 0) / GIB
         y.backward(dy)
-        _sync(device)
+        sync(device)
         if device.type == "cuda":
             row["peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
         grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
@@ -110,10 +96,10 @@ def measure(recipe: str, seq: int, device: torch.device, dry: bool, iters: int) 
         for _ in range(iters + 1):
             x.grad = None
             block.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             block(x, cos, sin).backward(dy)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
         row["fwd_bwd_ms"] = sorted(times[1:])[len(times[1:]) // 2] * 1e3
         x.grad = None
