@@ -30,6 +30,7 @@ import torch
 
 from moe_lc.ops import fp8
 from moe_lc.ops.attention import attention_with_lse, available_backends, get_backend
+from tests.test_dsa_training import DSA
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,9 +316,7 @@ def test_five_steps_on_cuda_match_the_cpu_run(tmp_path):
     assert gpu[-1] < gpu[0]
 
 
-_DSA = ("model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
-        "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "model.dsa.enabled=true", "model.dsa.index_topk=16",
-        "model.dsa.index_n_heads=4", "model.dsa.index_head_dim=16")
+_DSA = tuple(DSA)  # the DSA tests' tiny MLA with a top-16 indexer
 NEW_PATHS = {  # case: (overrides, rtol per step's loss); each built after the first GPU run
     "fused_adamw": ((), 1e-4),  # AdamW on a CUDA shard is torch's _fused_adamw_, the CPU's the op-by-op formula
     "muon": (("train.optimizer=muon", "train.lr=0.01", "train.muon_ns_dtype=fp32"), 1e-4),
