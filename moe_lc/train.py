@@ -103,7 +103,7 @@ class Trainer:
             zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
-            grads=cfg.parallel.placement.grads)
+            grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer)
         self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip
         if t.qk_clip:  # the statistic is per local head: reduced over the attention weights' dp x cp replicas
             self.qk_clip = QKClip(self.model, t.qk_clip, self.dims["dp_cp"], self.dims["world"], cfg.model.n_layers,

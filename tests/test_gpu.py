@@ -326,6 +326,10 @@ NEW_PATHS = {  # case: (overrides, rtol per step's loss); each built after the f
     "dsa_warmup": (_DSA + ("model.dsa.stage=warmup", "model.dsa.indexer_lr=1e-2"), 1e-4),
     "qk_clip": (("train.qk_clip=1.0",), 1e-4),  # below every head's max lse: rows rescaled every step
     "zero2": (("parallel.placement.grads=sharded",), 1e-4),
+    # the master and moments pinned in host memory, updated on the CPU bucket by bucket (never run on a GPU yet)
+    "optimizer_offloaded": (("parallel.placement.optimizer=offloaded", "parallel.zero_bucket_mb=0.05"), 1e-4),
+    "optimizer_offloaded_muon_bf16": (("parallel.placement.optimizer=offloaded", "train.optimizer=muon",
+                                       "train.lr=0.01", "train.muon_ns_dtype=bf16"), 1e-2),
 }
 
 

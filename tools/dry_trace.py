@@ -84,9 +84,12 @@ def position_priority(cfg):
 
 
 class MemoryTracker:
-    """Live bytes of meta storages by category, and the peak with its breakdown."""
+    """Live bytes of meta storages by category, and the peak with its breakdown. Category "host" (the
+    offloaded optimizer's state, what its CPU update allocates: `on_host`) is host memory: counted in
+    `now` and `most`, never in the device's total or peak."""
 
     def __init__(self):
+        self.category = "transients"  # what a fresh storage counts as (`on_host` switches it)
         self.live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, category]
         self.now = Counter()
         self.total = self.peak = 0
@@ -102,9 +105,12 @@ class MemoryTracker:
         if entry is not None and entry[0]() is st:
             return
         n = st.nbytes()
-        self.live[key] = [weakref.ref(st), n, "transients", f"{made_by} {str(t.dtype)[6:]}{list(t.shape)}"]
+        self.live[key] = [weakref.ref(st), n, self.category, f"{made_by} {str(t.dtype)[6:]}{list(t.shape)}"]
         weakref.finalize(st, self._free, key)
-        self.now["transients"] += n
+        self.now[self.category] += n
+        if self.category == "host":
+            self.most["host"] = max(self.most["host"], self.now["host"])
+            return
         self.total += n
         if self.total > self.peak:
             self.peak, self.at_peak = self.total, dict(self.now)
@@ -116,7 +122,16 @@ class MemoryTracker:
     def _free(self, key: int) -> None:
         _, n, cat, _ = self.live.pop(key)
         self.now[cat] -= n
-        self.total -= n
+        self.total -= 0 if cat == "host" else n
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """Within: fresh storages are host memory (moe_lc/parallel/optimizer_offload.py's `host_work`)."""
+        before, self.category = self.category, "host"
+        try:
+            yield
+        finally:
+            self.category = before
 
     def label(self, t: torch.Tensor, category: str, only_from: str | None = None) -> None:
         """Move t's storage into `category` (from `only_from` only, when given)."""
@@ -128,6 +143,7 @@ class MemoryTracker:
             return
         self.now[entry[2]] -= entry[1]
         self.now[category] += entry[1]
+        self.total += ((entry[2] == "host") - (category == "host")) * entry[1]  # into or out of host memory
         entry[2] = category
         self.most[category] = max(self.most[category], self.now[category])
 

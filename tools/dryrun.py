@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from moe_lc.config import ConfigError, load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
+from moe_lc.parallel.optimizer_offload import host_work
 from moe_lc.train import Trainer
 from .dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
 from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
@@ -97,7 +98,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     tracer = StepTracer()
     start = time.perf_counter()
     try:
-        with meta_as_gpu(spec), tracer, HostLiterals():
+        with meta_as_gpu(spec), tracer, HostLiterals(), host_work(tracer.memory.on_host):
             trainer = DryTrainer(cfg, device=META)
             built = time.perf_counter()
             static = _label_states(trainer, tracer)
@@ -129,10 +130,12 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
 def _label_states(trainer, tracer: StepTracer) -> dict:
     """Label the ZeRO-1 buffers, call whatever else lives after the build `buffers`; -> bytes by state."""
     mem = tracer.memory
-    out = dict.fromkeys(EXACT, 0)
+    out = dict.fromkeys(EXACT + ("host",), 0)
     for s in trainer.optimizer.shards:
+        optimizer = [s.master, *s.state.values()]  # the rule's declared state
         for category, tensors in (("params", [s.param_buffer]), ("grads", [t for t in (s.grad_buffer, s.grad_shard) if t is not None]),
-                                  ("optimizer", [s.master, *s.state.values()])):  # the rule's declared state
+                                  ("optimizer", optimizer if s.host is None else []),
+                                  ("host", optimizer + [s.host.grad_host, s.host.param_host] if s.host else [])):
             for t in tensors:
                 mem.label(t, category)
                 out[category] += t.untyped_storage().nbytes()
@@ -178,6 +181,8 @@ def compare(report: dict, rank_plan) -> dict:
     rows["peak"] = (report["peak_bytes"], rank_plan.peak_bytes())
     if report.get("host_bytes") or rank_plan.host_activations:  # train.offload: in host memory, not in the peak
         rows["host (offloaded)"] = (report.get("host_bytes", 0), rank_plan.host_activations)
+    if report["static_bytes"].get("host") or sum(rank_plan.host_memory.values()):  # placement.optimizer offloaded
+        rows["host (optimizer)"] = (report["static_bytes"].get("host", 0), sum(rank_plan.host_memory.values()))
     comm = {}
     planned_comm = rank_plan.comm_per_step()
     status = {t.key: t.status for t in rank_plan.traffic}

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One short device call: the GPU facts, the `gpu` tests, then the benchmark parts one by one, each under
-# its own time limit (a hang costs one part, not the call). Everything lands in $OUT in at most 6 files
-# (a device call returns 8): steps.txt (each part's exit code and seconds), log.txt, the results
-# <device>-<date>.{json,md}, compile.md (model_step with train.compile on) and all.tgz (every file).
+# its own time limit (a hang costs one part, not the call). Everything lands in $OUT in at most 8 files
+# (what a device call returns): steps.txt (each part's exit code and seconds), log.txt, the results
+# <device>-<date>.{json,md}, compile.md, muon.md and optimizer_offloaded.md (model_step with train.compile,
+# Muon, the optimizer offloaded) and all.tgz (every file).
 #
 #     OUT=/tmp/gpu bash tools/gpu_session.sh           # on the GPU machine (9.3 min at most)
 #     DRY=1 OUT=/tmp/gpu bash tools/gpu_session.sh     # on a CPU: tiny shapes, proves the sequence runs
 #     PARTS="env tests gemm model_step muon_step" OUT=/tmp/gpu bash tools/gpu_session.sh   # a subset
 #
 # Parts: env, tests, attention, gemm, grouped_gemm, model_step (with --profile), muon_step (the same
-# step with train.optimizer = muon), layer, compile (model_step with train.compile on).
+# step with train.optimizer = muon), optimizer_offload_step (the same step with the fp32 master and moments
+# in pinned host memory, parallel.placement.optimizer = offloaded), layer, compile (model_step with
+# train.compile on).
 #
 # Limits in seconds; the sum stays under a 10-minute call with room for the start-up.
 set -u
@@ -41,6 +44,9 @@ part grouped_gemm 40 python -m tools.bench.run --out "$WORK" --parts grouped_gem
 part model_step 80 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
 mkdir -p "$WORK/muon"
 part muon_step 60 python -m tools.bench.run --out "$WORK/muon" --parts model_step --quick --set train.optimizer=muon $DRY_FLAG
+mkdir -p "$WORK/optimizer_offloaded"
+part optimizer_offload_step 70 python -m tools.bench.run --out "$WORK/optimizer_offloaded" --parts model_step --quick \
+    --set parallel.placement.optimizer=offloaded $DRY_FLAG
 part layer 55 python -m tools.bench.run --out "$WORK" --parts layer --quick $DRY_FLAG
 mkdir -p "$WORK/compile"
 part compile 75 python -m tools.bench.run --out "$WORK/compile" --parts model_step --quick --set train.compile=true $DRY_FLAG
@@ -51,5 +57,6 @@ for f in "$WORK"/*.json "$WORK"/*.md; do
 done
 for f in "$WORK"/compile/*.md; do [ -e "$f" ] && cp "$f" "$OUT/compile.md"; done
 for f in "$WORK"/muon/*.md; do [ -e "$f" ] && cp "$f" "$OUT/muon.md"; done
+for f in "$WORK"/optimizer_offloaded/*.md; do [ -e "$f" ] && cp "$f" "$OUT/optimizer_offloaded.md"; done
 tar czf "$OUT/all.tgz" -C "$WORK" .
 ls -la "$OUT"

@@ -77,6 +77,11 @@ class StatePlacement:
     def bytes_per_rank(self) -> float:
         return self.numel_per_rank() * self.bytes_per_elem
 
+    def host_bytes_per_rank(self) -> float:
+        """Bytes of an offloaded row in one rank's host memory (its O dims read as R); 0 for a device row."""
+        offloaded = tuple(dim for dim, (_, mode) in self.on.items() if mode == "O")
+        return self.numel_per_rank(except_dims=offloaded) * self.bytes_per_elem if offloaded else 0
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -115,6 +120,14 @@ def memory_by_state(table: list[StatePlacement]) -> dict[str, float]:
     out = {s: 0 for s in STATES}
     for row in table:
         out[row.state] += row.bytes_per_rank()
+    return out
+
+
+def host_memory_by_state(table: list[StatePlacement]) -> dict[str, float]:
+    """Per-rank host bytes of each state: the offloaded (O) rows."""
+    out = {s: 0 for s in STATES}
+    for row in table:
+        out[row.state] += row.host_bytes_per_rank()
     return out
 
 

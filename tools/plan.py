@@ -44,8 +44,9 @@ from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
+from moe_lc.parallel.optimizer_offload import transfer_bytes
 from .placement_semantics import (
-    MODES, StatePlacement, Traffic, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
+    MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
 )
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak, stage_forwards,
                               stage_sizes, wgrad_held_bytes)
@@ -58,7 +59,7 @@ __all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
 PARTS = {"dp_cp": "dense", "dp_cp_tp": "tp-replicated", "edp": "experts"}
 FROZEN = " (frozen)"  # a ZeRO group of learning-rate scale 0 (zero.py: no reduce-scatter, no all-gather)
 TIED = " (tied embedding)"  # the first and last stages' copies: their reduced shard summed over pp_tie
-DIM_ORDER = ("pp", "dp", "cp", "tp", "ep", "dp_cp", "dp_cp_tp", "edp")
+DIM_ORDER = ("pp", "dp", "cp", "tp", "ep", "dp_cp", "dp_cp_tp", "edp", "host")  # host: O (offloaded) rows
 
 
 @dataclass
@@ -74,10 +75,16 @@ class RankPlan:
     buckets: dict[str, list[int]]  # ZeRO group -> padded bucket sizes (elements)
     transients: dict[str, float] = field(default_factory=dict)  # working sets by name (`_transients`)
     host_activations: float = 0.0  # train.offload's bytes in host memory at their peak (not in `memory`)
+    host_transfers: dict[str, int] = field(default_factory=dict)  # offloaded optimizer: PCIe bytes per step, d2h / h2d
 
     @property
     def memory(self) -> dict[str, float]:
         return memory_by_state(self.table)
+
+    @property
+    def host_memory(self) -> dict[str, float]:
+        """Host bytes of the offloaded states (parallel.placement.optimizer), by state; not in `memory`."""
+        return host_memory_by_state(self.table)
 
     @property
     def total_bytes(self) -> float:
@@ -118,7 +125,8 @@ class Plan:
                 "policy": self.policy, "notes": self.notes,
                 "ranks": [{"pp_rank": r.pp_rank, "layers": r.layers, "memory_bytes": r.memory,
                            "total_bytes": r.total_bytes, "peak_bytes": r.peak_bytes(), "transients": r.transients,
-                           "host_activation_bytes": r.host_activations,
+                           "host_activation_bytes": r.host_activations, "host_memory_bytes": r.host_memory,
+                           "host_transfer_bytes": r.host_transfers,
                            "activations_by_policy": r.activations,
                            "activation_status": r.activation_status, "comm_per_step": r.comm_per_step(),
                            "traffic": [asdict(t) for t in r.traffic], "zero_buckets": r.buckets,
@@ -147,6 +155,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     c, dims = compute_bytes(cfg), layout.dims
     opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision, cfg.model))
     pdtype = "fp32" if c == 4 else "bf16"
+    offloaded = cfg.parallel.placement.optimizer == "offloaded"
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
         _, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
@@ -175,10 +184,29 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
                                     "full-size main-grad buffer, reduce-scattered per bucket"),
                      StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
                                     "this rank's reduced 1/N of the main grads (the reduce-scatter's output)")]
-        rows += [
-                 StatePlacement("optimizer", part, numel, opt_bytes, opt_dtype, {**model_dims, group: (n, "S")},
-                                opt_note)]
+        host = {"host": (1, "O")} if offloaded else {}  # parallel.placement.optimizer: master and state on the host
+        rows.append(StatePlacement("optimizer", part, numel, opt_bytes, opt_dtype, {**model_dims, group: (n, "S"), **host},
+                                   opt_note + (", in host memory" if offloaded else "")))
+        if offloaded:  # moe_lc/parallel/optimizer_offload.py's staging, each way
+            rows += [StatePlacement("grads", f"{part} host staging", numel, 4, "fp32",
+                                    {**model_dims, group: (n, "S"), **host}, "the clipped shard, copied down each step"),
+                     StatePlacement("params", f"{part} host staging", numel, c, pdtype,
+                                    {**model_dims, group: (n, "S"), **host}, "the updated master, cast, on its way up")]
     return rows, buckets
+
+
+def host_transfers(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]]) -> dict[str, int]:
+    """The offloaded optimizer's PCIe bytes per step (optimizer_offload.transfer_bytes): each moving group's
+    gradient shard down, its parameters up; {} with the optimizer on the device."""
+    if cfg.parallel.placement.optimizer != "offloaded":
+        return {}
+    out = {"d2h": 0, "h2d": 0}
+    for g, sizes in buckets.items():
+        if not frozen_zero_group(g):
+            for way, n in transfer_bytes(sum(sizes) // layout.dims[grad_group_of_zero(g)].size,
+                                         compute_bytes(cfg)).items():
+                out[way] += n
+    return out
 
 
 def _estimates(cfg: Config, stages: list[dict], policy: str) -> list:
@@ -258,7 +286,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["offload fetch"] = max((b for e in per_stage for b in e.host_layers.values()), default=0.0)
         out["step"] += out["offload fetch"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, rule.update_bytes_per_element)
+    # the rule's temporaries are host memory when the optimizer is offloaded (per bucket, on the CPU)
+    offloaded = cfg.parallel.placement.optimizer == "offloaded"
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if offloaded else rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
 
@@ -326,7 +356,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy]),
                               # train.offload's host bytes, walked through the schedule as the device's are
-                              rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]])))
+                              rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]]),
+                              host_transfers(cfg, layout, buckets)))
     notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]
@@ -351,7 +382,7 @@ def _mode(row: StatePlacement, dim: str) -> str:
     if dim not in row.on:
         return "-"
     size, mode = row.on[dim]
-    return f"{mode}{size}" if size > 1 else "1"
+    return f"{mode}{size}" if size > 1 else mode if mode == "O" else "1"
 
 
 def render(p: Plan, cfg: Config, terms: bool = False) -> str:
@@ -369,14 +400,19 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
         out.append(f"== pipeline rank {r.pp_rank}: layers {r.layers}" if d["pp"] > 1 else "== every rank")
         dims = [dim for dim in DIM_ORDER if any(dim in row.on for row in r.table)]
         out.append(f"Placement ({legend}; N = group size, - = not placed on that dim)")
-        header = f"{'state':<12}{'part':<15}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"
+        w = max(15, 2 + max(len(row.part) for row in r.table))
+        header = f"{'state':<12}{'part':<{w}}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"
         out.append(header)
-        for row in r.table:
-            out.append(f"{row.state:<12}{row.part:<15}{row.dtype:<28}" + "".join(f"{_mode(row, x):>9}" for x in dims)
-                       + f"{_mib(row.bytes_per_rank()):>12}" + (f"   {row.note}" if row.note else ""))
+        for row in r.table:  # an offloaded row's MiB are host memory
+            out.append(f"{row.state:<12}{row.part:<{w}}{row.dtype:<28}" + "".join(f"{_mode(row, x):>9}" for x in dims)
+                       + f"{_mib(row.host_bytes_per_rank() or row.bytes_per_rank()):>12}"
+                       + (f"   {row.note}" if row.note else ""))
         mem = r.memory
         out.append("Memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items())
                    + f", total {_mib(r.total_bytes)}")
+        if r.host_transfers:
+            out.append("Host memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.host_memory.items() if v)
+                       + " | copies per step (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.host_transfers.items()))
         out.append("Transients per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.transients.items())
                    + f" | peak {_mib(r.peak_bytes())}")
         out.append("Saved activations per rank by recompute policy (MiB): " + ", ".join(

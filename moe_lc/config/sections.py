@@ -14,7 +14,7 @@ from typing import Literal
 
 from moe_lc.config.choices import (
     AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
-    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, PPSchedule, PrecisionRecipe, RecomputeItem,
+    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, OptimizerPlacement, PPSchedule, PrecisionRecipe, RecomputeItem,
     RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
@@ -35,6 +35,9 @@ class PlacementConfig:
     grads: GradPlacement = f("replicated", "replicated: ZeRO-1's full-size fp32 main-grad buffer, reduce-scattered "
                                            "once a step; sharded: ZeRO-2, each micro-batch's gradients "
                                            "reduce-scattered as backward fills a bucket, only this rank's 1/N kept")
+    optimizer: OptimizerPlacement = f("device", "device: the fp32 master and the rule's state beside the parameters; "
+                                                "offloaded: both in host memory, the update on the CPU bucket by "
+                                                "bucket, overlapping the copies and the all-gather")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ those into bins, one per rank, inside each bucket, so the rule sees each such pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar
 
 import torch
@@ -77,6 +77,16 @@ class ShardView:
     params: list[OwnedParam] = field(default_factory=list)
     to_full: Callable[[OwnedParam, torch.Tensor], torch.Tensor] = lambda o, t: t
     to_local: Callable[[OwnedParam, torch.Tensor], torch.Tensor] = lambda o, t: t
+
+    def part(self, lo: int, hi: int) -> "ShardView":
+        """The view of shard elements [lo, hi) (one bucket's 1/N slice: no parameter's elements on this rank
+        cross its ends), with the no-decay ranges and parameters inside it shifted to start at 0. An
+        elementwise rule updates the parts exactly as it updates the whole (the offloaded optimizer steps
+        bucket by bucket, moe_lc/parallel/optimizer_offload.py)."""
+        inside = [o for o in self.params if lo <= o.lo and o.hi <= hi]
+        return ShardView(self.master[lo:hi], self.grad[lo:hi], {k: v[lo:hi] for k, v in self.state.items()},
+                         [(a - lo, b - lo) for a, b in self.no_decay if lo <= a and b <= hi],
+                         [replace(o, lo=o.lo - lo, hi=o.hi - lo) for o in inside], self.to_full, self.to_local)
 
 
 class UpdateRule:

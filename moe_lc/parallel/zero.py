@@ -35,7 +35,9 @@ from moe_lc.optim.adamw import AdamW
 from moe_lc.optim.rule import OwnedParam, ShardView, UpdateRule
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.parallel.ema import CpuEMA
 from moe_lc.parallel.grad_rounds import GradRounds
+from moe_lc.parallel.optimizer_offload import HostOptimizer, host_empty
 from moe_lc.parallel.placement import ParamPlacement, Shard, gather_full
 
 GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
@@ -127,7 +129,8 @@ class ShardedParams:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
-                 tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False):
+                 tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False,
+                 optimizer_offloaded: bool = False):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         self.placements = {n: place for n, _, place in named_params}
@@ -161,20 +164,27 @@ class ShardedParams:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self.rounds = GradRounds(self, offsets) if grads_sharded else None
         shard = self.numel // N
-        self.master = torch.empty(shard, device=device, dtype=torch.float32)
-        for b in self.buckets:
-            self._shard_slice(b, self.master).copy_(self._own(self.param_buffer, b))
         self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
-        self.state = {spec.name: torch.full((shard,), spec.init, device=device, dtype=spec.dtype)
-                      for spec in rule.states()}
+        if optimizer_offloaded:  # master and state in host memory, the update on the CPU (optimizer_offload.py)
+            self.master = host_empty(shard, torch.float32, device)
+            self.state = {spec.name: host_empty(shard, spec.dtype, device, fill=spec.init) for spec in rule.states()}
+            self.host = HostOptimizer(self, dtype)
+        else:
+            self.master = torch.empty(shard, device=device, dtype=torch.float32)
+            self.state = {spec.name: torch.full((shard,), spec.init, device=device, dtype=spec.dtype)
+                          for spec in rule.states()}
+            self.host = None
+        for b in self.buckets:
+            self._shard_slice(b, self.master).copy_(self.own(self.param_buffer, b))
         owned = self._owned_params()
-        self.view = ShardView(self.master, self.grad_shard, self.state,
+        grad = self.grad_shard if self.host is None else self.host.grad_host  # what the rule reads
+        self.view = ShardView(self.master, grad, self.state,
                               [(o.lo, o.hi) for o in owned if o.name in no_decay], owned, self._to_full, self._to_local)
         self.norm_weight = self._norm_weight_shard(norm_weights)
         self.sync = False
 
     # -- layout helpers ---------------------------------------------------------------------------
-    def _own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
+    def own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
         """This rank's slice of bucket b inside a full (P,) buffer."""
         lo = b.start + self.group.rank * b.shard_size
         return buffer[lo:lo + b.shard_size]
@@ -203,12 +213,12 @@ class ShardedParams:
         heads under tensor parallelism); None when every element counts once."""
         if not weights:
             return None
-        full = torch.ones(self.numel, device=self.grad_buffer.device, dtype=torch.float64)
+        full = torch.ones(self.numel, device=self.param_buffer.device, dtype=torch.float64)
         for b in self.buckets:
             for p, off in b.params:
                 if id(p) in weights:
                     full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
-        return torch.cat([self._own(full, b) for b in self.buckets])
+        return torch.cat([self.own(full, b) for b in self.buckets])
 
     def _matrix_shards(self, o: OwnedParam) -> tuple[Shard, ...]:
         """The placement's shards that cut a whole parameter's matrices (its last two dims; not EP's expert
@@ -219,9 +229,12 @@ class ShardedParams:
         return tuple(s for s in shards if self.shard_groups[s.group].size > 1)
 
     def _to_full(self, o: OwnedParam, local: torch.Tensor) -> torch.Tensor:
-        """(ShardView.to_full) a whole owned parameter's full matrices from every TP slice (all-gather)."""
+        """(ShardView.to_full) a whole owned parameter's full matrices from every TP slice (all-gather; on
+        the device, where the group's backend is, when the optimizer is offloaded)."""
         shards = self._matrix_shards(o)
-        return gather_full(local, shards, self.shard_groups) if shards else local
+        if not shards:
+            return local
+        return gather_full(local.to(self.param_buffer.device), shards, self.shard_groups).to(local.device)
 
     def _to_local(self, o: OwnedParam, full: torch.Tensor) -> torch.Tensor:
         """(ShardView.to_local) this rank's slice of a full tensor of a whole owned parameter."""
@@ -287,33 +300,39 @@ class ShardedParams:
         return (sq if self.norm_weight is None else sq * self.norm_weight).sum()
 
     @torch.no_grad()
-    def update_(self, rule: UpdateRule, lr: float, step: int, clip_coef: float) -> None:
-        """Clip this rank's reduced gradients, then the rule's step on the master shard."""
+    def step_(self, rule: UpdateRule, lr: float, step: int, clip_coef: float, row_scales: dict | None) -> None:
+        """Clip this rank's reduced gradients, the rule's step on the master shard, QK-clip's `row_scales`
+        (`scale_bucket_rows_`), and every bucket's parameters all-gathered; with the optimizer offloaded,
+        bucket by bucket on the host (optimizer_offload.py)."""
+        if self.host is not None:
+            return self.host.step_(rule, lr, step, clip_coef, row_scales)
         if clip_coef != 1.0:
             self.grad_shard.mul_(clip_coef)
         rule.update_(self.view, lr, step)
+        for b in self.buckets if row_scales else ():
+            self.scale_bucket_rows_(b, row_scales)
+        self.gather_params()
 
     @torch.no_grad()
-    def scale_rows_(self, row_scales: dict) -> None:
-        """Master elements of the parameters in `row_scales` ({id(param): (rows,) factors over its dim 0, the
-        local param's}) times their row's factor, on whatever part of each this rank owns (QK-clip)."""
-        for b in self.buckets:
-            own_lo = b.start + self.group.rank * b.shard_size
-            for p, off in b.params:
-                factors = row_scales.get(id(p))
-                lo, hi = max(off, own_lo), min(off + p.numel(), own_lo + b.shard_size)
-                if factors is None or lo >= hi:
-                    continue
-                rows = torch.arange(lo - off, hi - off, device=self.master.device) // (p.numel() // p.shape[0])
-                at = b.shard_start + lo - own_lo
-                self.master[at:at + hi - lo].mul_(factors.to(self.master.device, torch.float32)[rows])
+    def scale_bucket_rows_(self, b: _Bucket, row_scales: dict) -> None:
+        """Master elements of bucket b's parameters in `row_scales` ({id(param): (rows,) factors over its dim
+        0, the local param's}) times their row's factor, on whatever part of each this rank owns (QK-clip)."""
+        own_lo = b.start + self.group.rank * b.shard_size
+        for p, off in b.params:
+            factors = row_scales.get(id(p))
+            lo, hi = max(off, own_lo), min(off + p.numel(), own_lo + b.shard_size)
+            if factors is None or lo >= hi:
+                continue
+            rows = torch.arange(lo - off, hi - off, device=self.master.device) // (p.numel() // p.shape[0])
+            at = b.shard_start + lo - own_lo
+            self.master[at:at + hi - lo].mul_(factors.to(self.master.device, torch.float32)[rows])
 
     @torch.no_grad()
     def gather_params(self) -> None:
         """Write updated master shards (cast) into the param buffer and all-gather every bucket."""
         works = []
         for b in self.buckets:
-            own = self._own(self.param_buffer, b)
+            own = self.own(self.param_buffer, b)
             own.copy_(self._shard_slice(b, self.master))
             works.append(comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group, async_op=True))
         for w in works:
@@ -326,14 +345,16 @@ class ShardedParams:
         self.grad_shard.zero_()
 
     def state_bytes(self) -> int:
-        """Optimizer-state bytes on this rank: the master and the rule's state (AdamW in fp32: 12 psi / N)."""
+        """Optimizer-state bytes on this rank (on the host when offloaded): the master and the rule's state
+        (AdamW in fp32: 12 psi / N)."""
         return sum(t.numel() * t.element_size() for t in (self.master, *self.state.values()))
 
 
 class ZeroOptimizer:
     """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
     mesh dims. grads: "replicated" (ZeRO-1's full main-grad buffer) or "sharded" (ZeRO-2: only the reduced
-    shard, moe_lc/parallel/grad_rounds.py), `parallel.placement.grads`.
+    shard, moe_lc/parallel/grad_rounds.py), `parallel.placement.grads`; optimizer: "device" or "offloaded"
+    (master and state in host memory, moe_lc/parallel/optimizer_offload.py), `parallel.placement.optimizer`.
 
     groups: [(name, [(param name, param, placement)], Group[, lr scale[, tie Group]])]
     (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a
@@ -349,10 +370,11 @@ class ZeroOptimizer:
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
-                 shard_groups: dict[str, Group] | None = None, grads: str = "replicated"):
+                 shard_groups: dict[str, Group] | None = None, grads: str = "replicated", optimizer: str = "device"):
         self.rule = rule if rule is not None else AdamW()
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
-                                     *(scale or [1.0]), shard_groups=shard_groups, grads_sharded=grads == "sharded")
+                                     *(scale or [1.0]), shard_groups=shard_groups, grads_sharded=grads == "sharded",
+                                     optimizer_offloaded=optimizer == "offloaded")
                        for n, ps, g, *scale in groups if ps]
         self.norm_group = norm_group
         self.grad_clip = grad_clip
@@ -381,10 +403,7 @@ class ZeroOptimizer:
         clip = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
         self.step_count += 1
         for s in (s for s in self.shards if s.lr_scale):
-            s.update_(self.rule, lr * s.lr_scale, self.step_count, clip)
-            if row_scales:
-                s.scale_rows_(row_scales)
-            s.gather_params()
+            s.step_(self.rule, lr * s.lr_scale, self.step_count, clip, row_scales)
         self.zero_grad()
         if self.ema is not None:
             self.ema.update([s.master for s in self.shards])
@@ -396,54 +415,4 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> int:
         return sum(s.state_bytes() for s in self.shards)
-
-
-class CpuEMA:
-    """Exponential moving average of the fp32 master shards, in CPU memory (DeepSeek-V3 3.2.3: no device
-    memory, no time on the step's critical path).
-
-    shards[i] (n_i,) fp32 on the CPU mirrors a ZeRO master shard (the same 1/N slice, sharded like it);
-    after each applied step `update` copies the masters into CPU staging buffers (non-blocking from a
-    GPU, pinned memory) and a background thread applies ema = decay * ema + (1 - decay) * master once
-    the copy has landed. `wait()` before reading or saving `shards`. Starts equal to the masters
-    (`reset`), as after a fresh start, a weights-only load or a checkpoint without an EMA.
-    """
-
-    def __init__(self, masters: list[torch.Tensor], decay: float):
-        from concurrent.futures import ThreadPoolExecutor
-
-        pin = masters[0].is_cuda if masters else False
-        self.decay = decay
-        self.shards = [torch.empty(m.shape, dtype=torch.float32, pin_memory=pin) for m in masters]
-        self._staging = [torch.empty(m.shape, dtype=torch.float32, pin_memory=pin) for m in masters]
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
-        self._pending = None
-        self.reset(masters)
-
-    def reset(self, masters: list[torch.Tensor]) -> None:
-        """ema = masters (blocking)."""
-        self.wait()
-        for e, m in zip(self.shards, masters):
-            e.copy_(m)
-
-    def update(self, masters: list[torch.Tensor]) -> None:
-        self.wait()  # the staging buffers are free again
-        for staged, m in zip(self._staging, masters):
-            staged.copy_(m, non_blocking=True)
-        landed = None
-        if masters and masters[0].is_cuda:
-            landed = torch.cuda.Event()
-            landed.record()
-        self._pending = self._worker.submit(self._apply, landed)
-
-    def _apply(self, landed) -> None:
-        if landed is not None:
-            landed.synchronize()
-        for e, staged in zip(self.shards, self._staging):
-            e.lerp_(staged, 1.0 - self.decay)
-
-    def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
 
