@@ -10,7 +10,8 @@ import pytest
 
 from moe_lc.config import ConfigError
 from tests.harness import RECIPES, ROOT
-from tools.extend import DEFAULT_STAGES, passkey_table, plan_stages, run_pipeline, summary_markdown, yarn_inference_sets
+from tools.extend import (DEFAULT_STAGES, passkey_table, plan_stages, run_pipeline, scored, summary_markdown,
+                          yarn_inference_sets)
 
 LONGCTX = RECIPES / "longctx"
 
@@ -43,6 +44,22 @@ def test_cluster_pair_validates_at_64_ranks(tmp_path):
 def test_a_stage_without_a_final_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.interval=7 must divide train.steps="):
         plan_stages(list(DEFAULT_STAGES), tmp_path, tmp_path, ["checkpoint.interval=7"])
+
+
+def test_reuse_scores_keeps_only_results_of_the_final_step_with_the_same_eval(tmp_path):
+    """--reuse-scores: a results.json is kept when it scores the stage's last step with the same lengths,
+    samples and tasks; anything else (an earlier step, other lengths, samples or tasks, none) is scored again."""
+    import argparse
+
+    stage = plan_stages(list(DEFAULT_STAGES), tmp_path / "runs", tmp_path / "out", [])[0]
+    args = argparse.Namespace(lengths="1024,2048", samples=10, tasks="passkey,niah_single_1")
+    assert not scored(stage, args)
+    stage.eval_dir.mkdir(parents=True)
+    same = {"step": stage.steps, "samples": 10, "lengths": [1024, 2048], "tasks": {"passkey": {}, "niah_single_1": {}}}
+    for change, kept in (({}, True), ({"step": stage.steps - 1}, False), ({"samples": 5}, False),
+                         ({"lengths": [1024]}, False), ({"tasks": {"passkey": {}}}, False)):
+        (stage.eval_dir / "results.json").write_text(json.dumps({**same, **change}))
+        assert scored(stage, args) is kept, change
 
 
 def _fake_results(exact: dict[int, float], ppl: dict[int, float]) -> dict:

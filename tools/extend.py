@@ -1,7 +1,8 @@
 """Staged long-context extension, end to end: train each stage from the previous one, eval after each.
 
     python tools/extend.py [STAGE.toml ...] [--runs DIR] [--out DIR] [--set KEY=VALUE ...]
-                           [--lengths 128,...,8192] [--samples N] [--eval-only] [--no-yarn-inference]
+                           [--lengths 128,...,8192] [--samples N] [--eval-only] [--reuse-scores]
+                           [--no-yarn-inference]
 
 Default stages: recipes/longctx/base.toml -> extend_2k.toml -> extend_4k.toml (256 -> 2K -> 4K tokens on
 CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature). For each stage, in order:
@@ -11,7 +12,9 @@ CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature). For each stage, in or
      phases start. A stage whose metrics.jsonl already holds every step is not trained again (its
      logged step times are summed for the summary).
   2. eval: `python -m eval RUNS/<stage>` over --lengths (passkey and the multi-key needle over needle
-     depths, held-out perplexity) into OUT/<stage>/.
+     depths, held-out perplexity) into OUT/<stage>/. With --reuse-scores, a stage whose results.json
+     already scores its final checkpoint with the same lengths, samples and tasks is not scored again
+     (a chain restarted after an interruption re-scores only what changed).
 After the first stage, the same checkpoint is also scored with the last stage's YaRN factor and no
 training ("YaRN at inference", as in the YaRN paper's figures) into OUT/<first stage>_yarn_x<factor>/.
 Finally OUT/longctx.png (passkey exact match by length for every stage, the last stage's depth x
@@ -130,7 +133,11 @@ def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
         else:  # trained before: its own step times
             stage.wall_s["train (sum of step times)"] = train_seconds(stage.run_dir)
         cmd = eval_command(stage.run_dir, stage.eval_dir, args)
-        stage.wall_s["eval"] = _run(cmd, stage.eval_dir / "eval.log", echo)
+        if args.reuse_scores and scored(stage, args):
+            echo(f"{stage.name}: {stage.eval_dir / 'results.json'} scores step {stage.steps} already (--reuse-scores)")
+            stage.wall_s["eval (earlier)"] = _results(stage.eval_dir)["elapsed_s"]
+        else:
+            stage.wall_s["eval"] = _run(cmd, stage.eval_dir / "eval.log", echo)
         summary["commands"].append(shown(cmd))
         if i == 0 and len(stages) > 1 and args.yarn_inference:
             yarn_dir = out / f"{stage.name}_yarn_x{stages[-1].rope['factor']:g}"
@@ -157,6 +164,18 @@ def shown(cmd: list[str]) -> str:
     """cmd as a user types it from the repository root: `python`, paths relative to the root."""
     root = str(ROOT) + os.sep
     return " ".join("python" if part == sys.executable else part.replace(root, "") for part in cmd)
+
+
+def scored(stage: Stage, args) -> bool:
+    """Whether stage.eval_dir/results.json scores the stage's final step with args' lengths, samples and
+    tasks (--reuse-scores)."""
+    path = stage.eval_dir / "results.json"
+    if not path.exists():
+        return False
+    res = json.loads(path.read_text())
+    return (res.get("step") == stage.steps and res.get("samples") == args.samples
+            and res.get("lengths") == [int(x) for x in args.lengths.split(",")]
+            and set(res.get("tasks", {})) == set(args.tasks.split(",")))
 
 
 def train_seconds(run_dir: Path) -> float:
@@ -221,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="passkey,multikey_needle,perplexity")
     ap.add_argument("--ppl-tokens", type=int, default=16384)
     ap.add_argument("--eval-only", action="store_true", help="score the stages' existing checkpoints")
+    ap.add_argument("--reuse-scores", action="store_true",
+                    help="keep a stage's results.json where it scores its final step with these lengths, samples "
+                         "and tasks")
     ap.add_argument("--no-yarn-inference", dest="yarn_inference", action="store_false",
                     help="skip scoring the first stage with the last stage's YaRN")
     args = ap.parse_args(argv)
