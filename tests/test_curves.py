@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from tools.curves import main, running_mean, series
 
 

@@ -43,7 +43,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend warns 
 import torch
 import torch.distributed as dist
 
-from moe_lc.config import ConfigError, load_config
+from moe_lc.config import load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.parallel.optimizer_offload import host_work
 from moe_lc.train import Trainer

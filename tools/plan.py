@@ -44,13 +44,13 @@ from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.zero import GRAD_NORM_BYTES_PER_ELEMENT
-from moe_lc.parallel.optimizer_offload import transfer_bytes
 from .placement_semantics import (
-    MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, ring_bytes, traffic, zero_comm, zero_memory,
+    MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, traffic, zero_comm, zero_memory,
 )
-from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak, stage_forwards,
+from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
                               stage_sizes, wgrad_held_bytes)
-from .plan_layout import RankLayout, mesh, muon_traffic, rank_layouts, traced_traffic, trainer_traffic
+from .plan_layout import (RankLayout, grad_round_traffic, host_transfers, mesh, muon_traffic,
+                          rank_layouts, tie_traffic, traced_traffic, trainer_traffic)
 from . import steptime, steptime_search
 from .clusters import CLUSTERS, ClusterError, resolve, split_sets
 
@@ -195,20 +195,6 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     return rows, buckets
 
 
-def host_transfers(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]]) -> dict[str, int]:
-    """The offloaded optimizer's PCIe bytes per step (optimizer_offload.transfer_bytes): each moving group's
-    gradient shard down, its parameters up; {} with the optimizer on the device."""
-    if cfg.parallel.placement.optimizer != "offloaded":
-        return {}
-    out = {"d2h": 0, "h2d": 0}
-    for g, sizes in buckets.items():
-        if not frozen_zero_group(g):
-            for way, n in transfer_bytes(sum(sizes) // layout.dims[grad_group_of_zero(g)].size,
-                                         compute_bytes(cfg)).items():
-                out[way] += n
-    return out
-
-
 def _estimates(cfg: Config, stages: list[dict], policy: str) -> list:
     """The saved activations of one micro-batch through each of this rank's stages under `policy`."""
     return [stage_estimate(cfg, st["layers"], st["first"], st["last"], policy=policy) for st in stages]
@@ -293,40 +279,6 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     return out
 
 
-def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], schedule) -> list[Traffic]:
-    """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py): each bucket is
-    reduce-scattered once per micro-batch this rank runs through its stages, not once a step: the rounds
-    beyond the first (the placement table's `traffic` counts one)."""
-    if cfg.parallel.placement.grads != "sharded":
-        return []
-    runs = set(stage_forwards(schedule, layout.dims.coords()["pp"]).values()) if schedule else \
-        {cfg.train.microbatches(layout.dims.dp)}
-    if len(runs) != 1:
-        raise NotImplementedError(f"ZeRO-2 rounds when this rank's stages run different micro-batch counts {runs}")
-    extra = runs.pop() - 1
-    out = []
-    for g, sizes in buckets.items():
-        group = layout.dims[grad_group_of_zero(g)]
-        if not frozen_zero_group(g) and extra:  # a frozen group reduces nothing
-            out.append(Traffic(group.name, "reduce_scatter", extra * ring_bytes("reduce_scatter", 4 * sum(sizes),
-                                                                                 group.size),
-                               f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))
-    return [t for t in out if t.bytes]
-
-
-def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:
-    """A tied embedding held on two pipeline stages: each rank all-reduces its reduced fp32 gradient shard
-    of it over pp_tie once a step (moe_lc/parallel/tie.py; none where one rank holds both ends)."""
-    out = []
-    for g, sizes in buckets.items():
-        if (tie_name := tie_group_of_zero(g)) is not None:
-            tie = layout.dims[tie_name]
-            shard = sum(sizes) // layout.dims[grad_group_of_zero(g)].size
-            out.append(Traffic(tie.name, "all_reduce", ring_bytes("all_reduce", 4 * shard, tie.size),
-                               "tied embedding's reduced gradient shard (fp32)"))
-    return [t for t in out if t.bytes]
-
-
 def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
     layouts = rank_layouts(cfg, world)
@@ -357,7 +309,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy]),
                               # train.offload's host bytes, walked through the schedule as the device's are
                               rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]]),
-                              host_transfers(cfg, layout, buckets)))
+                              host_transfers(cfg, layout, buckets, compute_bytes(cfg))))
     notes = ["peak = parameters + gradients + optimizer + the larger of (saved activations + the step's transients) "
              "and the optimizer step's working set; held to one traced step by tools/dryrun.py. Not modeled: "
              "allocator fragmentation, the CUDA context, NCCL and library workspaces"]

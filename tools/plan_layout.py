@@ -44,7 +44,8 @@ from moe_lc.model.balance_losses import stat_columns
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.optim import recipe_rule
 from moe_lc.parallel.qk_clip import attention_sites, statistic_elems
-from moe_lc.parallel.parallelize import grad_group_of_zero, param_lr_scale, zero_group_of
+from moe_lc.parallel.optimizer_offload import transfer_bytes
+from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, param_lr_scale, tie_group_of_zero, zero_group_of
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
@@ -181,3 +182,51 @@ def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedul
     if schedule:
         out.append(Traffic("pp", "send", stage_sends(schedule, rank) * traced.hidden, "stage activations / gradients"))
     return out
+
+
+def host_transfers(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], compute_bytes: int) -> dict[str, int]:
+    """The offloaded optimizer's PCIe bytes per step (optimizer_offload.transfer_bytes): each moving group's
+    gradient shard down, its parameters up in `compute_bytes` per element; {} with the optimizer on the device."""
+    if cfg.parallel.placement.optimizer != "offloaded":
+        return {}
+    out = {"d2h": 0, "h2d": 0}
+    for g, sizes in buckets.items():
+        if not frozen_zero_group(g):
+            for way, n in transfer_bytes(sum(sizes) // layout.dims[grad_group_of_zero(g)].size,
+                                         compute_bytes).items():
+                out[way] += n
+    return out
+
+
+def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], schedule) -> list[Traffic]:
+    """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py): each bucket is
+    reduce-scattered once per micro-batch this rank runs through its stages, not once a step: the rounds
+    beyond the first (the placement table's `traffic` counts one)."""
+    if cfg.parallel.placement.grads != "sharded":
+        return []
+    runs = set(stage_forwards(schedule, layout.dims.coords()["pp"]).values()) if schedule else \
+        {cfg.train.microbatches(layout.dims.dp)}
+    if len(runs) != 1:
+        raise NotImplementedError(f"ZeRO-2 rounds when this rank's stages run different micro-batch counts {runs}")
+    extra = runs.pop() - 1
+    out = []
+    for g, sizes in buckets.items():
+        group = layout.dims[grad_group_of_zero(g)]
+        if not frozen_zero_group(g) and extra:  # a frozen group reduces nothing
+            out.append(Traffic(group.name, "reduce_scatter", extra * ring_bytes("reduce_scatter", 4 * sum(sizes),
+                                                                                 group.size),
+                               f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))
+    return [t for t in out if t.bytes]
+
+
+def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:
+    """A tied embedding held on two pipeline stages: each rank all-reduces its reduced fp32 gradient shard
+    of it over pp_tie once a step (moe_lc/parallel/tie.py; none where one rank holds both ends)."""
+    out = []
+    for g, sizes in buckets.items():
+        if (tie_name := tie_group_of_zero(g)) is not None:
+            tie = layout.dims[tie_name]
+            shard = sum(sizes) // layout.dims[grad_group_of_zero(g)].size
+            out.append(Traffic(tie.name, "all_reduce", ring_bytes("all_reduce", 4 * shard, tie.size),
+                               "tied embedding's reduced gradient shard (fp32)"))
+    return [t for t in out if t.bytes]
