@@ -110,3 +110,17 @@ def test_the_dry_run_sees_the_optimizer_leave_the_device_as_the_planner_does():
     (kept_traced, kept_planned), (away_traced, away_planned) = device["comparison"]["memory"]["peak"], memory["peak"]
     assert away_traced < kept_traced
     assert kept_traced - away_traced == pytest.approx(kept_planned - away_planned, rel=0.05)
+
+
+def test_an_offloaded_optimizer_on_torchruns_one_thread_warns():
+    """torchrun sets OMP_NUM_THREADS=1, and the offloaded update runs on the process's CPU threads: with
+    train.threads left at auto on a GPU run, the recipe warns once; set threads, or a CPU run, it does not."""
+    from moe_lc.config.rules import recipe_warnings
+
+    def warned(*extra):
+        cfg = load_config(RECIPE, OFFLOADED + list(extra))
+        return [w for w in recipe_warnings(cfg) if "offloaded" in w]
+
+    assert len(warned("train.threads=0", "train.device=cuda")) == 1
+    assert "set train.threads" in warned("train.threads=0", "train.device=auto")[0]
+    assert warned("train.threads=8", "train.device=cuda") == warned("train.threads=0", "train.device=cpu") == []

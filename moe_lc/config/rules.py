@@ -292,6 +292,9 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append("train.offload item 'attn_core' with recompute.selective item 'mla_up': the replay already drops "
                  "the core's q, k, v (rebuilt from the latents), so offloading them adds host copies and frees "
                  "almost no device memory (the planner's host and activation bytes show how much)")
+    if cfg.parallel.placement.optimizer == "offloaded" and t.threads == 0 and cfg.train.device != "cpu":
+        w.append("parallel.placement.optimizer = 'offloaded' runs the update on this process's torch CPU threads, and "
+                 "torchrun sets OMP_NUM_THREADS=1: set train.threads to the host cores each rank may use")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")
