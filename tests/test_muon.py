@@ -18,7 +18,8 @@ from moe_lc.optim.muon import NS_COEFFICIENTS, newton_schulz
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.parallel.zero import ZeroOptimizer
-from tests.harness import RECIPES, LayoutResult, assert_equivalent, compare, reference, run_layout
+from tests.harness import (RECIPES, LayoutResult, assert_equivalent, compare, interrupted_and_resumed, reference,
+                           run_layout)
 
 RECIPE = RECIPES / "debug_cpu.toml"
 # lr 0.01: at 0.02 the loss spikes at step 5 and dp2 x tp2 x ep2 ends 4e-5 from one process; so does one
@@ -191,16 +192,13 @@ def test_muon_resumes_exactly_and_reshards_to_tp2(tmp_path):
     and AdamW's moments travel in the checkpoint); the same checkpoint resumed under tp2 (momentum cut
     into TP slices, matrices on other owners) continues within 1e-5."""
     ckpt_dir = tmp_path / "ckpt"
-    saving = MUON + ["train.steps=6", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
-                     "train.warmup_steps=2", "parallel.dp=2", "checkpoint.interval=3", f"checkpoint.dir={ckpt_dir}"]
-    full = run_layout(RECIPE, saving, world=2)
-    shutil.rmtree(ckpt_dir / "step_00000006")
-    resumed = run_layout(RECIPE, saving + ["checkpoint.resume=true"], world=2)
+    common = MUON + ["train.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2"]
+    full, resumed = interrupted_and_resumed(RECIPE, common + ["parallel.dp=2"], [], world=2, ckpt=ckpt_dir)
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
     shutil.rmtree(ckpt_dir / "step_00000006")
-    on_tp = run_layout(RECIPE, [o for o in saving if o != "parallel.dp=2"] + ["parallel.tp=2",
-                                                                             "checkpoint.resume=true"], world=2)
+    on_tp = run_layout(RECIPE, common + ["parallel.tp=2", "train.steps=6", "checkpoint.interval=3",
+                                         f"checkpoint.dir={ckpt_dir}", "checkpoint.resume=true"], world=2)
     assert on_tp.losses == pytest.approx(full.losses[3:], rel=1e-5)
     report = compare(full, LayoutResult(full.losses[:3] + on_tp.losses, on_tp.grad_norms, on_tp.final_state, [], [], 2))
     assert report.max_param_rel < 1e-5, report

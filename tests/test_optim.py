@@ -3,7 +3,6 @@ the rule's state declaration as the one source of checkpoint keys and planner by
 buckets (each parameter whole on one owner, the same training as cut buckets), SGD under dp2 with an exact
 resume, and the refusal of another rule's checkpoint."""
 
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.parallel.zero import ShardedParams, ZeroOptimizer, bucket_elems, bucket_sizes
 from moe_lc.train import Trainer
-from tests.harness import FAST, RECIPES, assert_equivalent, reference, run_layout, run_workers
+from tests.harness import (FAST, RECIPES, assert_equivalent, interrupted_and_resumed, reference,
+                           run_workers)
 from tools.plan import plan
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -224,13 +224,10 @@ def test_sgd_trains_under_dp2_resumes_exactly_and_refuses_to_resume_as_adamw(tmp
     base = SGD_KEYS + ["train.steps=6", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=2",
                        "train.warmup_steps=2"]
     ref = reference(RECIPE, base)
-    saving = base + ["parallel.dp=2", "checkpoint.interval=3", f"checkpoint.dir={ckpt_dir}"]
-    full = run_layout(RECIPE, saving, world=2)
+    full, resumed = interrupted_and_resumed(RECIPE, base + ["parallel.dp=2"], [], world=2, ckpt=ckpt_dir)
     assert_equivalent(ref, full, rtol=1e-5)
     assert full.losses[-1] < full.losses[0] - 1.0
     assert full.optimizer_state_bytes == [(4 + 4) * param_counts(load_config(RECIPE).model)["total"] // 2] * 2
-    shutil.rmtree(ckpt_dir / "step_00000006")
-    resumed = run_layout(RECIPE, saving + ["checkpoint.resume=true"], world=2)
     assert resumed.losses == full.losses[3:]
     assert all(torch.equal(resumed.final_state[k], v) for k, v in full.final_state.items())
 
