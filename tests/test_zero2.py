@@ -1,6 +1,7 @@
 """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py) against ZeRO-1: bit for bit
 with one micro-batch per rank, to fp32 rounding (1e-6) with several (each micro-batch reduced, then summed)
-under dp2, dp2 x ep2, dp2 x tp2 and pp2 DualPipe x dp2; a ZeRO-1 checkpoint resumed under ZeRO-2; counted
+under dp2, dp2 x ep2, dp2 x tp2, pp2 DualPipe x dp2, and tp2 with one kv head (its rows' grad-norm weights:
+ZeRO-2 built them from the full-size buffer it does not have, and failed); a ZeRO-1 checkpoint resumed under ZeRO-2; counted
 bytes (one reduce-scatter per micro-batch) equal to the planner's; the gradient state is the shard alone
 and the staging is gone after each step."""
 
@@ -19,6 +20,8 @@ LAYOUTS = {  # (overrides, world, rounds: micro-batches through each of a rank's
     "dp2": (["parallel.dp=2", "train.micro_batch=2"], 2, 2),
     "dp2_ep2": (["parallel.dp=2", "parallel.ep=2", "train.micro_batch=2"], 2, 2),
     "dp2_tp2": (["parallel.dp=2", "parallel.tp=2", "train.micro_batch=2"], 4, 2),
+    # one kv head on two tp ranks: its rows' gradients summed over tp and weighted 1/2 in the grad norm
+    "tp2_replicated_kv": (["parallel.tp=2", "model.n_kv_heads=1", "train.micro_batch=8"], 2, 1),
     # 4 micro-batches a pipeline, each stage's two copies (DualPipe's two directions) run 2 of them
     "pp2_dualpipe_dp2": (["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"],
                          4, 2),

@@ -33,8 +33,6 @@ import contextlib
 
 import torch
 
-from moe_lc.parallel import comm
-
 _HOST_WORK: list = []  # context factories the dry run enters around host-side work (`host_work`)
 
 
@@ -102,10 +100,8 @@ class HostOptimizer:
                 if row_scales:
                     s.scale_bucket_rows_(b, row_scales)
                 self.param_host[lo:hi].copy_(s.master[lo:hi])
-            own = s.own(s.param_buffer, b)
-            own.copy_(self.param_host[lo:hi], non_blocking=True)
-            self.sent["h2d"] += b.shard_size * own.element_size()
-            works.append(comm.all_gather(s.param_buffer[b.start:b.start + b.size], own, s.group, async_op=True))
+            works.append(s.publish(b, self.param_host[lo:hi]))
+            self.sent["h2d"] += b.shard_size * self.param_host.element_size()
         for w in works:
             if w is not None:
                 w.wait()

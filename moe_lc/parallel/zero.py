@@ -20,7 +20,9 @@ When a bucket's last gradient of the step arrives (post-accumulate-grad hook), i
 launched asynchronously and overlaps the rest of backward; earlier micro-steps only accumulate.
 `ZeroOptimizer.step` sums the squared grad norm over the world, clips, lets the rule update each master
 shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the
-same code is a mixed-precision optimizer with no communication.
+same code is a mixed-precision optimizer with no communication. With `parallel.placement.optimizer =
+"offloaded"` the master and state live in host memory and the update runs on the CPU, bucket by bucket
+(moe_lc/parallel/optimizer_offload.py).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class ShardedParams:
                           for spec in rule.states()}
             self.host = None
         for b in self.buckets:
-            self._shard_slice(b, self.master).copy_(self.own(self.param_buffer, b))
+            self._shard_slice(b, self.master).copy_(self._own(self.param_buffer, b))
         owned = self._owned_params()
         grad = self.grad_shard if self.host is None else self.host.grad_host  # what the rule reads
         self.view = ShardView(self.master, grad, self.state,
@@ -184,7 +186,7 @@ class ShardedParams:
         self.sync = False
 
     # -- layout helpers ---------------------------------------------------------------------------
-    def own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
+    def _own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
         """This rank's slice of bucket b inside a full (P,) buffer."""
         lo = b.start + self.group.rank * b.shard_size
         return buffer[lo:lo + b.shard_size]
@@ -218,7 +220,7 @@ class ShardedParams:
             for p, off in b.params:
                 if id(p) in weights:
                     full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
-        return torch.cat([self.own(full, b) for b in self.buckets])
+        return torch.cat([self._own(full, b) for b in self.buckets])
 
     def _matrix_shards(self, o: OwnedParam) -> tuple[Shard, ...]:
         """The placement's shards that cut a whole parameter's matrices (its last two dims; not EP's expert
@@ -327,14 +329,17 @@ class ShardedParams:
             at = b.shard_start + lo - own_lo
             self.master[at:at + hi - lo].mul_(factors.to(self.master.device, torch.float32)[rows])
 
+    def publish(self, b: _Bucket, shard: torch.Tensor):
+        """Bucket b's updated shard values (cast into this rank's slice of the param buffer; non-blocking
+        from pinned host memory) and the bucket's all-gather launched -> its work (None: nothing to wait)."""
+        own = self._own(self.param_buffer, b)
+        own.copy_(shard, non_blocking=True)
+        return comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group, async_op=True)
+
     @torch.no_grad()
     def gather_params(self) -> None:
         """Write updated master shards (cast) into the param buffer and all-gather every bucket."""
-        works = []
-        for b in self.buckets:
-            own = self.own(self.param_buffer, b)
-            own.copy_(self._shard_slice(b, self.master))
-            works.append(comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group, async_op=True))
+        works = [self.publish(b, self._shard_slice(b, self.master)) for b in self.buckets]
         for w in works:
             if w is not None:
                 w.wait()
