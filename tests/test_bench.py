@@ -234,6 +234,7 @@ def test_time_fn_reports_median_of_timed_calls():
     assert len(calls) == 7 and t["n"] == 5 and 0 <= t["min_s"] <= t["s"]
 
 
+@pytest.mark.slow  # ~20 s; run it (and `DRY=1 bash tools/gpu_session.sh`) before a device session
 def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
     """The one-command GPU bring-up (python -m tools.gpu_check) on a CPU: env report, the `gpu` tests
     (each skipped with its reason), the benchmark dry run, one summary."""

@@ -96,6 +96,7 @@ BALANCE_LOSSES = ["model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.0
                   "model.moe.global_aux_loss_weight=0.01"]
 
 
+@pytest.mark.slow  # ~20 s; compiled cp2 training stays in the default run (test_layout_compiled_trains_...)
 def test_balance_losses_compiled_under_cp_train_like_one_eager_process():
     """The balance losses' sums over the mesh (expert counts all-reduced over the ranks holding other
     chunks of the sequences, or other micro-batches) run between the compiled regions: cp2 compiled

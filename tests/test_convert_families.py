@@ -147,6 +147,7 @@ def test_glm4_moe_mtp_layer_converts_as_deepseek_v3s(convert, tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
+@pytest.mark.slow  # two training subprocesses, ~15 s
 def test_to_hf_refuses_a_trained_bias_its_family_has_no_place_for(convert, tmp_path):
     """A mixtral-shaped run that balanced by the bias (model.moe.bias_update_speed > 0) routes by a bias
     transformers' Mixtral lacks: to-hf refuses rather than drop it (at speed 0 the same run exports)."""

@@ -70,6 +70,7 @@ def test_a_recipe_override_that_does_not_load_and_sampling_are_one_line(bridge, 
               "error: --gen_kwargs temperature=0.7: moe_lc decodes greedily only (temperature 0)")
 
 
+@pytest.mark.slow  # lm_eval's CLI in a subprocess, ~17 s (the --gen_kwargs refusals stay in the default run)
 def test_a_task_that_samples_is_refused_in_one_line(tiny_run, tmp_path):
     """The task's own generation_kwargs ask for sampling: found at its first request, after lm_eval loaded
     the model, and said in one line (lm_eval's log lines come before it)."""

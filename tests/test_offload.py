@@ -112,6 +112,7 @@ def test_attn_core_beside_the_mla_up_replay_warns():
     assert len(warned) == 1 and "frees almost no device memory" in warned[0]
 
 
+@pytest.mark.slow  # ~13 s; the mid-size DualPipe layout's dry run with offloading stays in the default run
 def test_the_dry_run_sees_offloaded_bytes_leave_the_device_as_the_planner_does():
     """A traced step (tools/dryrun.py, meta tensors) with offloading under pp2 DualPipe x ep2: the host
     bytes at their most equal the planner's schedule walk of them; the saved activations are within the

@@ -41,7 +41,8 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (4, ["parallel.pp=2", "parallel.dp=2"])])
+@pytest.mark.parametrize("nproc, layout", [(1, []), pytest.param(4, ["parallel.pp=2", "parallel.dp=2"],
+                                                                marks=pytest.mark.slow)])  # ~20 s; 1 process stays
 def test_killed_run_resumes_bit_for_bit(tmp_path, nproc, layout):
     """A run that dies right after step 3 (its checkpoint committed) and is resumed reproduces the
     uninterrupted run's losses exactly."""

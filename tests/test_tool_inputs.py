@@ -91,6 +91,7 @@ def test_ablate_names_every_changed_run_and_reads_runs_made_before_settings_were
     assert not (out / names[1] / "train.log").exists()  # nothing ran
 
 
+@pytest.mark.slow  # test_ablate.py's every-combination run resumes in the default run
 def test_ablate_resumes_an_interrupted_run_with_the_same_settings(tmp_path, capsys, monkeypatch):
     """The first invocation dies after step 2 (its checkpoint committed); the rerun resumes it instead
     of refusing it or starting over, and the run ends complete."""
