@@ -208,11 +208,16 @@ def _extension_lines(acc, ppl, curves: dict[str, dict], trained_lengths: list[in
     acc.set_ylim(-0.03, 1.03)
     acc.set_ylabel("passkey exact match (mean over depths)")
     acc.set_title("passkey retrieval by length (chance 1e-5)", fontsize=9)
-    if any(res["tasks"].get("perplexity", {}).get("by_length") for res in curves.values()):
-        ppl.set_yscale("log")
-        _plain_log_y(ppl)
-    ppl.set_ylabel("held-out perplexity (sliding window, log scale)")
     ppl.set_title("perplexity by length", fontsize=9)
+    if not any(res["tasks"].get("perplexity", {}).get("by_length") for res in curves.values()):
+        ppl.cla()  # an empty axis reads as a plotting bug: say why it is empty
+        ppl.axis("off")
+        ppl.text(0.5, 0.5, "no perplexity in these evals\n(--tasks without perplexity)", ha="center", va="center",
+                 fontsize=9, color="0.4", transform=ppl.transAxes)
+        return
+    ppl.set_yscale("log")
+    _plain_log_y(ppl)
+    ppl.set_ylabel("held-out perplexity (sliding window, log scale)")
 
 
 def _extension_heatmap(fig, heat, passkey: dict | None, label: str) -> None:

@@ -84,6 +84,26 @@ def test_summary_table_and_figure(tmp_path):
     assert path.stat().st_size > 10_000
 
 
+def test_evals_without_perplexity_say_so_in_the_perplexity_panel():
+    """An eval run without the perplexity task (the DSA chain's: passkey and niah_single_1) left the right
+    panel an empty axis; it now says why, and a run with perplexity keeps its log-scale panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from eval.plots import _extension_lines
+
+    res = _fake_results({1024: 1.0, 4096: 0.5}, {1024: 3.0, 4096: 4.0})
+    no_ppl = {"lengths": res["lengths"], "tasks": {"passkey": res["tasks"]["passkey"]}}
+    for curves, empty in (({"a": no_ppl}, True), ({"a": res}, False)):
+        fig, (acc, ppl) = plt.subplots(1, 2)
+        _extension_lines(acc, ppl, curves, [4096])
+        assert (not ppl.axison) is empty
+        assert any("no perplexity" in t.get_text() for t in ppl.texts) is empty
+        assert ppl.get_yscale() == ("linear" if empty else "log")
+        plt.close(fig)
+
+
 @pytest.mark.slow
 def test_extension_pipeline_at_reduced_scale(tmp_path):
     """base at 128 tokens -> extended to 512 (4x, cp = 2 ranks) with the recipes' settings, through
