@@ -25,6 +25,11 @@ def test_chained_stages_continue_their_steps_and_runs_without_a_key_are_left_out
     assert out.stat().st_size > 10_000
 
 
+def test_a_resumed_runs_relogged_step_counts_once(tmp_path):
+    run = _run(tmp_path / "r", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9}, {"step": 2, "loss": 1.8}])
+    assert series([run], ["loss"])[0]["loss"]["r"] == [(1, 2.0), (2, 1.8)]
+
+
 def test_running_mean_averages_up_to_n_values_back():
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert running_mean([1.0, 3.0], 1) == [1.0, 3.0]

@@ -19,18 +19,20 @@ if __name__ == "__main__" and not __package__:  # `python tools/curves.py` from 
     sys.exit(0)
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
+from .ablate import read_metrics
 
-def read_metrics(run: Path) -> list[dict]:
-    """The step records of run/metrics.jsonl, in order; FileNotFoundError names the file."""
+
+def run_records(run: Path) -> list[dict]:
+    """run/metrics.jsonl's step records in step order (ablate.read_metrics: a resumed run's re-logged step
+    counts once); FileNotFoundError names the file."""
     path = Path(run) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics (is {run} a training run's output_dir?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [rec for _, rec in sorted(read_metrics(path).items())]
 
 
 def series(runs: list[Path], keys: list[str], chain: bool = False) -> tuple[dict, list[int]]:
@@ -39,7 +41,7 @@ def series(runs: list[Path], keys: list[str], chain: bool = False) -> tuple[dict
     out: dict[str, dict[str, list]] = {k: {} for k in keys}
     offset, starts = 0, []
     for i, run in enumerate(runs):
-        records = read_metrics(run)
+        records = run_records(run)
         if chain and i:
             starts.append(offset)
         for key in keys:

@@ -80,10 +80,9 @@ class HostOptimizer:
         return sum(t.numel() * t.element_size() for t in (self.grad_host, self.param_host))
 
     @torch.no_grad()
-    def step_(self, rule, lr: float, step: int, clip_coef: float, row_scales: dict | None) -> None:
+    def step_(self, rule, lr: float, step: int, row_scales: dict | None) -> None:
+        """The step of a group whose reduced gradient shard is clipped (ShardedParams.step_)."""
         s = self.shard
-        if clip_coef != 1.0:
-            s.grad_shard.mul_(clip_coef)  # on the device: the copy down is of the clipped gradient
         landed = []
         for b in s.buckets:
             part = slice(b.shard_start, b.shard_start + b.shard_size)

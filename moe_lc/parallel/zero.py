@@ -306,10 +306,10 @@ class ShardedParams:
         """Clip this rank's reduced gradients, the rule's step on the master shard, QK-clip's `row_scales`
         (`scale_bucket_rows_`), and every bucket's parameters all-gathered; with the optimizer offloaded,
         bucket by bucket on the host (optimizer_offload.py)."""
-        if self.host is not None:
-            return self.host.step_(rule, lr, step, clip_coef, row_scales)
         if clip_coef != 1.0:
-            self.grad_shard.mul_(clip_coef)
+            self.grad_shard.mul_(clip_coef)  # on the device either way: an offloaded step copies the clipped values
+        if self.host is not None:
+            return self.host.step_(rule, lr, step, row_scales)
         rule.update_(self.view, lr, step)
         for b in self.buckets if row_scales else ():
             self.scale_bucket_rows_(b, row_scales)
