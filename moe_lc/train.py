@@ -38,6 +38,7 @@ from moe_lc.parallel.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
+from moe_lc.parallel.param_gather import ParamGather
 from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
                                         zero_param_groups)
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
@@ -103,7 +104,10 @@ class Trainer:
             zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
-            grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer)
+            grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer,
+            params=cfg.parallel.placement.params)
+        # ZeRO-3: the model's parameters are present only while a unit runs (parallel/param_gather.py)
+        self.param_gather = ParamGather(self.optimizer, self.parallel) if self.optimizer.params_sharded else None
         self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip
         if t.qk_clip:  # the statistic is per local head: reduced over the attention weights' dp x cp replicas
             self.qk_clip = QKClip(self.model, t.qk_clip, self.dims["dp_cp"], self.dims["world"], cfg.model.n_layers,
@@ -154,6 +158,8 @@ class Trainer:
             self.qk_clip.reset()
         with self.compile_watch.watching() if self.compile_watch is not None else contextlib.nullcontext():
             loss_sum, stats = forward_backward(self.model, self.runtime, batches, scale, n_tokens, len(sources))
+        if self.param_gather is not None:
+            self.param_gather.sweep()
         # every token's loss lives on one (pp, dp, cp) rank and on all tp ranks alike
         comm.all_reduce(loss_sum, self.dims["world"])
         loss_sum /= self.dims.tp
@@ -182,15 +188,24 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return run_dir.checkpoint_root(self.cfg)
 
+    def params_present(self):
+        """A context within which every parameter of this rank's model is present (ZeRO-3 gathers them all)."""
+        return self.param_gather.gathered() if self.param_gather is not None else contextlib.nullcontext()
+
     def save(self) -> Path:
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:  # the non-finite guard skips such updates; never write them
-            raise FloatingPointError(f"refusing to save non-finite parameters: {bad[:5]}")
-        return self.checkpointer.save(self.step, self.parallel, self.optimizer, self._train_state())
+        with self.params_present():
+            bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+            if bad:  # the non-finite guard skips such updates; never write them
+                raise FloatingPointError(f"refusing to save non-finite parameters: {bad[:5]}")
+            return self.checkpointer.save(self.step, self.parallel, self.optimizer, self._train_state())
 
     def try_resume(self, path: Path | None = None) -> Path | None:
         """Load `path` (default: the newest committed checkpoint of checkpoint.dir), if any."""
-        path, train = self.checkpointer.resume(self.parallel, self.optimizer, self._train_state(), path)
+        with self.params_present():
+            path, train = self.checkpointer.resume(self.parallel, self.optimizer, self._train_state(), path)
+        if path is not None and self.param_gather is not None:  # ZeRO-3: the shards from the loaded masters
+            for shard in self.optimizer.shards:
+                shard.gather_params()
         if path is not None:
             self.step = int(train["step"])
             self.nonfinite_skipped = int(train["nonfinite_skipped"])
@@ -219,7 +234,8 @@ class Trainer:
         if self.stop_signal and self.step < self.cfg.train.steps:
             raise Stopped(self.stop_signal, self.step, ckpt.latest_checkpoint(self.checkpoint_root()))
         if keep_final_state:
-            result.final_state = full_state_dict(self.parallel, self.dims)
+            with self.params_present():
+                result.final_state = full_state_dict(self.parallel, self.dims)
         return result
 
     def _start(self, plan: run_dir.RunPlan) -> MetricsLogger:

@@ -330,6 +330,8 @@ NEW_PATHS = {  # case: (overrides, rtol per step's loss); each built after the f
     "optimizer_offloaded": (("parallel.placement.optimizer=offloaded", "parallel.zero_bucket_mb=0.05"), 1e-4),
     "optimizer_offloaded_muon_bf16": (("parallel.placement.optimizer=offloaded", "train.optimizer=muon",
                                        "train.lr=0.01", "train.muon_ns_dtype=bf16"), 1e-2),
+    # ZeRO-3: bucket storages resized to nothing between units, regathered around each use (never run on a GPU yet)
+    "zero3": (("parallel.placement.params=sharded_gather", "parallel.zero_bucket_mb=0.05"), 1e-4),
 }
 
 

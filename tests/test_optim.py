@@ -16,7 +16,8 @@ from moe_lc.model.transformer import Transformer
 from moe_lc.optim import RULES, SGD, AdamW
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero import ShardedParams, ZeroOptimizer, bucket_elems, bucket_sizes
+from moe_lc.parallel.zero import ShardedParams, ZeroOptimizer
+from moe_lc.parallel.zero_layout import bucket_elems, bucket_sizes
 from moe_lc.train import Trainer
 from tests.harness import (FAST, RECIPES, assert_equivalent, interrupted_and_resumed, reference,
                            run_workers)

@@ -119,6 +119,20 @@ class MemoryTracker:
                 self.top_transients = sorted(((e[1], e[3]) for e in self.live.values() if e[2] == "transients"),
                                              reverse=True)[:6]
 
+    def resized(self, t: torch.Tensor) -> None:
+        """t's storage was resized in place (ZeRO-3's gathered buckets, moe_lc/parallel/param_gather.py)."""
+        entry = self.live.get(id(t.untyped_storage()))
+        if entry is None or t.device.type != "meta":
+            return
+        delta, entry[1] = t.untyped_storage().nbytes() - entry[1], t.untyped_storage().nbytes()
+        self.now[entry[2]] += delta
+        self.most[entry[2]] = max(self.most[entry[2]], self.now[entry[2]])
+        if entry[2] == "host":
+            return
+        self.total += delta
+        if self.total > self.peak:
+            self.peak, self.at_peak = self.total, dict(self.now)
+
     def _free(self, key: int) -> None:
         _, n, cat, _ = self.live.pop(key)
         self.now[cat] -= n

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from moe_lc.config import load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.parallel.optimizer_offload import host_work
+from moe_lc.parallel.param_gather import storage_watch
 from moe_lc.train import Trainer
 from .dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
 from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
@@ -98,7 +99,8 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     tracer = StepTracer()
     start = time.perf_counter()
     try:
-        with meta_as_gpu(spec), tracer, HostLiterals(), host_work(tracer.memory.on_host):
+        with meta_as_gpu(spec), tracer, HostLiterals(), host_work(tracer.memory.on_host), \
+                storage_watch(tracer.memory.resized):
             trainer = DryTrainer(cfg, device=META)
             built = time.perf_counter()
             static = _label_states(trainer, tracer)
@@ -133,7 +135,8 @@ def _label_states(trainer, tracer: StepTracer) -> dict:
     out = dict.fromkeys(EXACT + ("host",), 0)
     for s in trainer.optimizer.shards:
         optimizer = [s.master, *s.state.values()]  # the rule's declared state
-        for category, tensors in (("params", [s.param_buffer]), ("grads", [t for t in (s.grad_buffer, s.grad_shard) if t is not None]),
+        params = [s.param_shard if s.params_sharded else s.param_buffer]
+        for category, tensors in (("params", params), ("grads", [t for t in (s.grad_buffer, s.grad_shard) if t is not None]),
                                   ("optimizer", optimizer if s.host is None else []),
                                   ("host", optimizer + [s.host.grad_host, s.host.param_host] if s.host else [])):
             for t in tensors:
@@ -141,6 +144,9 @@ def _label_states(trainer, tracer: StepTracer) -> dict:
                 out[category] += t.untyped_storage().nbytes()
     mem.label_all_live("buffers")
     out["buffers"] = mem.now["buffers"]
+    for s in trainer.optimizer.shards:  # ZeRO-3: each bucket's gathered storage comes and goes within the step
+        for b in s.buckets if s.params_sharded else ():
+            mem.label(b.full, "transients", only_from="buffers")
     return out
 
 

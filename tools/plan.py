@@ -49,7 +49,8 @@ from .placement_semantics import (
 )
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
                               stage_sizes, wgrad_held_bytes)
-from .plan_layout import (RankLayout, grad_round_traffic, host_transfers, mesh, muon_traffic,
+from .plan_layout import (RankLayout, grad_round_traffic, grads_sharded, host_transfers, mesh, muon_traffic,
+                          gathered_unit_bytes, param_gather_traffic, params_sharded,
                           rank_layouts, tie_traffic, traced_traffic, trainer_traffic)
 from . import steptime, steptime_search
 from .clusters import CLUSTERS, ClusterError, resolve, split_sets
@@ -175,8 +176,12 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         numel = local * scale
         pad = local - sum(k for _, k in params)
         note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
-        rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note))
-        if cfg.parallel.placement.grads == "sharded":  # ZeRO-2: the shard alone (its rounds' staging: transients)
+        if params_sharded(cfg):  # ZeRO-3: 1/N kept, each unit gathered around its use (param_gather.py)
+            rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "SG")},
+                                       note + "; ZeRO-3: 1/N kept, units gathered around their use"))
+        else:
+            rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note))
+        if grads_sharded(cfg):  # ZeRO-2: the shard alone (its rounds' staging: transients)
             rows.append(StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "S")},
                                        "ZeRO-2: this rank's reduced 1/N, reduce-scattered each micro-batch"))
         else:
@@ -215,7 +220,7 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
 
 
 def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int, schedule,
-                per_stage: list) -> dict[str, float]:
+                per_stage: list, buckets_by_unit: dict) -> dict[str, float]:
     """Working sets that live only for a moment but add to the peak (the dry run, tools/dryrun.py,
     showed them and checks these figures):
 
@@ -232,6 +237,10 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
       gradient rounds    ZeRO-2 (parallel.placement.grads = "sharded"): each group's round being filled (a
                          bucket, fp32) and a reduced output (1/N of one); added to "step"
+      gathered units     ZeRO-3 (parallel.placement.params = "sharded_gather"): the units whose parameters are
+                         gathered at once: the one running and the one prefetched, twice that under a
+                         schedule that runs one micro-batch's forward beside another's backward (DualPipe,
+                         DualPipeV): an estimate by the largest unit; added to "step"
       offload fetch      train.offload: backward copies a module call's offloaded tensors back (and the
                          call's before it, prefetched): at most one block's host bytes; added to "step"
       optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
@@ -262,7 +271,10 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    if cfg.parallel.placement.grads == "sharded":  # ZeRO-2's staging (grad_rounds.py): per group, the round
+    if params_sharded(cfg):  # ZeRO-3: the units gathered at once (param_gather.py)
+        out["gathered units"] = gathered_unit_bytes(cfg, schedule, buckets_by_unit, compute_bytes(cfg))
+        out["step"] += out["gathered units"]
+    if grads_sharded(cfg):  # ZeRO-2's staging (grad_rounds.py): per group, the round
         # being filled (a bucket) and a reduced output; at backward's start, where the peak is, nothing of this
         # micro-batch is in flight yet (the last bucket's launch folded the previous one's rounds)
         out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
@@ -301,12 +313,15 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
         moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
-        sends = (traffic(moving) + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule)
-                 + tie_traffic(layout, buckets) + muon_traffic(cfg, layout)
+        # ZeRO-3's parameter gathers are counted per unit (param_gather_traffic), not by the table
+        table = [t for t in traffic(moving) if not (params_sharded(cfg) and t.op == "all_gather")]
+        sends = (table + param_gather_traffic(cfg, layout, schedule, compute_bytes(cfg))
+                 + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule) + tie_traffic(layout, buckets) + muon_traffic(cfg, layout)
                  + grad_round_traffic(cfg, layout, buckets, schedule))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
-                              _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy]),
+                              _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy],
+                                          layout.zero_bucket_units(cfg)),
                               # train.offload's host bytes, walked through the schedule as the device's are
                               rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]]),
                               host_transfers(cfg, layout, buckets, compute_bytes(cfg))))

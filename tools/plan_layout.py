@@ -4,7 +4,7 @@ Parameters are not re-described here: each pipeline rank's model is built the wa
 it (`moe_lc.parallel.build.build_rank_model`: the Transformer on the meta device, parallelize with PP,
 TP (its plan table), EP, CP, FP8 and recomputation) on virtual groups of the recipe's mesh, and its
 placements give every local shape and gradient group. ZeRO-1 buckets come from
-`moe_lc.parallel.zero.bucket_sizes`, the mesh from `ParallelDims`, the dispatcher's counters from
+`moe_lc.parallel.zero_layout.bucket_units`, the mesh from `ParallelDims`, the dispatcher's counters from
 `moe_lc.parallel.expert.counter_elems`. Exact for what the trainer runs (tests/test_plan.py compares
 the counted bytes and optimizer state of real runs):
 
@@ -49,12 +49,23 @@ from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, p
 from moe_lc.parallel.expert import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
-from moe_lc.parallel.zero import bucket_elems, bucket_sizes, matrix_shards, whole_owners
+from moe_lc.parallel.param_gather import unit_of
+from moe_lc.parallel.zero_layout import bucket_elems, bucket_units, matrix_shards, whole_owners
 from .block_trace import TracedParts, block_kind
 from .pipeline_memory import stage_forwards, stage_sends
 from .placement_semantics import Traffic, ring_bytes
 
 ESTIMATE = "estimate: balanced routing"
+
+
+def params_sharded(cfg: Config) -> bool:
+    """ZeRO-3: `parallel.placement.params = "sharded_gather"` (moe_lc/parallel/param_gather.py)."""
+    return cfg.parallel.placement.params == "sharded_gather"
+
+
+def grads_sharded(cfg: Config) -> bool:
+    """ZeRO-2's gradients: `parallel.placement.grads = "sharded"`, or implied by ZeRO-3."""
+    return cfg.parallel.placement.grads == "sharded" or params_sharded(cfg)
 
 
 def mesh(cfg: Config, world: int | None = None, rank: int = 0) -> ParallelDims:
@@ -89,12 +100,18 @@ class RankLayout:
     def zero_buckets(self, cfg: Config) -> dict[str, list[int]]:
         """{ZeRO group: padded bucket sizes}, as moe_lc.parallel.zero allocates them for the recipe's update
         rule (the parameters it wants whole are packed into per-rank bins)."""
-        rule, whole = recipe_rule(cfg), {}
+        return {g: [size for size, _ in sizes] for g, sizes in self.zero_bucket_units(cfg).items()}
+
+    def zero_bucket_units(self, cfg: Config) -> dict[str, list[tuple[int, str | None]]]:
+        """{ZeRO group: (padded bucket size, ZeRO-3 gather unit or None)} in buffer order (`zero_buckets`)."""
+        rule, whole, units = recipe_rule(cfg), {}, {}
         for name, p, place in self.model.named_parameters():
-            whole.setdefault(zero_group_of(name, place.grad_group, param_lr_scale(cfg), place.tie_group)[0],
-                             []).append(rule.whole(name, p.shape))
-        return {g: bucket_sizes([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb),
-                                self.dims[grad_group_of_zero(g)].size, whole[g])
+            group = zero_group_of(name, place.grad_group, param_lr_scale(cfg), place.tie_group)[0]
+            whole.setdefault(group, []).append(rule.whole(name, p.shape))
+            units.setdefault(group, []).append(unit_of(name))
+        return {g: bucket_units([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb),
+                                self.dims[grad_group_of_zero(g)].size, whole[g],
+                                units[g] if params_sharded(cfg) else None)
                 for g, params in sorted(self.local_params(cfg).items())}
 
 
@@ -157,7 +174,8 @@ def muon_traffic(cfg: Config, layout: RankLayout) -> list[Traffic]:
     for g, params in groups.items():
         group = dims[grad_group_of_zero(g)]
         owners = whole_owners([p.numel() for _, p, _ in params], bucket_elems(cfg.parallel.zero_bucket_mb),
-                              group.size, [rule.whole(name, p.shape) for name, p, _ in params])
+                              group.size, [rule.whole(name, p.shape) for name, p, _ in params],
+                              [unit_of(name) for name, _, _ in params] if params_sharded(cfg) else None)
         sliced += sum(p.numel() for (name, p, place), owner in zip(params, owners) if owner == group.rank
                       and any(s.group == "tp" for s in matrix_shards(place.shards, len(p.shape))))
     return [Traffic("tp", "all_gather", (dims.tp - 1) * 4 * sliced, "muon: the owned matrices' tp slices (fp32)")
@@ -202,7 +220,7 @@ def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[
     """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py): each bucket is
     reduce-scattered once per micro-batch this rank runs through its stages, not once a step: the rounds
     beyond the first (the placement table's `traffic` counts one)."""
-    if cfg.parallel.placement.grads != "sharded":
+    if not grads_sharded(cfg):
         return []
     runs = set(stage_forwards(schedule, layout.dims.coords()["pp"]).values()) if schedule else \
         {cfg.train.microbatches(layout.dims.dp)}
@@ -217,6 +235,61 @@ def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[
                                                                                  group.size),
                                f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))
     return [t for t in out if t.bytes]
+
+
+def _stage_runs(cfg: Config, layout: RankLayout, schedule) -> dict[int, int]:
+    """Micro-batches this rank runs through each of its stages in a step."""
+    return stage_forwards(schedule, layout.dims.coords()["pp"]) if schedule else \
+        {0: cfg.train.microbatches(layout.dims.dp)}
+
+
+def unit_gathers(cfg: Config, stage: dict) -> Counter:
+    """{ZeRO-3 unit: all-gathers per micro-batch through `stage`} (moe_lc/parallel/param_gather.py): a block's
+    and the head's twice (forward, and again for backward); the embedding's once for its forward, twice
+    more where the head's chain reads it (a tied head, MTP's embedding)."""
+    out = Counter({f"layers.{i}": 2 for i in stage["layers"]})
+    if stage["first"]:
+        out["embed"] += 1
+    if stage["last"]:
+        out["head"] += 2
+        if cfg.model.tie_embeddings or cfg.model.mtp.depth:
+            out["embed"] += 2
+    return out
+
+
+def param_gather_traffic(cfg: Config, layout: RankLayout, schedule, c: int) -> list[Traffic]:
+    """ZeRO-3's all-gathers per step: each unit's buckets (c bytes per element, ring bytes over the group) as
+    often as `unit_gathers` says, times the micro-batches through its stage; nothing after the update."""
+    if not params_sharded(cfg):
+        return []
+    runs, gathers = _stage_runs(cfg, layout, schedule), Counter()
+    for st in layout.stages:
+        for unit, k in unit_gathers(cfg, st).items():
+            gathers[unit] += k * runs[st["id"]]
+    out = []
+    for g, buckets in layout.zero_bucket_units(cfg).items():
+        group = layout.dims[grad_group_of_zero(g)]
+        sent = sum(gathers[unit] * ring_bytes("all_gather", c * size, group.size) for size, unit in buckets)
+        if sent:
+            out.append(Traffic(group.name, "all_gather", sent, "ZeRO-3: each unit's parameters, gathered for "
+                                                                 "forward and again for backward, per micro-batch"))
+    return out
+
+
+def gathered_unit_bytes(cfg: Config, schedule, buckets_by_unit: dict, c: int) -> float:
+    """ZeRO-3's gathered parameters at the peak (plan.py's "gathered units" transient), an upper bound: the
+    running chain's units and the one prefetched are at most the two largest chains' (the head's reads the
+    embedding's too where tied or with MTP), four under a schedule that runs one micro-batch's forward
+    beside another's backward (DualPipe, DualPipeV); elements over every group (`RankLayout.zero_bucket_units`)
+    at c bytes."""
+    sizes: Counter = Counter()
+    for buckets in buckets_by_unit.values():
+        for size, unit in buckets:
+            sizes[unit] += size
+    if "head" in sizes and (cfg.model.tie_embeddings or cfg.model.mtp.depth):
+        sizes["head"] += sizes["embed"]
+    held = 4 if schedule is not None and cfg.parallel.pp_schedule in ("dualpipe", "dualpipev") else 2
+    return c * sum(sorted(sizes.values(), reverse=True)[:held])
 
 
 def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:

@@ -27,6 +27,7 @@ Fp8Backend = Literal["auto", "emulate", "scaled_mm", "te"]
 Fp8CacheItem = Literal["linear", "swiglu", "attn_out"]
 AdamMoments = Literal["fp32", "bf16"]
 GradPlacement = Literal["replicated", "sharded"]  # parallel.placement.grads: ZeRO-1's buffer, or ZeRO-2
+ParamsPlacement = Literal["replicated", "sharded_gather"]  # parallel.placement.params: ZeRO-3 gathers per unit
 OptimizerPlacement = Literal["device", "offloaded"]  # parallel.placement.optimizer: master and state on the host
 MuonNsDtype = Literal["auto", "fp32", "bf16"]  # train.muon_ns_dtype: Newton-Schulz's matmul dtype
 Optimizer = Literal["adamw", "sgd", "muon"]  # update rules on ZeRO-1's shards (moe_lc/optim: RULES)

@@ -142,6 +142,9 @@ def _expert_rules(cfg: Config, d: dict) -> list[str]:
                  "nothing (measured on an H100: 1.03 GiB copied, 0 freed at 32K); offload 'expert_fc1' instead")
     if cfg.train.offload and cfg.train.compile:
         e.append("train.offload with train.compile is not built: the offload hooks wrap eager modules")
+    if p.placement.params == "sharded_gather" and cfg.train.compile:
+        e.append("parallel.placement.params = 'sharded_gather' with train.compile is not built: compiled regions are "
+                 "traced on parameters whose storage ZeRO-3 frees and reallocates between uses")
     if cfg.train.offload and not m.has_moe and set(cfg.train.offload) - {"attn_core"}:
         e.append(f"train.offload items {sorted(set(cfg.train.offload) - {'attn_core'})} need MoE layers (model has none)")
     if cfg.precision.fp8_cache and r.policy == "full":

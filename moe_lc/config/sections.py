@@ -14,8 +14,8 @@ from typing import Literal
 
 from moe_lc.config.choices import (
     AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
-    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, OptimizerPlacement, PPSchedule, PrecisionRecipe, RecomputeItem,
-    RecomputePolicy, SyntheticTask,
+    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, OptimizerPlacement,
+    ParamsPlacement, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
 from moe_lc.config.model_sections import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeConfig
@@ -35,6 +35,10 @@ class PlacementConfig:
     grads: GradPlacement = f("replicated", "replicated: ZeRO-1's full-size fp32 main-grad buffer, reduce-scattered "
                                            "once a step; sharded: ZeRO-2, each micro-batch's gradients "
                                            "reduce-scattered as backward fills a bucket, only this rank's 1/N kept")
+    params: ParamsPlacement = f("replicated", "replicated: every rank holds its parameters whole (ZeRO-1, 2); "
+                                              "sharded_gather: ZeRO-3, each rank keeps 1/N and a unit (embedding, "
+                                              "block, head) is all-gathered before its forward and its backward, "
+                                              "one unit ahead, freed after; gradients as grads = sharded")
     optimizer: OptimizerPlacement = f("device", "device: the fp32 master and the rule's state beside the parameters; "
                                                 "offloaded: both in host memory, the update on the CPU bucket by "
                                                 "bucket, overlapping the copies and the all-gather")

@@ -14,13 +14,14 @@ from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.seams import run_now, through
+from moe_lc.model.seams import hold_now, run_now, through
 
 
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); attn is the attention kind's module, ffn dense
     SwiGLU or MoE.
-    Seam `replay` runs the whole block, or each of its phases (moe_lc/model/seams.py)."""
+    Seam `replay` runs the whole block, or each of its phases; `hold` marks its phases as the chain that
+    reads its parameters (moe_lc/model/seams.py); `forward` leaves holding to its caller (an MTP module)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -30,6 +31,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
         self.replay = run_now
+        self.hold = hold_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
@@ -43,8 +45,8 @@ class Block(nn.Module):
         recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
         `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the
         micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
-        return [named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
-                for fn in self._phases(cos, sin, stats, docs)]
+        return self.hold([named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
+                          for fn in self._phases(cos, sin, stats, docs)], (self,))
 
     def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
 

@@ -25,6 +25,11 @@ decides, in one place, what each module gets.
   run_region  `module.run_region(region, *args)` runs one of the module's compiled regions
               (moe_lc/ops/regions.py): `run_now` by default, the plain function; `train.compile` plugs
               in the rank's compiled runner (moe_lc/parallel/compile.py). A dispatcher has one too.
+  hold        `module.hold(chain, modules, backward=True)`: a chain of phases that reads the parameters of
+              `modules`, returned as the chain to run. The default returns it as it is; ZeRO-3 (moe_lc/
+              parallel/param_gather.py) plugs in one that gathers those parameters before the chain's forward
+              and (backward) before its backward, and frees them after each. The model marks the embedding's,
+              each block's and the head's chains (a block an MTP module calls is inside the head's).
   count_loads a router's `count_loads(ctx)`: whether this run of an MoE layer's forward (`ctx`, its
               phase state) books its routing in the step's ForwardStats; every run by default,
               the first only where full recomputation replays the router (moe_lc/model/recompute.py).
@@ -36,6 +41,11 @@ from __future__ import annotations
 def run_now(fn, *args):
     """The default replay seam: fn(*args), nothing special."""
     return fn(*args)
+
+
+def hold_now(chain: list, modules, backward: bool = True) -> list:
+    """The default hold seam: the chain as it is (every parameter is always present)."""
+    return chain
 
 
 def project_now(wo, attend):

@@ -20,7 +20,7 @@ from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.rope import RotaryEmbedding
-from moe_lc.model.seams import run_now
+from moe_lc.model.seams import hold_now, run_now
 from moe_lc.ops.linear import Linear
 from moe_lc.ops.regions import region
 
@@ -124,6 +124,7 @@ class Transformer(nn.Module):
         self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_embed = None  # seam: the Borrowed embedding MTP uses on a stage without one (moe_lc/model/seams.py)
         self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
+        self.hold = hold_now  # seam: the chains that read parameters (ZeRO-3 gathers around them)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -148,12 +149,16 @@ class Transformer(nn.Module):
         phases (Block.phases), then output head, loss and the MTP modules."""
         cos, sin = self.rope(positions)
         embeds = self.embed is not None and self.takes_tokens
-        chain = [named(lambda tokens: (self.embed(tokens),), "embed")] if embeds else []
+        # the embedding's backward reads no parameter: its hold needs no gathering for backward
+        chain = self.hold([named(lambda tokens: (self.embed(tokens),), "embed")], (self.embed,), backward=False) \
+            if embeds else []
         for block in self.layers.values():
             chain += block.phases(cos, sin, stats, docs)
         if self.head is not None:
-            chain.append(named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs, sources),),
-                               "head"))
+            mtp_embed = self.embed if self.embed is not None else getattr(self.mtp_embed, "module", None)
+            reads = (self.norm, self.head, self.mtp, mtp_embed if self.mtp is not None else None)
+            chain += self.hold([named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs,
+                                                              sources),), "head")], reads)
         return chain
 
     def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs, sources):

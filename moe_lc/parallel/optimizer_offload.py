@@ -70,7 +70,7 @@ class HostOptimizer:
 
     def __init__(self, shard, compute_dtype: torch.dtype):
         self.shard = shard
-        device = shard.param_buffer.device
+        device = shard.device
         n = shard.grad_shard.numel()
         self.grad_host = host_empty(n, torch.float32, device, fill=0.0)
         self.param_host = host_empty(n, compute_dtype, device)

@@ -22,12 +22,14 @@ launched asynchronously and overlaps the rest of backward; earlier micro-steps o
 shard, and all-gathers each bucket's parameter shard back into param_buffer. On one device (N = 1) the
 same code is a mixed-precision optimizer with no communication. With `parallel.placement.optimizer =
 "offloaded"` the master and state live in host memory and the update runs on the CPU, bucket by bucket
-(moe_lc/parallel/optimizer_offload.py).
+(moe_lc/parallel/optimizer_offload.py). With `parallel.placement.params = "sharded_gather"` (ZeRO-3) there
+is no param_buffer: buckets end where a gather unit does (a block; param_gather.py), each bucket's
+parameters are views into a storage of its own that is allocated and all-gathered while the unit is in
+use and freed after, and the step writes only this rank's `param_shard` (P/N,).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -40,87 +42,19 @@ from moe_lc.parallel.comm import Group
 from moe_lc.parallel.ema import CpuEMA
 from moe_lc.parallel.grad_rounds import GradRounds
 from moe_lc.parallel.optimizer_offload import HostOptimizer, host_empty
+from moe_lc.parallel.param_gather import resize_storage, unit_of
 from moe_lc.parallel.placement import ParamPlacement, Shard, gather_full
+from moe_lc.parallel.zero_layout import bucket_layout, bucket_elems, matrix_shards
 
 GRAD_NORM_BYTES_PER_ELEMENT = 16  # the squared norm's fp64 copy and square of a gradient shard (`grad_sq_sum`)
-
-
-def _runs(numels: list[int], whole: list[bool], bucket_elems: int) -> list[tuple[int, int, bool]]:
-    """(first parameter, count, whole) of each bucket: greedy over buffer order, a parameter never
-    straddles two buckets, and whole and cut parameters never share one."""
-    out, cur, first = [], 0, 0
-    for i, k in enumerate(numels):
-        if i > first and (cur + k > bucket_elems or whole[i] != whole[first]):
-            out.append((first, i - first, whole[first]))
-            cur, first = 0, i
-        cur += k
-    return out + [(first, len(numels) - first, whole[first] if numels else False)]
-
-
-def _pack_whole(numels: list[int], n: int, loads: list[int]) -> tuple[int, list[int]]:
-    """Whole parameters into n bins, one per rank: largest first onto the emptiest bin (ties: the rank
-    with the fewest elements over earlier buckets, `loads`, updated). -> (bucket size = n x the fullest
-    bin, each parameter's offset from the bucket's start)."""
-    fill, place = [0] * n, {}
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        r = min(range(n), key=lambda r: (fill[r], loads[r], r))
-        place[i] = (r, fill[r])
-        fill[r] += numels[i]
-    width = max(fill)
-    for r in range(n):
-        loads[r] += fill[r]
-    return n * width, [r * width + at for r, at in (place[i] for i in range(len(numels)))]
-
-
-def _bucket_layout(numels: list[int], bucket_elems: int, n: int,
-                   whole: list[bool] | None = None) -> list[tuple[int, list[int]]]:
-    """(padded size, each parameter's offset from the bucket's start) of each bucket over parameters of
-    `numels` elements in buffer order; a cut bucket is padded to a multiple of n, a whole one packed."""
-    whole = whole or [False] * len(numels)
-    out, loads = [], [0] * n
-    for first, count, is_whole in _runs(numels, whole, bucket_elems):
-        mine = numels[first:first + count]
-        if is_whole:
-            out.append(_pack_whole(mine, n, loads))
-        else:
-            offsets = list(itertools.accumulate(mine[:-1], initial=0))[:count]
-            out.append((-(-sum(mine) // n) * n, offsets))
-    return out
-
-
-def bucket_sizes(numels: list[int], bucket_elems: int, n: int, whole: list[bool] | None = None) -> list[int]:
-    """Padded bucket sizes of one ZeRO-1 group whose parameters have `numels` elements in single-device
-    order (the buffer runs in reverse order, the order backward produces gradients) and, where given,
-    `whole` flags (the rule's `whole`): what ShardedParams allocates, for the planner."""
-    rev = list(reversed(whole)) if whole is not None else None
-    return [size for size, _ in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev)]
-
-
-def matrix_shards(shards: tuple[Shard, ...], ndim: int) -> tuple[Shard, ...]:
-    """The placement shards that cut a parameter's matrices, its last two dims (EP's expert dim does not):
-    the slices a matrix rule gathers (ShardedParams.to_full)."""
-    return tuple(s for s in shards if s.dim >= ndim - 2)
-
-
-def whole_owners(numels: list[int], bucket_elems: int, n: int, whole: list[bool]) -> list[int | None]:
-    """The group rank whose shard holds each whole parameter (None: a cut one), for parameters of
-    `numels` elements and `whole` flags in single-device order, as ShardedParams lays them out (the
-    planner: which rank orthogonalizes which matrix)."""
-    rev_whole, owners = list(reversed(whole)), []
-    for size, offsets in _bucket_layout(list(reversed(numels)), bucket_elems, n, rev_whole):
-        owners += [off // (size // n) if rev_whole[len(owners)] else None for off in offsets]
-    return owners[::-1]
-
-
-def bucket_elems(bucket_mb: float) -> int:
-    """fp32 elements per bucket of `parallel.zero_bucket_mb` MiB."""
-    return max(int(bucket_mb * 2**20 / 4), 1)
 
 
 class _Bucket:
     def __init__(self, start: int, size: int, params: list[tuple[nn.Parameter, int]], shard_start: int, n: int):
         self.start, self.size, self.params = start, size, params  # params: (param, offset in buffer)
         self.shard_start, self.shard_size = shard_start, size // n
+        self.full: torch.Tensor | None = None  # (size,) compute dtype, the parameters' storage: param_buffer's
+        self.unit: str | None = None  # slice, or (ZeRO-3) a tensor of its own, gathered only while in use
         self.arrived = self.expected = 0
         self.launched = False
         self.work = None
@@ -132,7 +66,7 @@ class ShardedParams:
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
                  tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False,
-                 optimizer_offloaded: bool = False):
+                 optimizer_offloaded: bool = False, unit_of=None):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         self.placements = {n: place for n, _, place in named_params}
@@ -140,24 +74,32 @@ class ShardedParams:
         norm_weights = {id(p): place.norm_weight for _, p, place in named_params if place.norm_weight is not None}
         params = [p for _, p, _ in reversed(named_params)]
         whole = [rule.whole(n, p.shape) for n, p, _ in reversed(named_params)]
+        units = [unit_of(n) for n, _, _ in reversed(named_params)] if unit_of is not None else None
         device, dtype = params[0].device, params[0].dtype
-        N = group.size
+        self.device, N = device, group.size
         self.buckets: list[_Bucket] = []
         start, shard_start, i = 0, 0, 0
-        for size, offsets in _bucket_layout([p.numel() for p in params], bucket_elems, N, whole):
+        for size, offsets in bucket_layout([p.numel() for p in params], bucket_elems, N, whole, units):
             mine = params[i:i + len(offsets)]
             self.buckets.append(_Bucket(start, size, [(p, start + off) for p, off in zip(mine, offsets)],
                                         shard_start, N))
+            self.buckets[-1].unit = units[i] if units is not None else None
             start, shard_start, i = start + size, shard_start + size // N, i + len(offsets)
         self.numel = start
-        self.param_buffer = torch.zeros(self.numel, device=device, dtype=dtype)
+        # ZeRO-3 (unit_of given: parameters sharded, gathered per unit, moe_lc/parallel/param_gather.py):
+        # no full parameter buffer; each bucket's parameters live in a storage of its own, freed between uses
+        self.params_sharded = unit_of is not None
+        self.param_buffer = None if self.params_sharded else torch.zeros(self.numel, device=device, dtype=dtype)
+        self.param_shard = torch.empty(self.numel // N, device=device, dtype=dtype) if self.params_sharded else None
         # ZeRO-1 keeps a full-size fp32 main-grad buffer; ZeRO-2 (grads_sharded) only the shard and its rounds
         self.grad_buffer = None if grads_sharded else torch.zeros(self.numel, device=device, dtype=torch.float32)
         self._slot: dict[int, tuple[torch.Tensor, _Bucket]] = {}  # id(param) -> (fp32 grad view, bucket)
         offsets = {}  # id(param) -> (bucket index, offset in the bucket): where GradRounds stages it
         for index, b in enumerate(self.buckets):
+            b.full = (torch.zeros(b.size, device=device, dtype=dtype) if self.params_sharded
+                      else self.param_buffer[b.start:b.start + b.size])
             for p, off in b.params:
-                view = self.param_buffer[off:off + p.numel()].view_as(p)
+                view = b.full[off - b.start:off - b.start + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
                 offsets[id(p)] = (index, off - b.start)
@@ -177,7 +119,10 @@ class ShardedParams:
                           for spec in rule.states()}
             self.host = None
         for b in self.buckets:
-            self._shard_slice(b, self.master).copy_(self._own(self.param_buffer, b))
+            if self.params_sharded:
+                self.own_params(b).copy_(self._own(b.full, b, 0))
+                self.free_bucket(b)
+            self._shard_slice(b, self.master).copy_(self.own_params(b))
         owned = self._owned_params()
         grad = self.grad_shard if self.host is None else self.host.grad_host  # what the rule reads
         self.view = ShardView(self.master, grad, self.state,
@@ -186,10 +131,16 @@ class ShardedParams:
         self.sync = False
 
     # -- layout helpers ---------------------------------------------------------------------------
-    def _own(self, buffer: torch.Tensor, b: _Bucket) -> torch.Tensor:
-        """This rank's slice of bucket b inside a full (P,) buffer."""
-        lo = b.start + self.group.rank * b.shard_size
+    def _own(self, buffer: torch.Tensor, b: _Bucket, start: int | None = None) -> torch.Tensor:
+        """This rank's slice of bucket b inside a full (P,) buffer (or, start = 0, inside the bucket's own)."""
+        lo = (b.start if start is None else start) + self.group.rank * b.shard_size
         return buffer[lo:lo + b.shard_size]
+
+    def own_params(self, b: _Bucket) -> torch.Tensor:
+        """(size / N,) compute dtype: this rank's parameter values of bucket b, what its all-gather sends."""
+        if self.params_sharded:
+            return self._shard_slice(b, self.param_shard)
+        return self._own(self.param_buffer, b)
 
     @staticmethod
     def _shard_slice(b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
@@ -215,7 +166,7 @@ class ShardedParams:
         heads under tensor parallelism); None when every element counts once."""
         if not weights:
             return None
-        full = torch.ones(self.numel, device=self.param_buffer.device, dtype=torch.float64)
+        full = torch.ones(self.numel, device=self.device, dtype=torch.float64)
         for b in self.buckets:
             for p, off in b.params:
                 if id(p) in weights:
@@ -236,7 +187,7 @@ class ShardedParams:
         shards = self._matrix_shards(o)
         if not shards:
             return local
-        return gather_full(local.to(self.param_buffer.device), shards, self.shard_groups).to(local.device)
+        return gather_full(local.to(self.device), shards, self.shard_groups).to(local.device)
 
     def _to_local(self, o: OwnedParam, full: torch.Tensor) -> torch.Tensor:
         """(ShardView.to_local) this rank's slice of a full tensor of a whole owned parameter."""
@@ -330,11 +281,22 @@ class ShardedParams:
             self.master[at:at + hi - lo].mul_(factors.to(self.master.device, torch.float32)[rows])
 
     def publish(self, b: _Bucket, shard: torch.Tensor):
-        """Bucket b's updated shard values (cast into this rank's slice of the param buffer; non-blocking
-        from pinned host memory) and the bucket's all-gather launched -> its work (None: nothing to wait)."""
-        own = self._own(self.param_buffer, b)
+        """Bucket b's updated shard values (cast into this rank's parameter slice; non-blocking from pinned
+        host memory) and the bucket's all-gather launched -> its work (None: nothing to wait). ZeRO-3 gathers
+        nothing here: the next forward does, unit by unit (param_gather.py)."""
+        own = self.own_params(b)
         own.copy_(shard, non_blocking=True)
-        return comm.all_gather(self.param_buffer[b.start:b.start + b.size], own, self.group, async_op=True)
+        return None if self.params_sharded else self.gather_bucket(b)
+
+    def gather_bucket(self, b: _Bucket):
+        """Bucket b's parameters all-gathered into its storage (ZeRO-3: allocated again first) -> the work."""
+        if self.params_sharded:
+            resize_storage(b.full, b.size * b.full.element_size())
+        return comm.all_gather(b.full, self.own_params(b), self.group, async_op=True)
+
+    def free_bucket(self, b: _Bucket) -> None:
+        """ZeRO-3: release bucket b's gathered storage (its parameters' views stay, sized 0, until regathered)."""
+        resize_storage(b.full, 0)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -359,7 +321,10 @@ class ZeroOptimizer:
     """ZeRO-1 over several groups with one update rule; global grad-norm clipping across all shards and
     mesh dims. grads: "replicated" (ZeRO-1's full main-grad buffer) or "sharded" (ZeRO-2: only the reduced
     shard, moe_lc/parallel/grad_rounds.py), `parallel.placement.grads`; optimizer: "device" or "offloaded"
-    (master and state in host memory, moe_lc/parallel/optimizer_offload.py), `parallel.placement.optimizer`.
+    (master and state in host memory, moe_lc/parallel/optimizer_offload.py), `parallel.placement.optimizer`;
+    params: "replicated" or "sharded_gather" (ZeRO-3: each rank keeps its 1/N of the parameters, a
+    `ParamGather` gathers them unit by unit around their use, moe_lc/parallel/param_gather.py; implies
+    sharded grads), `parallel.placement.params`.
 
     groups: [(name, [(param name, param, placement)], Group[, lr scale[, tie Group]])]
     (parallelize.zero_param_groups): a group's learning rate is lr x its scale (default 1); a group with a
@@ -375,12 +340,16 @@ class ZeroOptimizer:
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
-                 shard_groups: dict[str, Group] | None = None, grads: str = "replicated", optimizer: str = "device"):
+                 shard_groups: dict[str, Group] | None = None, grads: str = "replicated", optimizer: str = "device",
+                 params: str = "replicated"):
         self.rule = rule if rule is not None else AdamW()
+        sharded = params == "sharded_gather"  # ZeRO-3 shards the gradients too
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
-                                     *(scale or [1.0]), shard_groups=shard_groups, grads_sharded=grads == "sharded",
-                                     optimizer_offloaded=optimizer == "offloaded")
+                                     *(scale or [1.0]), shard_groups=shard_groups,
+                                     grads_sharded=grads == "sharded" or sharded,
+                                     optimizer_offloaded=optimizer == "offloaded", unit_of=unit_of if sharded else None)
                        for n, ps, g, *scale in groups if ps]
+        self.params_sharded = sharded
         self.norm_group = norm_group
         self.grad_clip = grad_clip
         self.step_count = 0
