@@ -38,7 +38,7 @@ from moe_lc.parallel.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
-from moe_lc.parallel.param_gather import ParamGather
+from moe_lc.parallel.param_gather import install_holds
 from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
                                         zero_param_groups)
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
@@ -105,9 +105,9 @@ class Trainer:
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
             grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer,
-            params=cfg.parallel.placement.params)
-        # ZeRO-3: the model's parameters are present only while a unit runs (parallel/param_gather.py)
-        self.param_gather = ParamGather(self.optimizer, self.parallel) if self.optimizer.params_sharded else None
+            params=cfg.parallel.placement.params, optimizer_overlap=cfg.parallel.placement.optimizer_overlap)
+        # ZeRO-3's unit gathers, or a deferring offloaded optimizer's updates, around each forward chain
+        self.param_gather = install_holds(self.optimizer, self.parallel)
         self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip
         if t.qk_clip:  # the statistic is per local head: reduced over the attention weights' dp x cp replicas
             self.qk_clip = QKClip(self.model, t.qk_clip, self.dims["dp_cp"], self.dims["world"], cfg.model.n_layers,
@@ -188,9 +188,13 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return run_dir.checkpoint_root(self.cfg)
 
+    @contextlib.contextmanager
     def params_present(self):
-        """A context within which every parameter of this rank's model is present (ZeRO-3 gathers them all)."""
-        return self.param_gather.gathered() if self.param_gather is not None else contextlib.nullcontext()
+        """A context within which every parameter of this rank's model and every master is up to date and present
+        (a deferring offloaded optimizer's updates done; ZeRO-3 gathers them all)."""
+        self.optimizer.flush()
+        with self.param_gather.gathered() if self.param_gather is not None else contextlib.nullcontext():
+            yield
 
     def save(self) -> Path:
         with self.params_present():

@@ -19,6 +19,8 @@ STEPS = ["train.steps=10", "train.seq_len=32", "train.global_batch=8", "train.wa
          "parallel.zero_bucket_mb=0.05", "train.grad_clip=0.5"]  # several buckets per group; clipping on
 LAYOUTS = {  # (overrides, world)
     "dp2": (["parallel.dp=2", "train.micro_batch=2"], 2),
+    "dp2_every_update_in_the_step": (["parallel.dp=2", "train.micro_batch=2",
+                                      "parallel.placement.optimizer_overlap=false"], 2),
     "dp2_ep2": (["parallel.dp=2", "parallel.ep=2", "train.micro_batch=2"], 2),
     "dp2_zero2_activation_offload": (["parallel.dp=2", "train.micro_batch=2", "parallel.placement.grads=sharded",
                                       "train.offload=[\"expert_fc1\"]"], 2),
@@ -45,8 +47,46 @@ def test_the_offloaded_optimizer_trains_bit_for_bit_like_the_device_one(layout):
     device = run_layout(RECIPE, STEPS + extra, world=world)
     offloaded = run_layout(RECIPE, STEPS + extra + OFFLOADED, world=world)
     _same(device, offloaded)
-    # no collective changes: the same bytes on every group, every step, every rank
-    assert offloaded.comm_per_rank == device.comm_per_rank
+    # no collective changes: the same bytes on every group, every rank; the deferred updates' all-gathers run in
+    # the next step's forward (parallel.placement.optimizer_overlap), so they count one step later
+    if "parallel.placement.optimizer_overlap=false" in extra:
+        assert offloaded.comm_per_rank == device.comm_per_rank
+    else:
+        assert [steps[1:] for steps in offloaded.comm_per_rank] == [steps[1:] for steps in device.comm_per_rank]
+        zero_gathers = [k for steps in offloaded.comm_per_rank for k in steps[0]
+                        if k.split("/")[1] in ("dp_cp", "dp_cp_tp", "edp") and "all_gather" in k]
+        assert not zero_gathers  # the first step's updates are all still owed
+
+
+def test_the_deferred_updates_run_as_the_next_forward_reaches_each_bucket(tmp_path, monkeypatch):
+    """optimizer_overlap (the default): the step leaves every bucket's update pending; the next forward runs them
+    in its own order (the buffer's last bucket, the embedding's, first) as each chain's parameters are needed, and
+    ends with none pending; the parameters it computes with are the updated ones (the same logits as with every
+    update done in the step)."""
+    from moe_lc.parallel import optimizer_offload
+    from moe_lc.train import Trainer
+
+    order = []
+    monkeypatch.setattr(optimizer_offload.HostOptimizer, "_update",
+                        lambda self, index, event, original=optimizer_offload.HostOptimizer._update:
+                        (order.append(index), original(self, index, event)))
+    logits = []
+    for overlap in ("true", "false"):
+        cfg = load_config(RECIPE, FAST + STEPS + OFFLOADED + ["train.micro_batch=4", f"train.output_dir={tmp_path}",
+                                                              f"parallel.placement.optimizer_overlap={overlap}"])
+        trainer = Trainer(cfg)
+        trainer.train_step()
+        hosts = [s.host for s in trainer.optimizer.shards]
+        pending = sum(len(h.pending) for h in hosts)
+        assert pending == (sum(len(h.shard.buckets) for h in hosts) if overlap == "true" else 0)
+        order.clear()
+        with torch.no_grad():
+            logits.append(trainer.model(torch.arange(32).view(1, 32)))
+        assert all(not h.pending and not h.works for h in hosts)
+        if overlap == "true":
+            dense = [i for i in order[:len(hosts[0].shard.buckets)]]
+            assert order and dense[0] == len(hosts[0].shard.buckets) - 1  # the embedding's bucket first
+    assert torch.equal(*logits)
 
 
 def test_a_device_checkpoint_resumes_with_the_optimizer_offloaded_exactly(tmp_path):
@@ -71,6 +111,7 @@ def test_the_state_lives_on_the_host_and_the_copies_are_the_planners(tmp_path):
     trainer = Trainer(cfg)
     for _ in range(3):
         trainer.train_step()
+    trainer.optimizer.flush()  # the third step's updates wait for a next forward (optimizer_overlap)
     shards = trainer.optimizer.shards
     for s in shards:
         assert s.master.device.type == "cpu" and s.master.data_ptr() != s.grad_shard.data_ptr()

@@ -109,6 +109,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
             trainer.dims.counter.reset()
             with SavedActivations(tracer.memory).hooks():
                 step = trainer.train_step()
+                trainer.optimizer.flush()  # a deferred offloaded update is the step's (it runs in the next forward)
         mem = tracer.memory
         return {"rank": rank, "coords": trainer.dims.coords(), "build_s": built - start,
                 "step_s": time.perf_counter() - built, "update_applied": step.applied, "ops": tracer.ops, "static_bytes": static,

@@ -11,7 +11,9 @@
 #
 # Parts: env, tests, attention, gemm, grouped_gemm, model_step (with --profile), muon_step (the same
 # step with train.optimizer = muon), optimizer_offload_step (the same step with the fp32 master and moments
-# in pinned host memory, parallel.placement.optimizer = offloaded), layer, compile (model_step with
+# in pinned host memory, parallel.placement.optimizer = offloaded; its updates deferred into the next forward),
+# optimizer_offload_in_step (the same with every update in the step: the overlap's gain is the difference),
+# zero3_step (the step with parallel.placement.params = sharded_gather), layer, compile (model_step with
 # train.compile on).
 #
 # Limits in seconds; the sum stays under a 10-minute call with room for the start-up.
@@ -47,6 +49,11 @@ part muon_step 60 python -m tools.bench.run --out "$WORK/muon" --parts model_ste
 mkdir -p "$WORK/optimizer_offloaded"
 part optimizer_offload_step 70 python -m tools.bench.run --out "$WORK/optimizer_offloaded" --parts model_step --quick \
     --set parallel.placement.optimizer=offloaded $DRY_FLAG
+mkdir -p "$WORK/optimizer_in_step" "$WORK/zero3"
+part optimizer_offload_in_step 70 python -m tools.bench.run --out "$WORK/optimizer_in_step" --parts model_step --quick \
+    --set parallel.placement.optimizer=offloaded --set parallel.placement.optimizer_overlap=false $DRY_FLAG
+part zero3_step 70 python -m tools.bench.run --out "$WORK/zero3" --parts model_step --quick \
+    --set parallel.placement.params=sharded_gather $DRY_FLAG
 part layer 55 python -m tools.bench.run --out "$WORK" --parts layer --quick $DRY_FLAG
 mkdir -p "$WORK/compile"
 part compile 75 python -m tools.bench.run --out "$WORK/compile" --parts model_step --quick --set train.compile=true $DRY_FLAG
@@ -58,5 +65,7 @@ done
 for f in "$WORK"/compile/*.md; do [ -e "$f" ] && cp "$f" "$OUT/compile.md"; done
 for f in "$WORK"/muon/*.md; do [ -e "$f" ] && cp "$f" "$OUT/muon.md"; done
 for f in "$WORK"/optimizer_offloaded/*.md; do [ -e "$f" ] && cp "$f" "$OUT/optimizer_offloaded.md"; done
+for f in "$WORK"/optimizer_in_step/*.md; do [ -e "$f" ] && cp "$f" "$OUT/optimizer_in_step.md"; done
+for f in "$WORK"/zero3/*.md; do [ -e "$f" ] && cp "$f" "$OUT/zero3.md"; done
 tar czf "$OUT/all.tgz" -C "$WORK" .
 ls -la "$OUT"

@@ -298,6 +298,10 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
     if cfg.parallel.placement.optimizer == "offloaded" and t.threads == 0 and cfg.train.device != "cpu":
         w.append("parallel.placement.optimizer = 'offloaded' runs the update on this process's torch CPU threads, and "
                  "torchrun sets OMP_NUM_THREADS=1: set train.threads to the host cores each rank may use")
+    if ("parallel.placement.optimizer_overlap" in given and not cfg.parallel.placement.optimizer_overlap
+            and cfg.parallel.placement.optimizer != "offloaded"):
+        w.append("parallel.placement.optimizer_overlap = false is set, but parallel.placement.optimizer = 'device' "
+                 "does not read it (it defers an offloaded optimizer's CPU updates into the next forward)")
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")

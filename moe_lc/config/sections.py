@@ -42,6 +42,9 @@ class PlacementConfig:
     optimizer: OptimizerPlacement = f("device", "device: the fp32 master and the rule's state beside the parameters; "
                                                 "offloaded: both in host memory, the update on the CPU bucket by "
                                                 "bucket, overlapping the copies and the all-gather")
+    optimizer_overlap: bool = f(True, "offloaded: each bucket's CPU update runs when the next forward first needs "
+                                      "its parameters, overlapping the device's work on earlier units (same "
+                                      "values); false = every update before the step returns")
 
 
 @dataclass(frozen=True)

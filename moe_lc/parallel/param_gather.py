@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from moe_lc.model.block import named
+from moe_lc.parallel.optimizer_offload import ParamReady
 
 
 _RESIZE_WATCHERS: list = []  # functions called with a tensor whose storage was resized (the dry run's tracker)
@@ -52,6 +53,16 @@ def resize_storage(t: torch.Tensor, nbytes: int) -> None:
     t.untyped_storage().resize_(nbytes)
     for fn in _RESIZE_WATCHERS:
         fn(t)
+
+
+def install_holds(optimizer, parallel):
+    """The model's `hold` seam for the placement: ZeRO-3's `ParamGather` (returned), or where the parameters
+    stay whole and an offloaded optimizer defers its updates, `ParamReady` (optimizer_offload.py); None."""
+    if optimizer.params_sharded:
+        return ParamGather(optimizer, parallel)
+    if optimizer.deferred:
+        ParamReady(optimizer, parallel)
+    return None
 
 
 def unit_of(name: str) -> str:
@@ -104,6 +115,8 @@ class ParamGather:
     # -- counting holders -------------------------------------------------------------------------------
     def _ref(self, u: _Unit) -> None:
         if u.refs == 0 and not u.gathered:
+            for s, b in u.buckets:  # an offloaded optimizer's deferred update of these shards, first
+                s.ready(b)
             u.works = [s.gather_bucket(b) for s, b in u.buckets]
             u.gathered = True
             self.gathers += 1

@@ -55,6 +55,7 @@ class _Bucket:
         self.shard_start, self.shard_size = shard_start, size // n
         self.full: torch.Tensor | None = None  # (size,) compute dtype, the parameters' storage: param_buffer's
         self.unit: str | None = None  # slice, or (ZeRO-3) a tensor of its own, gathered only while in use
+        self.index = 0  # in its group's buckets
         self.arrived = self.expected = 0
         self.launched = False
         self.work = None
@@ -66,7 +67,7 @@ class ShardedParams:
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
                  tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False,
-                 optimizer_offloaded: bool = False, unit_of=None):
+                 optimizer_offloaded: bool = False, unit_of=None, deferred: bool = False):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         self.placements = {n: place for n, _, place in named_params}
@@ -84,6 +85,7 @@ class ShardedParams:
             self.buckets.append(_Bucket(start, size, [(p, start + off) for p, off in zip(mine, offsets)],
                                         shard_start, N))
             self.buckets[-1].unit = units[i] if units is not None else None
+            self.buckets[-1].index = len(self.buckets) - 1
             start, shard_start, i = start + size, shard_start + size // N, i + len(offsets)
         self.numel = start
         # ZeRO-3 (unit_of given: parameters sharded, gathered per unit, moe_lc/parallel/param_gather.py):
@@ -112,7 +114,7 @@ class ShardedParams:
         if optimizer_offloaded:  # master and state in host memory, the update on the CPU (optimizer_offload.py)
             self.master = host_empty(shard, torch.float32, device)
             self.state = {spec.name: host_empty(shard, spec.dtype, device, fill=spec.init) for spec in rule.states()}
-            self.host = HostOptimizer(self, dtype)
+            self.host = HostOptimizer(self, dtype, deferred)
         else:
             self.master = torch.empty(shard, device=device, dtype=torch.float32)
             self.state = {spec.name: torch.full((shard,), spec.init, device=device, dtype=spec.dtype)
@@ -288,6 +290,11 @@ class ShardedParams:
         own.copy_(shard, non_blocking=True)
         return None if self.params_sharded else self.gather_bucket(b)
 
+    def ready(self, b: _Bucket) -> None:
+        """Bucket b's parameters updated and in place, where a deferring offloaded optimizer still owes them."""
+        if self.host is not None:
+            self.host.ready(b.index)
+
     def gather_bucket(self, b: _Bucket):
         """Bucket b's parameters all-gathered into its storage (ZeRO-3: allocated again first) -> the work."""
         if self.params_sharded:
@@ -341,15 +348,17 @@ class ZeroOptimizer:
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
                  shard_groups: dict[str, Group] | None = None, grads: str = "replicated", optimizer: str = "device",
-                 params: str = "replicated"):
+                 params: str = "replicated", optimizer_overlap: bool = False):
         self.rule = rule if rule is not None else AdamW()
         sharded = params == "sharded_gather"  # ZeRO-3 shards the gradients too
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
                                      *(scale or [1.0]), shard_groups=shard_groups,
                                      grads_sharded=grads == "sharded" or sharded,
-                                     optimizer_offloaded=optimizer == "offloaded", unit_of=unit_of if sharded else None)
+                                     optimizer_offloaded=optimizer == "offloaded", unit_of=unit_of if sharded else None,
+                                     deferred=optimizer_overlap)
                        for n, ps, g, *scale in groups if ps]
         self.params_sharded = sharded
+        self.deferred = optimizer == "offloaded" and optimizer_overlap  # updates run as the next forward needs them
         self.norm_group = norm_group
         self.grad_clip = grad_clip
         self.step_count = 0
@@ -380,12 +389,20 @@ class ZeroOptimizer:
             s.step_(self.rule, lr * s.lr_scale, self.step_count, clip, row_scales)
         self.zero_grad()
         if self.ema is not None:
+            self.flush()  # the average reads every updated master now
             self.ema.update([s.master for s in self.shards])
         return norm, True
 
     def zero_grad(self) -> None:
         for s in self.shards:
             s.zero_grad()
+
+    def flush(self) -> None:
+        """Every update a deferring offloaded optimizer still owes done (before anything reads the masters or the
+        parameters outside a forward: checkpoints, final states)."""
+        for s in self.shards:
+            if s.host is not None:
+                s.host.flush()
 
     def state_bytes(self) -> int:
         return sum(s.state_bytes() for s in self.shards)
