@@ -28,8 +28,10 @@ decides, in one place, what each module gets.
   hold        `module.hold(chain, modules, backward=True)`: a chain of phases that reads the parameters of
               `modules`, returned as the chain to run. The default returns it as it is; ZeRO-3 (moe_lc/
               parallel/param_gather.py) plugs in one that gathers those parameters before the chain's forward
-              and (backward) before its backward, and frees them after each. The model marks the embedding's,
-              each block's and the head's chains (a block an MTP module calls is inside the head's).
+              and (backward) before its backward, and frees them after each; an offloaded optimizer that
+              defers its updates (moe_lc/parallel/optimizer_offload.py) one that settles them before the
+              forward. The model marks the embedding's, each block's and the head's chains (a block an MTP
+              module calls is inside the head's).
   count_loads a router's `count_loads(ctx)`: whether this run of an MoE layer's forward (`ctx`, its
               phase state) books its routing in the step's ForwardStats; every run by default,
               the first only where full recomputation replays the router (moe_lc/model/recompute.py).

@@ -53,8 +53,10 @@ class _Bucket:
     def __init__(self, start: int, size: int, params: list[tuple[nn.Parameter, int]], shard_start: int, n: int):
         self.start, self.size, self.params = start, size, params  # params: (param, offset in buffer)
         self.shard_start, self.shard_size = shard_start, size // n
-        self.full: torch.Tensor | None = None  # (size,) compute dtype, the parameters' storage: param_buffer's
-        self.unit: str | None = None  # slice, or (ZeRO-3) a tensor of its own, gathered only while in use
+        # (size,) compute dtype, where its parameters' views point: param_buffer's slice, or (ZeRO-3) a tensor of
+        # its own whose storage holds them only while its gather unit (`unit`) is in use
+        self.full: torch.Tensor | None = None
+        self.unit: str | None = None
         self.index = 0  # in its group's buckets
         self.arrived = self.expected = 0
         self.launched = False
