@@ -1,14 +1,14 @@
 """ZeRO-3 (parallel.placement.params = "sharded_gather", moe_lc/parallel/param_gather.py): each rank keeps 1/N of the
 parameters and gathers a unit (embedding, block, head) around its forward and its backward.
 
-Equal to ZeRO-2, whose gradient rounds it uses, bit for bit under dp2 and dp2 x ep2 (with the optimizer and
-activations offloaded too); within 1e-6 where ZeRO-3's buckets, which end at unit boundaries where ZeRO-2's do not,
-change a sum's order: under dp2 x tp2 the norms' and router's gradients are reduce-scattered over 4 ranks, and a
-ring sums an element in an order set by its position in the bucket (over 2 ranks a + b is the same either way);
-under pp2 DualPipe a split backward's W passes deliver gradients out of micro-batch order, so a round sums
-whichever gradients arrive before its bucket fills. With one micro-batch per rank it is ZeRO-1 bit for bit, and a
-ZeRO-1 checkpoint resumes under it exactly. Every step's counted bytes are the planner's; between units no
-parameter storage is held."""
+Equal to ZeRO-2, whose gradient rounds it uses, bit for bit under dp2, dp2 x ep2, cp2, pp2 1F1B x dp2 with a tied
+embedding, Muon with QK-clip, and with the optimizer and activations offloaded; within 1e-6 where ZeRO-3's buckets,
+which end at unit boundaries where ZeRO-2's do not, change a sum's order: under dp2 x tp2 the norms' and router's
+gradients are reduce-scattered over 4 ranks, and a ring sums an element in an order set by its position in the
+bucket (over 2 ranks a + b is the same either way); under pp2 DualPipe a split backward's W passes deliver
+gradients out of micro-batch order, so a round sums whichever gradients arrive before its bucket fills. With one
+micro-batch per rank it is ZeRO-1 bit for bit, and a ZeRO-1 checkpoint resumes under it exactly. Every step's
+counted bytes are the planner's; between units no parameter storage is held."""
 
 import pytest
 import torch
@@ -28,12 +28,14 @@ LAYOUTS = {  # (overrides, world)
     "dp2_ep2": (["parallel.dp=2", "parallel.ep=2", "train.micro_batch=2"], 2),
     "dp2_muon_qk_clip": (["parallel.dp=2", "train.micro_batch=2", "train.optimizer=muon", "train.lr=0.02",
                           "train.qk_clip=2.0"], 2),
+    "cp2": (["parallel.cp=2", "train.micro_batch=2"], 2),
     "dp2_tp2": (["parallel.dp=2", "parallel.tp=2", "train.micro_batch=2"], 4),
+    "pp2_1f1b_dp2_tied": (["parallel.dp=2", "parallel.pp=2", "train.micro_batch=1", "model.tie_embeddings=true"], 4),
     "pp2_dualpipe_dp2": (["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"],
                          4),
 }
-EXACT = {"dp2", "dp2_offloads", "dp2_ep2", "dp2_muon_qk_clip"}
-SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_muon_qk_clip"}
+EXACT = {"dp2", "dp2_offloads", "dp2_ep2", "dp2_muon_qk_clip", "cp2", "pp2_1f1b_dp2_tied"}
+SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_muon_qk_clip", "cp2"}
 
 
 def _same(a, b) -> None:
