@@ -15,6 +15,7 @@ import torch
 
 from moe_lc.config import ConfigError, load_config
 from tests.harness import FAST, RECIPES, compare, interrupted_and_resumed, run_layout
+from tests.test_dsa_training import DSA
 
 RECIPE = RECIPES / "debug_cpu.toml"
 ZERO3 = ["parallel.placement.params=sharded_gather"]
@@ -29,13 +30,15 @@ LAYOUTS = {  # (overrides, world)
     "dp2_muon_qk_clip": (["parallel.dp=2", "train.micro_batch=2", "train.optimizer=muon", "train.lr=0.02",
                           "train.qk_clip=2.0"], 2),
     "cp2": (["parallel.cp=2", "train.micro_batch=2"], 2),
+    # the sparse attention's warm-up trains only its indexer, on a detached input: nodes that reach no chain input
+    "dp2_dsa_warmup": (DSA + ["parallel.dp=2", "train.micro_batch=2", "model.dsa.stage=warmup"], 2),
     "dp2_tp2": (["parallel.dp=2", "parallel.tp=2", "train.micro_batch=2"], 4),
     "pp2_1f1b_dp2_tied": (["parallel.dp=2", "parallel.pp=2", "train.micro_batch=1", "model.tie_embeddings=true"], 4),
     "pp2_dualpipe_dp2": (["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1"],
                          4),
 }
-EXACT = {"dp2", "dp2_offloads", "dp2_ep2", "dp2_muon_qk_clip", "cp2", "pp2_1f1b_dp2_tied"}
-SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_muon_qk_clip", "cp2"}
+EXACT = {"dp2", "dp2_offloads", "dp2_ep2", "dp2_muon_qk_clip", "cp2", "pp2_1f1b_dp2_tied", "dp2_dsa_warmup"}
+SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_muon_qk_clip", "cp2", "dp2_dsa_warmup"}
 
 
 def _same(a, b) -> None:
