@@ -2,13 +2,13 @@
 parameters and gathers a unit (embedding, block, head) around its forward and its backward.
 
 Equal to ZeRO-2, whose gradient rounds it uses, bit for bit under dp2, dp2 x ep2, cp2, pp2 1F1B x dp2 with a tied
-embedding, Muon with QK-clip, and with the optimizer and activations offloaded; within 1e-6 where ZeRO-3's buckets,
-which end at unit boundaries where ZeRO-2's do not, change a sum's order: under dp2 x tp2 the norms' and router's
-gradients are reduce-scattered over 4 ranks, and a ring sums an element in an order set by its position in the
-bucket (over 2 ranks a + b is the same either way); under pp2 DualPipe a split backward's W passes deliver
-gradients out of micro-batch order, so a round sums whichever gradients arrive before its bucket fills. With one
-micro-batch per rank it is ZeRO-1 bit for bit, and a ZeRO-1 checkpoint resumes under it exactly. Every step's
-counted bytes are the planner's; between units no parameter storage is held."""
+embedding, Muon with QK-clip, DSA's warm-up, and with the optimizer and activations offloaded; within 1e-6 where
+ZeRO-3's buckets, which end at unit boundaries where ZeRO-2's do not, change a sum's order: under dp2 x tp2 the
+norms' and router's gradients are reduce-scattered over 4 ranks, and a ring sums an element in an order set by its
+position in the bucket (over 2 ranks a + b is the same either way); under pp2 DualPipe a split backward's W passes
+deliver gradients out of micro-batch order, so a round sums whichever gradients arrive before its bucket fills.
+With one micro-batch per rank it is ZeRO-1 bit for bit, and a checkpoint resumes across ZeRO-1 and ZeRO-3 either
+way exactly. Every step's counted bytes are the planner's; between units no parameter storage is held."""
 
 import pytest
 import torch
