@@ -19,8 +19,10 @@ backward) is gathered once and freed when the last lets go. `sweep` (after each 
 a chain left held: a chain whose inputs need no gradient never fires its releasing node.
 
 A deferred weight gradient (a split backward's W pass) reads activations, not parameters: units are released
-after B. Traffic per step: each unit's buckets x (N-1)/N, twice per micro-batch (forward, backward; the
-embedding once), plus ZeRO-2's reduce-scatter rounds, and no all-gather after the update: for one
+after B. A gather first settles what an offloaded optimizer still owes those shards (its deferred updates,
+optimizer_offload.py). Traffic per step: each unit's buckets x (N-1)/N, twice per micro-batch (forward,
+backward; the embedding once, and twice more where the head's chain reads it: a tied head, MTP), plus ZeRO-2's
+reduce-scatter rounds, and no all-gather after the update: for one
 micro-batch the ZeRO paper's 3 psi against ZeRO-1's 2 psi (tools/plan.py counts it).
 """
 
