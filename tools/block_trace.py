@@ -50,7 +50,7 @@ from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
 from moe_lc.parallel.comm import CommCounter
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.offload import host_ledger
+from moe_lc.parallel.trace_hooks import watch
 from moe_lc.parallel.parallelize import prepare_batch
 from .dry_trace import HostLiterals, StepTracer, balanced_select, held_checkpoint_inputs, position_priority
 
@@ -199,7 +199,7 @@ class _SavedCounter:
     @contextlib.contextmanager
     def counting(self):
         with held_checkpoint_inputs(self.pack), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), \
-                host_ledger(self.book_host):
+                watch("offloaded", self.book_host):
             yield self
         for h in self.handles:
             h.remove()

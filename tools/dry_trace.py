@@ -140,7 +140,7 @@ class MemoryTracker:
 
     @contextlib.contextmanager
     def on_host(self):
-        """Within: fresh storages are host memory (moe_lc/parallel/optimizer_offload.py's `host_work`)."""
+        """Within: fresh storages are host memory (moe_lc/parallel/trace_hooks.py's `host_work`)."""
         before, self.category = self.category, "host"
         try:
             yield

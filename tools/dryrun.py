@@ -45,8 +45,7 @@ import torch.distributed as dist
 
 from moe_lc.config import load_config
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
-from moe_lc.parallel.optimizer_offload import host_work
-from moe_lc.parallel.param_gather import storage_watch
+from moe_lc.parallel.trace_hooks import watch
 from moe_lc.train import Trainer
 from .dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
 from .dry_trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
@@ -99,8 +98,8 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     tracer = StepTracer()
     start = time.perf_counter()
     try:
-        with meta_as_gpu(spec), tracer, HostLiterals(), host_work(tracer.memory.on_host), \
-                storage_watch(tracer.memory.resized):
+        with meta_as_gpu(spec), tracer, HostLiterals(), watch("host_work", tracer.memory.on_host), \
+                watch("resized", tracer.memory.resized):
             trainer = DryTrainer(cfg, device=META)
             built = time.perf_counter()
             static = _label_states(trainer, tracer)

@@ -16,7 +16,7 @@ own into pinned memory, and when backward first reaches a module call's tensors 
 the call saved just before it (the next backward needs them), so transfers overlap compute. On a CPU
 the same code copies into fresh host tensors (no memory is saved: the host is the device; the tests hold
 the path to bit-exactness), and on the meta device (the planner's trace, the dry run) only the shape is
-kept (the bytes booked in `host_ledger` instead of the trace's device bytes) and backward gets a fresh
+kept (the bytes told to trace_hooks' `offloaded` watchers instead of the trace's device bytes) and backward gets a fresh
 tensor, allocated where the copy back would be.
 
 Values are unchanged: a tensor comes back bit for bit, with its strides. The recipe's rules refuse it where
@@ -26,26 +26,15 @@ beside the "attention" replay, experts beside the SwiGLU replay or FP8 cache, an
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
 from torch import nn
 
 from moe_lc.model.moe import RoutedExperts
+from moe_lc.parallel.trace_hooks import tell
 
 MIN_BYTES = 64 * 1024  # smaller saved tensors (routing counts, scalars) stay: a copy costs more than they hold
-_LEDGERS: list = []  # the planner's bookers of host bytes on the meta device (`host_ledger`)
-
-
-@contextlib.contextmanager
-def host_ledger(book):
-    """Within: every tensor offloaded on the meta device is passed to book(t) (the planner's trace)."""
-    _LEDGERS.append(book)
-    try:
-        yield
-    finally:
-        _LEDGERS.pop()
 
 
 def offloaded_modules(model: nn.Module, items) -> list[nn.Module]:
@@ -130,8 +119,7 @@ class ActivationOffload:
         if nbytes < MIN_BYTES:
             return t
         if t.device.type == "meta":  # the planner's trace or the dry run: nothing to copy, and t must go
-            for book in _LEDGERS[-1:]:
-                book(t)
+            tell("offloaded", t)
             saved = _Saved((t.shape, t.stride(), t.dtype))
         elif self.stream is not None:
             host = _empty_like(t, "cpu", True)

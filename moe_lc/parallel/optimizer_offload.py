@@ -29,37 +29,17 @@ on a GPU the CPU's AdamW formula replaces torch's fused CUDA kernel (fp32 roundi
 Newton-Schulz on the CPU too (fp32 there: `train.muon_ns_dtype` auto), gathering TP slices on the device.
 Not measured: the overlap's gain, which only a GPU shows (on a CPU the forward and the update share cores).
 
-On the meta device (the planner's trace, the dry run) the host tensors are meta too; `host_work`
-contexts let the trace count what the CPU update allocates as host memory, not the device's.
+On the meta device (the planner's trace, the dry run) the host tensors are meta too; the update runs in
+trace_hooks' `on_host`, so the trace counts what it allocates as host memory, not the device's.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 
 import torch
 
-_HOST_WORK: list = []  # context factories the dry run enters around host-side work (`host_work`)
-
-
-@contextlib.contextmanager
-def host_work(context_factory):
-    """Within: each offloaded update's CPU work runs inside context_factory() (the dry run's trace)."""
-    _HOST_WORK.append(context_factory)
-    try:
-        yield
-    finally:
-        _HOST_WORK.pop()
-
-
-@contextlib.contextmanager
-def _on_host():
-    with contextlib.ExitStack() as stack:
-        for factory in _HOST_WORK:
-            stack.enter_context(factory())
-        yield
-
+from moe_lc.parallel.trace_hooks import on_host
 
 def host_device(device: torch.device) -> torch.device:
     """Where host-memory state of parameters on `device` lives: the CPU, or meta in a trace."""
@@ -116,7 +96,7 @@ class HostOptimizer:
         if event is not None:
             event.synchronize()
         lo, hi = b.shard_start, b.shard_start + b.shard_size
-        with _on_host():
+        with on_host():
             rule.update_(s.view.part(lo, hi), lr, step)
             if row_scales:
                 s.scale_bucket_rows_(b, row_scales)

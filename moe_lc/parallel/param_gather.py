@@ -34,27 +34,13 @@ import torch
 
 from moe_lc.model.block import named
 from moe_lc.parallel.optimizer_offload import ParamReady
-
-
-_RESIZE_WATCHERS: list = []  # functions called with a tensor whose storage was resized (the dry run's tracker)
-
-
-@contextlib.contextmanager
-def storage_watch(fn):
-    """Within: fn(tensor) after each resize of a bucket's storage (`resize_storage`): the dry run's trace
-    sees ZeRO-3's gathers and frees, which allocate no new tensor."""
-    _RESIZE_WATCHERS.append(fn)
-    try:
-        yield
-    finally:
-        _RESIZE_WATCHERS.remove(fn)
+from moe_lc.parallel.trace_hooks import tell
 
 
 def resize_storage(t: torch.Tensor, nbytes: int) -> None:
     """t's storage resized to nbytes in place (0 frees it; its views stay, sized 0, until it grows back)."""
     t.untyped_storage().resize_(nbytes)
-    for fn in _RESIZE_WATCHERS:
-        fn(t)
+    tell("resized", t)  # the dry run's trace: no tensor was allocated
 
 
 def install_holds(optimizer, parallel):
