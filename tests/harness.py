@@ -125,6 +125,13 @@ def interrupted_and_resumed(recipe: str | Path, overrides: list[str], changed: l
     return full, run_layout(recipe, saving + list(changed) + ["checkpoint.resume=true"], world=world)
 
 
+def assert_bit_for_bit(a: LayoutResult, b: LayoutResult) -> None:
+    """The same losses and every final parameter identical (torch.equal)."""
+    assert a.losses == b.losses
+    assert a.final_state.keys() == b.final_state.keys()
+    assert all(torch.equal(b.final_state[k], v) for k, v in a.final_state.items())
+
+
 def reference(recipe: str | Path, overrides: list[str]) -> LayoutResult:
     """The single-process result for (recipe, overrides), computed once per test session."""
     key = (str(recipe), tuple(overrides))

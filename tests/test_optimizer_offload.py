@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_lc.config import load_config
-from tests.harness import FAST, RECIPES, interrupted_and_resumed, run_layout
+from tests.harness import FAST, RECIPES, assert_bit_for_bit, interrupted_and_resumed, run_layout
 
 RECIPE = RECIPES / "debug_cpu.toml"
 OFFLOADED = ["parallel.placement.optimizer=offloaded"]
@@ -32,12 +32,6 @@ LAYOUTS = {  # (overrides, world)
 }
 
 
-def _same(a, b) -> None:
-    assert a.losses == b.losses
-    assert a.final_state.keys() == b.final_state.keys()
-    assert all(torch.equal(b.final_state[k], v) for k, v in a.final_state.items())
-
-
 SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2"}
 
 
@@ -46,7 +40,7 @@ def test_the_offloaded_optimizer_trains_bit_for_bit_like_the_device_one(layout):
     extra, world = LAYOUTS[layout]
     device = run_layout(RECIPE, STEPS + extra, world=world)
     offloaded = run_layout(RECIPE, STEPS + extra + OFFLOADED, world=world)
-    _same(device, offloaded)
+    assert_bit_for_bit(device, offloaded)
     # no collective changes: the same bytes on every group, every rank; the deferred updates' all-gathers run in
     # the next step's forward (parallel.placement.optimizer_overlap), so they count one step later
     if "parallel.placement.optimizer_overlap=false" in extra:

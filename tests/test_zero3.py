@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_lc.config import ConfigError, load_config
-from tests.harness import FAST, RECIPES, compare, interrupted_and_resumed, run_layout
+from tests.harness import FAST, RECIPES, assert_bit_for_bit, compare, interrupted_and_resumed, run_layout
 from tests.test_dsa_training import DSA
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -41,12 +41,6 @@ EXACT = {"dp2", "dp2_offloads", "dp2_ep2", "dp2_muon_qk_clip", "cp2", "pp2_1f1b_
 SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_muon_qk_clip", "cp2", "dp2_dsa_warmup"}
 
 
-def _same(a, b) -> None:
-    assert a.losses == b.losses
-    assert a.final_state.keys() == b.final_state.keys()
-    assert all(torch.equal(b.final_state[k], v) for k, v in a.final_state.items())
-
-
 def _planned_comm(overrides: list[str], world: int) -> dict:
     from tools.plan import plan
 
@@ -63,7 +57,7 @@ def test_zero3_trains_like_zero2_and_sends_what_the_planner_says(layout):
         report = compare(zero2, zero3)
         assert report.max_loss_rel < 1e-6 and report.max_param_rel < 1e-6, report
     else:
-        _same(zero2, zero3)
+        assert_bit_for_bit(zero2, zero3)
     planned = _planned_comm(STEPS + extra + ZERO3, world)
     exact = {k: v for k, v in planned.items() if "all_to_all" not in k}  # EP's routed rows: an estimate
     for per_step in zero3.comm_per_rank[0]:
@@ -76,7 +70,7 @@ def test_zero3_trains_like_zero2_and_sends_what_the_planner_says(layout):
 def test_zero3_with_one_micro_batch_is_zero1_bit_for_bit():
     """One micro-batch per rank: one gradient round per bucket, summed as ZeRO-1 sums it."""
     one = STEPS + ["parallel.dp=2", "train.micro_batch=4"]
-    _same(run_layout(RECIPE, one, world=2), run_layout(RECIPE, one + ZERO3, world=2))
+    assert_bit_for_bit(run_layout(RECIPE, one, world=2), run_layout(RECIPE, one + ZERO3, world=2))
 
 
 @pytest.mark.parametrize("saved, resumed_as", [([], ZERO3), (ZERO3, ["parallel.placement.params=replicated"])],

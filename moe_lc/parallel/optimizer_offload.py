@@ -133,12 +133,8 @@ class ParamReady:
     all-gathers and the CPU's updates of later buckets overlap the device's work on earlier units. ZeRO-3's
     gathers ask for the same before each unit (param_gather.py)."""
 
-    def __init__(self, optimizer, parallel):
+    def __init__(self, optimizer):
         self.where = {id(p): (s, b) for s in optimizer.shards for b in s.buckets for p, _ in b.params}
-        for chunk in parallel.chunks:
-            for module in chunk.modules():
-                if hasattr(module, "hold"):
-                    module.hold = self.hold
 
     def hold(self, chain: list, modules, backward: bool = True) -> list:
         needed = list({id(b): (s, b) for m in modules if m is not None for p in m.parameters()

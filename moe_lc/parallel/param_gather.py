@@ -46,11 +46,13 @@ def resize_storage(t: torch.Tensor, nbytes: int) -> None:
 def install_holds(optimizer, parallel):
     """The model's `hold` seam for the placement: ZeRO-3's `ParamGather` (returned), or where the parameters
     stay whole and an offloaded optimizer defers its updates, `ParamReady` (optimizer_offload.py); None."""
-    if optimizer.params_sharded:
-        return ParamGather(optimizer, parallel)
-    if optimizer.deferred:
-        ParamReady(optimizer, parallel)
-    return None
+    holder = ParamGather(optimizer, parallel) if optimizer.params_sharded else \
+        ParamReady(optimizer) if optimizer.deferred else None
+    for chunk in parallel.chunks if holder is not None else ():
+        for module in chunk.modules():
+            if hasattr(module, "hold"):
+                module.hold = holder.hold
+    return holder if optimizer.params_sharded else None
 
 
 def unit_of(name: str) -> str:
@@ -78,7 +80,7 @@ class _Unit:
 class ParamGather:
     """When each unit of a ZeRO-3 optimizer's parameters is gathered (module docstring). optimizer: a
     ZeroOptimizer built with params="sharded_gather"; parallel: its model (`Parallelized`), whose chunks give
-    the forward order prefetching follows. Installs itself as the `hold` seam of the chunks and their blocks."""
+    the forward order prefetching follows. Its `hold` is the seam of the chunks and their blocks (`install_holds`)."""
 
     def __init__(self, optimizer, parallel):
         self.units: dict[str, _Unit] = {}
@@ -95,10 +97,6 @@ class ParamGather:
             self.prev.update(zip(keys[1:], keys))
         self.regathered: set[str] = set()  # units whose own chain gathers them again for its backward
         self.gathers = 0  # units gathered (0 -> 1 holder) since construction (tests)
-        for chunk in parallel.chunks:
-            for module in chunk.modules():
-                if hasattr(module, "hold"):
-                    module.hold = self.hold
 
     # -- counting holders -------------------------------------------------------------------------------
     def _ref(self, u: _Unit) -> None:
