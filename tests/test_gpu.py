@@ -325,6 +325,8 @@ NEW_PATHS = {  # case: (overrides, rtol per step's loss); each built after the f
     "dsa_sparse": (_DSA, 1e-4),  # top-16 of up to 128 earlier tokens: selection really happens
     "dsa_warmup": (_DSA + ("model.dsa.stage=warmup", "model.dsa.indexer_lr=1e-2"), 1e-4),
     "qk_clip": (("train.qk_clip=1.0",), 1e-4),  # below every head's max lse: rows rescaled every step
+    # and the forward guard: each call's bound read on the host, calls over tau run again with scaled queries
+    "qk_clip_guard": (("train.qk_clip=1.0", "train.qk_clip_guard=true"), 1e-4),
     "zero2": (("parallel.placement.grads=sharded",), 1e-4),
     # the master and moments pinned in host memory, updated on the CPU bucket by bucket (never run on a GPU yet)
     "optimizer_offloaded": (("parallel.placement.optimizer=offloaded", "parallel.zero_bucket_mb=0.05"), 1e-4),

@@ -99,7 +99,8 @@ def trace_parts(cfg: Config, loss_mask: bool = False, backward: bool = False, he
     sends in all (`TracedParts.comm`); not `head`: the blocks only (the head's figures read 0). Cached;
     a trace that did more serves one that asks less."""
     key = repr((cfg.model, cfg.precision, cfg.recompute, cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device,
-                _trace_parallel(cfg.parallel), loss_mask, cfg.train.offload))
+                _trace_parallel(cfg.parallel), loss_mask, cfg.train.offload,
+                cfg.train.qk_clip if cfg.train.qk_clip_guard else 0.0))
     for b, h in ((True, True), (backward, True), (True, head), (backward, head)):
         if (key, b, h) in _CACHE:
             return _CACHE[(key, b, h)]

@@ -188,6 +188,10 @@ class TrainConfig:
     qk_clip: float = f(0.0, "QK-clip (Kimi K2's MuonClip) threshold tau: after each step, heads whose max "
                             "attention logit (bounded by the max log-sum-exp) exceeded tau get their q / k "
                             "weights scaled down to reach tau; 0 = off; any optimizer")
+    qk_clip_guard: bool = f(False, "with train.qk_clip: also hold tau inside every training forward, where a "
+                                   "step's update carried a head past it (that sample's queries of the head "
+                                   "scaled, the call run again): no logit over tau at the cost of a host read "
+                                   "per attention call and a second pass where one hits")
     grad_clip: float = f(1.0, "global grad-norm clip; 0 = off")
     ema_decay: float = f(0.0, "EMA of the fp32 parameters, kept in CPU memory (each rank its ZeRO shard) and "
                               "updated after every step in the background (DeepSeek-V3 3.2.3); 0 = off")
@@ -226,6 +230,8 @@ class TrainConfig:
         for name in ("warmup_steps", "weight_decay", "grad_clip", "threads", "peak_tflops", "max_nonfinite_steps",
                      "trace_step", "eps", "seed", "qk_clip"):
             non_negative(e, f"train.{name}", getattr(self, name))
+        if self.qk_clip_guard and not self.qk_clip:
+            e.append("train.qk_clip_guard holds train.qk_clip's tau in the forward: set train.qk_clip = tau too")
         if not 0 <= self.min_lr_ratio <= 1:
             e.append(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         if not 0 < self.wsd_decay_fraction <= 1:

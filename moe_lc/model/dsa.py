@@ -122,8 +122,8 @@ class LocalSparseCore:
 
 class DSAttention(MLAttention):
     """x (B, S, D) -> (B, S, D): MLA with a lightning indexer (module docstring). Seams beyond MLA's:
-    `sparse_core` (LocalSparseCore or the plan's ring core) and `aux_loss_scale` (the micro-batch's share of
-    the step, set by the layer plan)."""
+    `sparse_core` (LocalSparseCore or the plan's ring core), `aux_loss_scale` (the micro-batch's share of
+    the step, set by the layer plan) and `logit_guard` (QK-clip's forward guard on the sparse stage, or None)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -132,6 +132,7 @@ class DSAttention(MLAttention):
         self.sparse_core = LocalSparseCore()
         self.aux_loss_scale = 1.0
         self.keep_latents = False  # selective "mla_up": keep only the latents; q and the key rows rebuilt
+        self.logit_guard = None  # QK-clip's forward guard on the sparse stage (moe_lc/parallel/qk_guard.py)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
         """stats: the step's ForwardStats (the indexer loss's sums are booked there in backward)."""
@@ -186,13 +187,19 @@ class DSAttention(MLAttention):
                              self.indexer.topk)
         prepare = partial(self._queries_and_rows, cos=cos, sin=sin)
         attend = partial(_sparse_attention, self, sel)
+        guard = self.logit_guard if self.training else None
+        if guard is not None:  # each call's lse noted inside, the first (what the weights give) among them
+            attend = guard.sparse(attend, self)
         if train and self.keep_latents:  # the latents stay; q and the key rows are rebuilt for backward
             q, kv = checkpoint(prepare, q_src, c_kv, k_r, use_reentrant=False)
             out, lse = recompute_from((q_src, c_kv, k_r), (q, kv), prepare, lambda *qkv: self.replay(attend, *qkv))
         else:
             q, kv = prepare(q_src, c_kv, k_r)
             out, lse = self.replay(attend, q, kv)
-        note_max_lse(self, lse)  # QK-clip: the logits the sparse attention saw
+        if guard is None:
+            note_max_lse(self, lse)  # QK-clip: the logits the sparse attention saw
+        elif guard.gamma is not None:  # the indexer's target: the distribution attention used
+            q = q * guard.gamma.to(q.dtype)[:, None, :, None]
         if train:
             p = selected_probs(core.ring, q.detach(), kv.detach(), self.wkv_b.weight.detach(), self.nope_dim, lse, sel,
                                self.softmax_scale, core.reduce_heads)

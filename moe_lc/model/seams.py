@@ -12,7 +12,9 @@ decides, in one place, what each module gets.
               one that keeps gate|up in FP8.
   logits      a router's `logits(gate, x)`: gate(x) in fp32; recomputation plugs in one that rebuilds
               the fp32 copy of x in backward instead of keeping it.
-  core        an attention module's kernel call (LocalAttention; ring attention under CP).
+  core        an attention module's kernel call (LocalAttention; ring attention under CP; either inside
+              QK-clip's forward guard, moe_lc/parallel/qk_guard.py, which DSA's sparse stage, calling its
+              own kernel, reaches through `logit_guard`).
   out_proj    an attention module's `out_proj(wo, attend)`: wo(attend()), attend() the (B, S, H, Dv)
               attention output; FP8 activation caching (moe_lc/model/fp8_cache.py) plugs in one that
               keeps that output once, in FP8, for both the core's backward and wo's weight gradient.

@@ -190,14 +190,20 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, sca
 
 
 def note_max_lse(holder, lse_BHS: Tensor) -> None:
-    """QK-clip's probe (moe_lc/parallel/qk_clip.py): when `holder.max_lse_probe` is set, keep holder.max_lse
-    (H,) fp32, the per-head max of lse over every call since the probe was last reset. A row's lse bounds
+    """QK-clip's probes (moe_lc/parallel/qk_clip.py, qk_guard.py): when `holder.max_lse_probe` is set, keep
+    holder.max_lse (H,) fp32, the per-head max of lse over every call since the probe was last reset; when
+    `holder.bound_probe` is set, holder.call_bound (B, H), this call's per-sample max. A row's lse bounds
     its largest scaled score from above (by at most log of the keys it sees), and ring attention's merged
     lse is the full row's, so the bound is the same under any context-parallel layout."""
-    if not getattr(holder, "max_lse_probe", False):
+    probe, bound = getattr(holder, "max_lse_probe", False), getattr(holder, "bound_probe", False)
+    if not (probe or bound):
         return
-    seen = lse_BHS.detach().float().amax(dim=(0, 2))
-    holder.max_lse = seen if holder.max_lse is None else torch.maximum(holder.max_lse, seen)
+    per_sample = lse_BHS.detach().float().amax(dim=2)
+    if bound:
+        holder.call_bound = per_sample
+    if probe:
+        seen = per_sample.amax(0)
+        holder.max_lse = seen if holder.max_lse is None else torch.maximum(holder.max_lse, seen)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,

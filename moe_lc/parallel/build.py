@@ -48,7 +48,8 @@ def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str
     result = parallelize(model, dims, expert_dispatch=cfg.parallel.expert_dispatch, mla_ring=cfg.parallel.mla_ring,
                          schedule=schedule, stage_layers=layers, precision=p, recompute=cfg.recompute,
                          aux_loss_scale=1.0 / (microbatches * dims.dp), device=torch.device(device),
-                         route=route, defer_wgrad=defer_wgrad, compiled=t.compile, offload=tuple(t.offload))
+                         route=route, defer_wgrad=defer_wgrad, compiled=t.compile, offload=tuple(t.offload),
+                         qk_guard=t.qk_clip if t.qk_clip_guard else 0.0)
     if materialized:
         materialize(result, dims, t.seed, cfg.model.init_std, cfg.model.n_layers, device, p.compute_dtype)
     return result

@@ -2,7 +2,8 @@
 applied in one pass. Nothing else assigns these attributes of a built model (tests/test_layer_plan.py).
 
 Each decision has exactly one rule, and `LayerPlan.set` refuses a second, different value for the same
-attribute, so the rules can be resolved in any order and none reads what another put on a module:
+attribute, so the rules can be resolved in any order and none reads what another put on a module (one
+exception, said where it is: `LayerPlan.wrap`, which wraps the decision so far, runs after the others):
 
     decision                                  attributes it sets                rule
     tensor parallelism: TP role, local heads,  Linear.tp, .n_heads/.n_kv_heads,  parallel/tensor_plan.py
@@ -29,6 +30,9 @@ attribute, so the rules can be resolved in any order and none reads what another
     compiling (train.compile): every module's  .run_region (and the dispatcher's) `_compiled` (runners and
       regions through torch.compile, booked                                        watch: parallel/compile.py)
       to its block in the rank's CompileWatch
+    QK-clip's forward guard (train.qk_clip_    .core wrapped (`LayerPlan.wrap`:  parallel/qk_guard.py
+      guard): tau held inside each forward       around whichever core CP chose),
+                                               DSA's .logit_guard
 
 What the model declares about itself (the output head and router stay in the compute dtype, the
 router's W is never deferred) is set by its constructors (`fp8_eligible`, `defer_wgrad`) and only read here.
@@ -65,7 +69,7 @@ from moe_lc.parallel.placement import Placements
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
-                     "keep_latents", "count_loads", "mtp_embed", "run_region"})
+                     "keep_latents", "count_loads", "mtp_embed", "run_region", "logit_guard"})
 
 
 @dataclass
@@ -97,6 +101,13 @@ class LayerPlan:
                 raise AssertionError(f"the layer plan decides {name or '<model>'}.{attr} twice: {old!r} and {value!r}")
             row[attr] = value
 
+    def wrap(self, module: nn.Module, attr: str, around) -> None:
+        """Decide `module.attr` as around(what it is so far): the plan's earlier decision, else the module's
+        own default (QK-clip's guard around whichever core context parallelism chose)."""
+        assert attr in DECIDED, f"{attr!r} is not a layer-plan decision (add it to DECIDED)"
+        row = self.settings.setdefault(self._names[id(module)], {})
+        row[attr] = around(row[attr] if attr in row else getattr(module, attr))
+
     def get(self, module: nn.Module, attr: str, default=None):
         return self.settings.get(self._names[id(module)], {}).get(attr, default)
 
@@ -124,7 +135,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
                        expert_dispatch: str = "flat", mla_ring: str = "latent", precision: PrecisionConfig | None = None,
                        recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
                        device: torch.device | None = None, pipelined: bool = False, route=None,
-                       compiled: bool = False) -> LayerPlan:
+                       compiled: bool = False, qk_guard: float = 0.0) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
     dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
@@ -132,7 +143,8 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
     when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
     route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
     FP8 kernels will run (checked up front); compiled: the regions run through torch.compile (train.compile;
-    not on the meta device: the dry run's tensors have nothing to compile)."""
+    not on the meta device: the dry run's tensors have nothing to compile); qk_guard: tau of QK-clip's forward
+    guard around every attention core (moe_lc/parallel/qk_guard.py), 0 = none."""
     plan, placements = LayerPlan(model), placements if placements is not None else Placements()
     precision = precision or PrecisionConfig()
     tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
@@ -179,6 +191,10 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         kind = module_kinds().get(type(module))
         if kind is not None and kind.extra_plan is not None:
             load(kind.extra_plan)(module, dims, plan, aux_loss_scale, items)
+    if qk_guard:
+        from moe_lc.parallel.qk_guard import qk_guard_plan
+
+        qk_guard_plan(model, dims, plan, qk_guard)
     gemms = _gemms(model, precision, device)
     for linear, g in gemms.items():
         plan.set(linear, gemms=g)

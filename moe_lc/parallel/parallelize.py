@@ -33,7 +33,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
                 schedule=None, stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
                 recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
                 device: torch.device | None = None, route=None, defer_wgrad: bool | None = None,
-                compiled: bool = False, offload: tuple[str, ...] = ()) -> Parallelized:
+                compiled: bool = False, offload: tuple[str, ...] = (), qk_guard: float = 0.0) -> Parallelized:
     """Shard `model` for this rank's coordinates (see the module docstring).
 
     Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
@@ -45,12 +45,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     pipeline schedule; the planner asks for it to measure what a split backward holds). `compiled`: the
     model's regions run through torch.compile (train.compile; the result's `compile_watch` counts them).
     `offload`: train.offload's items, whose saved tensors live on the host (moe_lc/parallel/offload.py).
+    `qk_guard`: tau of QK-clip's forward guard (train.qk_clip_guard; moe_lc/parallel/qk_guard.py), 0 = none.
     """
     single_device_order = [name for name, _ in model.named_parameters()]
     placements = Placements()
     plan = resolve_layer_plan(model, dims, placements, expert_dispatch=expert_dispatch, mla_ring=mla_ring,
                               precision=precision, recompute=recompute, aux_loss_scale=aux_loss_scale,
-                              device=device, route=route, compiled=compiled,
+                              device=device, route=route, compiled=compiled, qk_guard=qk_guard,
                               pipelined=schedule is not None if defer_wgrad is None else defer_wgrad)
     model = plan.apply(model)
     if model.cfg.tie_embeddings:

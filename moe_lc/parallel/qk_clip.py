@@ -16,6 +16,10 @@ gradient group (dp x cp; DualPipe's mirror rank included) makes it the step's, s
 alike. The rescaling is per kind (the attention registry's `qk_clip_rows`: GQA's and MLA's rules,
 moe_lc/model/attention.py and mla.py): factors per row of the local weights, which ZeRO applies to
 the fp32 master rows before its all-gather (moe_lc/parallel/zero.py `row_scales`).
+
+The rule reads the step's logits before its update, so the update can carry a head past tau until the
+next step's clip; `train.qk_clip_guard` adds a guard that holds tau inside each forward
+(moe_lc/parallel/qk_guard.py; its count of scaled (sample, head) pairs is `attn/qk_guard_hits`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from moe_lc.config.attention_kinds import kind_of_module, load
 from moe_lc.model.block import Block
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
+from moe_lc.parallel.qk_guard import GuardedCore, inner_core
 
 
 def attention_sites(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -65,15 +70,24 @@ class QKClip:
         itself (DeepSeek Sparse Attention's sparse stage calls its own kernel)."""
         for _, module, _ in self.sites:
             yield module
-            yield module.core
+            yield inner_core(module)
+
+    def _guards(self):
+        """The forward guards of the sites (train.qk_clip_guard; moe_lc/parallel/qk_guard.py), if any: each on
+        its guarded core (DSA's `logit_guard` is the same object)."""
+        for _, module, _ in self.sites:
+            if isinstance(module.core, GuardedCore):
+                yield module.core.guard
 
     def reset(self) -> None:
         for holder in self._holders():
             holder.max_lse = None
+        for guard in self._guards():
+            guard.take_hits()
 
     def _site_max(self, module: nn.Module) -> torch.Tensor:
         """(H,) the per-head max lse this step recorded for `module` (-inf where it saw nothing)."""
-        seen = [h.max_lse for h in (module, module.core) if h.max_lse is not None]
+        seen = [h.max_lse for h in (module, inner_core(module)) if h.max_lse is not None]
         if not seen:
             return torch.full((module.n_heads,), float("-inf"), device=module.wo.weight.device)
         return torch.stack(seen).amax(0)
@@ -96,4 +110,7 @@ class QKClip:
         values = per_layer.tolist()
         metrics = {f"attn/max_lse/layer{i}": v for i, v in enumerate(values)}
         metrics["attn/max_lse"] = max(values)
+        guards = list(self._guards())
+        if guards:  # this rank's count (a metric the logging rank writes), not reduced: no collective for it
+            metrics["attn/qk_guard_hits"] = sum(g.take_hits() for g in guards)
         return scales, metrics

@@ -179,14 +179,14 @@ def hybrid_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, a2a
 
 
 def note_head_group_lse(holder, lse_BhS: Tensor, a2a: Group) -> None:
-    """QK-clip's probe (moe_lc/parallel/qk_clip.py) for this rank's head group: lse (B, H/A, S') -> the per-head
-    max at the group's place among the module's H heads, -inf at the others (the all-reduce over dp x cp,
-    which holds the a2a peers, fills them in)."""
-    if not getattr(holder, "max_lse_probe", False):
+    """QK-clip's probes (moe_lc/parallel/qk_clip.py, qk_guard.py) for this rank's head group: lse (B, H/A, S')
+    -> each sample's per-head max at the group's place among the module's H heads, -inf at the others (the
+    all-reduces over dp x cp, or the guard's over cp, which hold the a2a peers, fill them in)."""
+    if not (getattr(holder, "max_lse_probe", False) or getattr(holder, "bound_probe", False)):
         return
-    h = lse_BhS.shape[1]
-    full = lse_BhS.new_full((1, h * a2a.size, 1), float("-inf"))
-    full[0, a2a.rank * h:(a2a.rank + 1) * h, 0] = lse_BhS.detach().float().amax(dim=(0, 2))
+    B, h = lse_BhS.shape[:2]
+    full = lse_BhS.new_full((B, h * a2a.size, 1), float("-inf"))
+    full[:, a2a.rank * h:(a2a.rank + 1) * h, 0] = lse_BhS.detach().float().amax(dim=2)
     note_max_lse(holder, full)
 
 
