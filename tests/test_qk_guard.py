@@ -1,7 +1,7 @@
 """QK-clip's forward guard (moe_lc/parallel/qk_guard.py, `train.qk_clip_guard`): on the run built to grow its
 logits (Muon at a high rate), where K2's rule alone lets one update's growth pass tau, no training forward's
 exact max logit exceeds tau; a tau never reached changes nothing, bit for bit; runs where it scales on many
-steps equal one process under dp2, cp2 (GQA's ring, MLA's latent ring, DSA's sparse stage), pp2 DualPipe, tp2,
+steps equal one process under dp2, cp2 (GQA's ring, MLA's latent ring, DSA's sparse stage and warm-up), pp2 DualPipe, tp2,
 recomputation (selective "attention" under cp2, full under dp2) and hybrid cp4 (a2a 2); its all-reduce over cp is the planner's bytes; the config needs train.qk_clip."""
 
 import json
@@ -117,6 +117,9 @@ LAYOUTS = {
     "mla_cp2_latent_ring": (MLA_SMALL + ["train.lr=0.005", "train.qk_clip=3.6"], ["parallel.cp=2"], 2),
     "dsa_sparse_cp2": (DSA_SPARSE + ["train.steps=5", "train.seq_len=64", "train.micro_batch=4", "train.lr=1.5e-3",
                                      "train.qk_clip=2.84"], ["parallel.cp=2"], 2),
+    # the warm-up: attention frozen, so the guard scales every step; the indexer's target is what attention used
+    "dsa_warmup_cp2": (DSA_SPARSE + ["train.steps=4", "train.seq_len=64", "train.micro_batch=4", "model.dsa.stage=warmup",
+                                     "model.dsa.indexer_lr=1e-2", "train.qk_clip=2.84"], ["parallel.cp=2"], 2),
     "pp2_dualpipe": (["train.micro_batch=1"], ["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2),
     "tp2": ([], ["parallel.tp=2"], 2),
     # the core replayed in backward: the guard runs again there, its all-reduce with it, the same decision

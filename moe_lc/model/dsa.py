@@ -228,6 +228,8 @@ class DSAttention(MLAttention):
         with torch.no_grad():
             q_lat = self.q_norm(q_src)
             q = self.rope_q(self.wq_b(q_lat), cos, sin)
+            if self.logit_guard is not None and self.logit_guard.gamma is not None:  # the core's call just now
+                q = q * self.logit_guard.gamma.to(q.dtype)[:, None, :, None]  # the distribution attention used
             kv = self.latent_rows(c_kv, k_r, cos, sin)
             w_uk, _ = self.absorbed_weights()
             lse = head_lse(core.ring, layout, q, kv, w_uk, self.softmax_scale)
