@@ -89,8 +89,9 @@ class Trainer:
             reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
             if reason is not None:
                 raise ConfigError([f"precision.fp8_backend='te': {reason}"])
+        zero3 = cfg.parallel.placement.params == "sharded_gather"  # no rank holds its whole local model, ever
         self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
-                                         route=self.route)
+                                         route=self.route, defer_params=zero3)
         self.model = self.parallel.module.train()
         self.compile_watch = self.parallel.compile_watch  # train.compile: the layer plan compiled the regions
         self.runtime = None
@@ -105,7 +106,8 @@ class Trainer:
             build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
             no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
             grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer,
-            params=cfg.parallel.placement.params, optimizer_overlap=cfg.parallel.placement.optimizer_overlap)
+            params=cfg.parallel.placement.params, optimizer_overlap=cfg.parallel.placement.optimizer_overlap,
+            initial_value=self.parallel.initial_value)
         # ZeRO-3's unit gathers, or a deferring offloaded optimizer's updates, around each forward chain
         self.param_gather = install_holds(self.optimizer, self.parallel)
         self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip

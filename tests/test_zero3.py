@@ -8,7 +8,8 @@ norms' and router's gradients are reduce-scattered over 4 ranks, and a ring sums
 position in the bucket (over 2 ranks a + b is the same either way); under pp2 DualPipe a split backward's W passes
 deliver gradients out of micro-batch order, so a round sums whichever gradients arrive before its bucket fills.
 With one micro-batch per rank it is ZeRO-1 bit for bit, and a checkpoint resumes across ZeRO-1 and ZeRO-3 either
-way exactly. Every step's counted bytes are the planner's; between units no parameter storage is held."""
+way exactly. Every step's counted bytes are the planner's; between units no parameter storage is held, and at
+start-up no rank holds its whole model: the build draws nothing, ZeRO draws bucket by bucket."""
 
 import pytest
 import torch
@@ -129,6 +130,45 @@ def test_parameters_are_present_only_around_their_unit(tmp_path, monkeypatch):
     with trainer.params_present():  # what checkpoints and final-state gathering read
         assert all(p.untyped_storage().nbytes() > 0 for p in trainer.model.parameters())
     assert not held
+
+
+def test_no_rank_ever_holds_its_whole_model(tmp_path, monkeypatch):
+    """Start-up included: the build leaves every parameter without storage (nothing drawn), and ZeRO builds its
+    buckets one at a time, each drawn through `initial_value`, its shard kept and the rest freed before the next;
+    the shards hold the same values as a whole build's (tied embedding and MTP, 2 groups: dense and experts)."""
+    from moe_lc.parallel import zero
+    from moe_lc.parallel.build import build_rank_model
+    from moe_lc.parallel.mesh import ParallelDims
+    from moe_lc.train import Trainer
+
+    cfg = load_config(RECIPE, FAST + STEPS + ZERO3 + [f"train.output_dir={tmp_path}", "model.tie_embeddings=true",
+                                                      "model.mtp.depth=1"])
+    dims = ParallelDims.from_config(cfg.parallel, 1, 0, "cpu")
+    deferred = build_rank_model(cfg, dims, defer_params=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in deferred.module.parameters())
+    whole = dict(build_rank_model(cfg, dims).module.named_parameters())
+    assert all(torch.equal(deferred.initial_value(n), p) for n, p in whole.items())
+    others_held = []  # at each bucket's free during the build: how many other buckets hold storage
+
+    def free(self, b, original=zero.ShardedParams.free_bucket):
+        buckets = [x for group in {*made, self} for x in group.buckets if x is not b and x.full is not None]
+        others_held.append(sum(x.full.untyped_storage().nbytes() > 0 for x in buckets))
+        original(self, b)
+
+    made = []
+    init = zero.ShardedParams.__init__
+
+    def remember(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(zero.ShardedParams, "free_bucket", free)
+    monkeypatch.setattr(zero.ShardedParams, "__init__", remember)
+    trainer = Trainer(cfg)
+    assert len(made) == 2 and len(others_held) == sum(len(group.buckets) for group in made) > 8
+    assert not any(others_held)
+    with trainer.params_present():
+        assert all(torch.equal(p, whole[n]) for n, p in trainer.model.named_parameters())
 
 
 def test_zero3_with_compiled_regions_is_refused():

@@ -35,11 +35,12 @@ def pipeline_plan(cfg: Config, microbatches: int):
 
 def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str = "cpu", *,
                      pipeline=None, materialized: bool = True, route=None,
-                     defer_wgrad: bool | None = None) -> Parallelized:
+                     defer_wgrad: bool | None = None, defer_params: bool = False) -> Parallelized:
     """cfg's model for dims.rank: built on meta, parallelized (PP, TP, EP, CP, FP8, recompute), and with
     `materialized` its local shards allocated on `device` and initialized (seed `train.seed`).
     pipeline: (schedule, stage layers) from `pipeline_plan` (computed here when None); route: a router
-    selection replacing the learned one (the dry run's balanced routing); defer_wgrad: see `parallelize`."""
+    selection replacing the learned one (the dry run's balanced routing); defer_wgrad: see `parallelize`;
+    defer_params: parameters left without storage for ZeRO-3 to draw bucket by bucket (`materialize`)."""
     t, p = cfg.train, cfg.precision
     microbatches = t.microbatches(dims.dp)
     schedule, layers = pipeline if pipeline is not None else pipeline_plan(cfg, microbatches)
@@ -51,5 +52,6 @@ def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str
                          route=route, defer_wgrad=defer_wgrad, compiled=t.compile, offload=tuple(t.offload),
                          qk_guard=t.qk_clip if t.qk_clip_guard else 0.0)
     if materialized:
-        materialize(result, dims, t.seed, cfg.model.init_std, cfg.model.n_layers, device, p.compute_dtype)
+        materialize(result, dims, t.seed, cfg.model.init_std, cfg.model.n_layers, device, p.compute_dtype,
+                    deferred=defer_params)
     return result

@@ -27,6 +27,7 @@ from moe_lc.parallel.layer_plan import resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
 from moe_lc.parallel.tie import tie_plan
+from moe_lc.parallel.trace_hooks import tell
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
@@ -76,27 +77,54 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
 
 @torch.no_grad()
 def materialize(result: Parallelized, dims: ParallelDims, seed: int, std: float, n_layers: int,
-                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Parallelized:
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                deferred: bool = False) -> Parallelized:
     """Allocate this rank's parameters of a model built on the meta device and fill them with its slice
     of the single-device init (moe_lc/model/init.py), drawn in row chunks: no full tensor of a sharded
     parameter is ever held. Buffers are allocated on `device` and recomputed. On the meta device (the dry
-run) nothing is drawn."""
+    run) nothing is drawn. `result.initial_value(name)` gives any parameter's initial local tensor again.
+
+    deferred (ZeRO-3, parallel.placement.params = "sharded_gather"): each parameter gets its shape, dtype and
+    device but no storage (nothing allocated, nothing drawn); ZeRO draws each bucket's parameters through
+    `initial_value` when it builds that bucket, keeps its own shard and frees the rest, so no rank ever
+    holds its whole local model."""
     module = result.module
     rules = init_rules(module, std, n_layers)
-    module.to_empty(device=device)  # new Parameter objects (look them up after), buffers allocated
-    module.tie_head_()  # one object again for a tied embedding and head
-    init_buffers(module)
-    params = dict(module.named_parameters())
-    for name, place in result.placements.items():
-        param, rule = params[name], rules[name]
-        if torch.device(device).type == "meta":  # the dry run: shapes only, no values to draw
-            param.data = torch.empty(param.shape, dtype=dtype, device=device)
-            continue
+    meta = torch.device(device).type == "meta"
+    shapes = {name: p.shape for name, p in module.named_parameters()}
+
+    def initial_value(name: str) -> torch.Tensor:
+        place, rule, shape = result.placements[name], rules[name], shapes[name]
+        if meta:  # the dry run: shapes only, no values to draw
+            return torch.empty(shape, dtype=dtype, device=device)
         if rule.kind != "normal":
-            local = torch.full(param.shape, 1.0 if rule.kind == "ones" else 0.0)
-        else:
-            local = _local_normal(place.full_shape(param.shape, dims.groups), place.shards, dims, seed, name) * rule.std
-        param.data = local.to(dtype).to(device)
+            return torch.full(shape, 1.0 if rule.kind == "ones" else 0.0, dtype=dtype, device=device)
+        local = _local_normal(place.full_shape(shape, dims.groups), place.shards, dims, seed, name) * rule.std
+        return local.to(dtype).to(device)
+
+    if deferred:  # buffers allocated; parameters (new objects, as to_empty makes) of no storage
+        made = {}
+        for sub in module.modules():
+            for key, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[key] = torch.empty_like(buf, device=device)
+            for key, param in sub._parameters.items():
+                if param is not None and id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                   param.requires_grad)
+                    made[id(param)].untyped_storage().resize_(0)
+                    tell("resized", made[id(param)])  # the dry run's trace: freed as soon as made
+                if param is not None:
+                    sub._parameters[key] = made[id(param)]
+    else:
+        module.to_empty(device=device)  # new Parameter objects (look them up after), buffers allocated
+    module.tie_head_()  # one object again for a tied embedding and head
+    params = dict(module.named_parameters())
+    init_buffers(module)
+    if not deferred:
+        for name in result.placements:
+            params[name].data = initial_value(name)
+    result.initial_value = initial_value
     install_grad_hooks(module, result.placements)
     return result
 

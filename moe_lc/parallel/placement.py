@@ -166,6 +166,8 @@ class Parallelized:
     decisions   the layer plan it was built from, one line per decision (moe_lc/parallel/layer_plan.py)
     compile_watch  what compiling its regions cost and broke (train.compile; else None: parallel/compile.py)
     offload     the rank's ActivationOffload (train.offload; else None: parallel/offload.py)
+    initial_value  name -> that parameter's initial local tensor (set by `materialize`; ZeRO-3 draws its
+                deferred parameters through it, bucket by bucket)
     """
 
     module: nn.Module
@@ -176,6 +178,7 @@ class Parallelized:
     decisions: list[str] = field(default_factory=list)
     compile_watch: object = None
     offload: object = None
+    initial_value: object = None
 
     def __post_init__(self):
         self.chunks = self.chunks or [self.module]

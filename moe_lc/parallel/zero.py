@@ -69,7 +69,7 @@ class ShardedParams:
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter, ParamPlacement]], group: Group,
                  bucket_elems: int, no_decay: set[str], rule: UpdateRule, lr_scale: float = 1.0,
                  tie: Group | None = None, shard_groups: dict[str, Group] | None = None, grads_sharded: bool = False,
-                 optimizer_offloaded: bool = False, unit_of=None, deferred: bool = False):
+                 optimizer_offloaded: bool = False, unit_of=None, deferred: bool = False, initial_value=None):
         self.name, self.group, self.lr_scale, self.tie = name, group, lr_scale, tie
         self.names = {id(p): n for n, p, _ in named_params}
         self.placements = {n: place for n, _, place in named_params}
@@ -104,12 +104,16 @@ class ShardedParams:
                       else self.param_buffer[b.start:b.start + b.size])
             for p, off in b.params:
                 view = b.full[off - b.start:off - b.start + p.numel()].view_as(p)
-                view.copy_(p.data)
+                unmade = initial_value is not None and not p.untyped_storage().nbytes()
+                view.copy_(initial_value(self.names[id(p)]) if unmade else p.data)  # a deferred one drawn now
                 p.data = view
                 offsets[id(p)] = (index, off - b.start)
                 if self.grad_buffer is not None:
                     self._slot[id(p)] = (self.grad_buffer[off:off + p.numel()].view_as(p), b)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+            if self.params_sharded:  # one bucket whole at a time: this rank's shard kept, the rest freed
+                self.own_params(b).copy_(self._own(b.full, b, 0))
+                self.free_bucket(b)
         self.rounds = GradRounds(self, offsets) if grads_sharded else None
         shard = self.numel // N
         self.grad_shard = torch.zeros(shard, device=device, dtype=torch.float32)
@@ -123,9 +127,6 @@ class ShardedParams:
                           for spec in rule.states()}
             self.host = None
         for b in self.buckets:
-            if self.params_sharded:
-                self.own_params(b).copy_(self._own(b.full, b, 0))
-                self.free_bucket(b)
             self._shard_slice(b, self.master).copy_(self.own_params(b))
         owned = self._owned_params()
         grad = self.grad_shard if self.host is None else self.host.grad_host  # what the rule reads
@@ -344,20 +345,22 @@ class ZeroOptimizer:
     of the model (the world), over which the squared norm is summed. rule: moe_lc.optim's (default AdamW
     with its defaults); no_decay: the names of parameters weight decay leaves alone; shard_groups: the
     mesh's groups by name (ParallelDims.groups), over which a rule's whole matrices are gathered from their
-    tensor-parallel slices (Muon).
+    tensor-parallel slices (Muon). initial_value: name -> a parameter's initial local tensor
+    (`Parallelized.initial_value`), read for parameters that have no storage yet (ZeRO-3's deferred
+    materialization: each bucket drawn, its shard kept and the rest freed before the next).
     """
 
     def __init__(self, groups, norm_group: Group, rule: UpdateRule | None = None, *, grad_clip=0.0,
                  bucket_mb=32.0, no_decay: set[str] = frozenset(), ema_decay: float = 0.0,
                  shard_groups: dict[str, Group] | None = None, grads: str = "replicated", optimizer: str = "device",
-                 params: str = "replicated", optimizer_overlap: bool = False):
+                 params: str = "replicated", optimizer_overlap: bool = False, initial_value=None):
         self.rule = rule if rule is not None else AdamW()
         sharded = params == "sharded_gather"  # ZeRO-3 shards the gradients too
         self.shards = [ShardedParams(n, ps, g, bucket_elems(bucket_mb), set(no_decay), self.rule,
                                      *(scale or [1.0]), shard_groups=shard_groups,
                                      grads_sharded=grads == "sharded" or sharded,
                                      optimizer_offloaded=optimizer == "offloaded", unit_of=unit_of if sharded else None,
-                                     deferred=optimizer_overlap)
+                                     deferred=optimizer_overlap, initial_value=initial_value)
                        for n, ps, g, *scale in groups if ps]
         self.params_sharded = sharded
         self.deferred = optimizer == "offloaded" and optimizer_overlap  # updates run as the next forward needs them
