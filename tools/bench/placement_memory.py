@@ -2,6 +2,8 @@
 
     python -m tools.bench.placement_memory --out docs/results/placement-memory \
         --placements ZeRO-1,ZeRO-2,ZeRO-3
+    python -m tools.bench.placement_memory --out docs/results/placement-memory/startup --startup \
+        --placements ZeRO-1,ZeRO-2,ZeRO-3 --malloc "fixed mmap threshold (128 KiB)"
     python -m tools.bench.placement_memory --out docs/results/placement-memory/offload \
         --placements "ZeRO-1,ZeRO-1 + optimizer offload,ZeRO-1 + activation offload" \
         --malloc "fixed mmap threshold (128 KiB)"
@@ -21,6 +23,9 @@ freed (up to 32 MiB), so after the first freed bucket-sized buffer later ones co
 in the process when freed (RSS then keeps what ZeRO-2 frees: it measures the allocator, not the
 placement); and with MALLOC_MMAP_THRESHOLD_=131072 (a fixed threshold: every block of 128 KiB or more is
 its own mapping, returned on free), where RSS follows the live tensors.
+
+`--startup`: each rank builds its trainer and stops (the peak of start-up: the model built, sharded and
+handed to ZeRO, no step), the peak a rank must survive before its first step.
 """
 
 from __future__ import annotations
@@ -61,19 +66,23 @@ def overrides(world: int, steps: int, bucket_mb: float, placement: list[str]) ->
                               f"parallel.zero_bucket_mb={bucket_mb}"] + placement
 
 
-def _worker(rank: int, world: int, port: int, sets: list[str], out: str) -> None:
+def _worker(rank: int, world: int, port: int, sets: list[str], out: str, startup: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from moe_lc.config import load_config
-    from moe_lc.train import run
+    from moe_lc.train import Trainer, run
 
     cfg = load_config(ROOT / "recipes/debug_cpu.toml", sets + [f"train.output_dir={out}/run"], world_size=world)
-    run(cfg)
+    if startup:  # the model built, sharded and handed to ZeRO; no step
+        Trainer(cfg)
+    else:
+        run(cfg)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     Path(out, f"rank{rank}.json").write_text(json.dumps({"peak_rss_mib": peak_kib / 1024}))
 
 
-def measure(world: int, steps: int, bucket_mb: float, placement: list[str], mmap_threshold: str | None) -> dict:
+def measure(world: int, steps: int, bucket_mb: float, placement: list[str], mmap_threshold: str | None,
+            startup: bool = False) -> dict:
     """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement and malloc setting."""
     from moe_lc.config import load_config
     from ..plan import plan
@@ -86,7 +95,7 @@ def measure(world: int, steps: int, bucket_mb: float, placement: list[str], mmap
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, sets, tmp), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, sets, tmp, startup), nprocs=world, start_method="spawn")
         rss = [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_rss_mib"] for r in range(world)]
     rank = plan(load_config(ROOT / "recipes/debug_cpu.toml", sets, world_size=world), world).ranks[0]
     planned = {k: rank.memory[k] / MIB for k in ("params", "grads", "optimizer")}
@@ -119,6 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=4, help="gloo ranks, all data-parallel")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=8.0, help="parallel.zero_bucket_mb")
+    ap.add_argument("--startup", action="store_true", help="build each rank's trainer only (start-up's peak: "
+                    "the model built, sharded and handed to ZeRO), no step; the planner's columns stay a step's")
     ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     ap.add_argument("--placements", default=",".join(PLACEMENTS), help="which of: " + ", ".join(PLACEMENTS))
     ap.add_argument("--malloc", default=",".join(MALLOC), help="which of: " + ", ".join(MALLOC))
@@ -128,13 +139,13 @@ def main(argv=None) -> None:
     if unknown or "ZeRO-1" not in chosen:
         ap.error(f"unknown {unknown}; --placements must include ZeRO-1 (the baseline)" if unknown else
                  "--placements must include ZeRO-1 (the baseline)")
-    results = {"model": "46M MoE (compile_cpu 'large')", "world": args.world, "steps": args.steps,
+    results = {"model": "46M MoE (compile_cpu 'large')", "world": args.world, "steps": 0 if args.startup else args.steps,
                "bucket_mb": args.bucket_mb, "runs": {}}
     for malloc, threshold in ((m, MALLOC[m]) for m in args.malloc.split(",")):
         for name, placement in ((n, PLACEMENTS[n]) for n in chosen):
-            print(f"{malloc}, {name}: {args.world} ranks x {args.steps} steps ...", flush=True)
+            print(f"{malloc}, {name}: {args.world} ranks x {results['steps']} steps ...", flush=True)
             results["runs"].setdefault(malloc, {})[name] = measure(args.world, args.steps, args.bucket_mb, placement,
-                                                                   threshold)
+                                                                   threshold, args.startup)
     text = table(results)
     print(text)
     if args.out is not None:
