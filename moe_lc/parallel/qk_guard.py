@@ -16,12 +16,14 @@ the same under any data-parallel or micro-batch split, and every layout stays eq
 Under context parallelism a sample's rows are spread over the "cp" group: its bound is all-reduced
 (MAX; B x H fp32 per call, recomputation's replays included, counted like every collective) so all cp
 ranks scale alike and run the ring again together. What it costs: a host read per call (whether to run
-again), that all-reduce, and for calls that hit a second attention pass whose scaled queries are kept
+again; the dry run lists it among the step's host syncs), that all-reduce, and for calls that hit a second attention pass whose scaled queries are kept
 for backward (the first pass's graph is dropped). Training forwards only (`module.training`):
 evaluation and decoding see the weights as they are.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -48,9 +50,11 @@ class LogitGuard:
         if self.group is not None and self.group.size > 1:
             bound = bound.clone()
             comm.all_reduce(bound, self.group, op=torch.distributed.ReduceOp.MAX)
-        if bound.is_meta:  # the planner's trace counts the all-reduce and reads nothing
-            return result
         over = bound > self.tau
+        if bound.is_meta:  # the planner's trace and the dry run: the all-reduce counted, no values, no second pass
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                int(over.sum())  # the dry run's tracer books this host read (elsewhere a meta tensor has no value)
+            return result
         n = int(over.sum())  # the host read: whether to run again
         if not n:
             return result
