@@ -102,6 +102,21 @@ def test_the_guard_scales_a_samples_head_to_tau_and_leaves_the_rest():
     assert len(seen) == 1 and guard.gamma is None
 
 
+def test_the_layer_plan_wraps_each_attention_core_and_says_so_on_one_line():
+    from moe_lc.parallel.build import build_rank_model
+    from moe_lc.parallel.mesh import ParallelDims
+
+    cfg = load_config(RECIPE, ["train.qk_clip=5", "train.qk_clip_guard=true"])
+    built = build_rank_model(cfg, ParallelDims.from_config(cfg.parallel, 1, 0, "cpu"))
+    cores = [m.attn.core for m in built.module.layers.values()]
+    assert all(isinstance(c, GuardedCore) and c.guard.tau == 5 for c in cores)
+    assert len({id(c.guard) for c in cores}) == len(cores)  # one per module: hits per layer, gamma per call
+    assert "layers.0.attn.core = GuardedCore( qk_clip_guard tau=5 (inner): LocalAttention(backend=auto) )" in \
+        built.decisions
+    plain = build_rank_model(load_config(RECIPE, ["train.qk_clip=5"]), ParallelDims.from_config(cfg.parallel, 1, 0, "cpu"))
+    assert not any(isinstance(m.attn.core, GuardedCore) for m in plain.module.layers.values())
+
+
 def test_the_guard_needs_qk_clip_in_one_line():
     with pytest.raises(ConfigError) as err:
         load_config(RECIPE, ["train.qk_clip_guard=true"])

@@ -128,6 +128,8 @@ class LayerPlan:
 def _short(value) -> str:
     if isinstance(value, partial):
         return f"{value.func.__name__}({', '.join(f'{k}=...' for k in value.keywords)})"
+    if isinstance(value, nn.Module):  # one line, a wrapper's children included (QK-clip's guard around a core)
+        return " ".join(repr(value).split())
     return getattr(value, "__name__", None) or repr(value)
 
 
