@@ -198,8 +198,8 @@ class DSAttention(MLAttention):
             out, lse = self.replay(attend, q, kv)
         if guard is None:
             note_max_lse(self, lse)  # QK-clip: the logits the sparse attention saw
-        elif guard.gamma is not None:  # the indexer's target: the distribution attention used
-            q = q * guard.gamma.to(q.dtype)[:, None, :, None]
+        else:  # the indexer's target: the distribution attention used
+            q = guard.used(q)
         if train:
             p = selected_probs(core.ring, q.detach(), kv.detach(), self.wkv_b.weight.detach(), self.nope_dim, lse, sel,
                                self.softmax_scale, core.reduce_heads)
@@ -228,8 +228,8 @@ class DSAttention(MLAttention):
         with torch.no_grad():
             q_lat = self.q_norm(q_src)
             q = self.rope_q(self.wq_b(q_lat), cos, sin)
-            if self.logit_guard is not None and self.logit_guard.gamma is not None:  # the core's call just now
-                q = q * self.logit_guard.gamma.to(q.dtype)[:, None, :, None]  # the distribution attention used
+            if self.logit_guard is not None:  # the distribution the core's call just now used
+                q = self.logit_guard.used(q)
             kv = self.latent_rows(c_kv, k_r, cos, sin)
             w_uk, _ = self.absorbed_weights()
             lse = head_lse(core.ring, layout, q, kv, w_uk, self.softmax_scale)

@@ -16,8 +16,8 @@ the same under any data-parallel or micro-batch split, and every layout stays eq
 Under context parallelism a sample's rows are spread over the "cp" group: its bound is all-reduced
 (MAX; B x H fp32 per call, recomputation's replays included, counted like every collective) so all cp
 ranks scale alike and run the ring again together. What it costs: a host read per call (whether to run
-again; the dry run lists it among the step's host syncs), that all-reduce, and for calls that hit a second attention pass whose scaled queries are kept
-for backward (the first pass's graph is dropped). Training forwards only (`module.training`):
+again; the dry run lists it among the step's host syncs), that all-reduce, and for calls that hit a
+second attention pass whose scaled queries are kept for backward (the first pass's graph is dropped). Training forwards only (`module.training`):
 evaluation and decoding see the weights as they are.
 """
 
@@ -60,7 +60,11 @@ class LogitGuard:
             return result
         self.hits += n
         self.gamma = torch.where(over, self.tau / bound, torch.ones_like(bound))
-        return call(q * self.gamma.to(q.dtype)[:, None, :, None])[0]
+        return call(self.used(q))[0]
+
+    def used(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, S, H, D) as the last call's kept pass saw it: scaled by `gamma` where it scaled, else q."""
+        return q if self.gamma is None else q * self.gamma.to(q.dtype)[:, None, :, None]
 
     def sparse(self, attend, holder):
         """DeepSeek Sparse Attention's sparse stage (its own kernel, no core seam): attend(q, kv) -> (out, lse
@@ -115,5 +119,5 @@ def qk_guard_plan(model: nn.Module, dims, plan, tau: float) -> None:
             continue
         guard = LogitGuard(tau, group)
         plan.wrap(module, "core", lambda core, g=guard: GuardedCore(core, g))
-        if hasattr(module, "sparse_core"):
+        if hasattr(module, "logit_guard"):  # a kind that calls a kernel of its own besides the core (DSA)
             plan.set(module, logit_guard=guard)
