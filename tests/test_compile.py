@@ -17,7 +17,7 @@ from moe_lc.ops.regions import Region
 from moe_lc.parallel.compile import CompiledRegions, CompileWatch
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.train import run
-from tests.harness import FAST, RECIPES, TOLERANCE, LayoutResult, compare, reference, run_layout
+from tests.harness import FAST, RECIPES, LayoutResult, compare, reference, run_layout
 from tools.activation_memory import measure_saved_bytes
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -188,11 +188,13 @@ SEAMS = {
     "full recompute": (RecomputeConfig(policy="full"), PrecisionConfig(), 1e-5),
     "selective": (RecomputeConfig(policy="selective", selective=["norm", "swiglu", "attention", "router"]),
                   PrecisionConfig(), 1e-5),
-    # FP8 rounds what a region hands it: a 1e-7 difference can cross a rounding boundary (the harness's
-    # tolerance between layouts of an fp8 run)
+    # FP8 rounds what a region hands it: a 1e-7 difference from inductor's fusion can cross a rounding
+    # boundary, by an amount that depends on the CPU (0.0144 on an AMD EPYC, 0.0234 reported on an Intel
+    # core). The bound is derived instead of fixed: compile may move each gradient by at most what FP8's
+    # rounding moves it from fp32 (0.05-0.18 here); a wrong cache or a dropped region moves it by ~1.
     "fp8 caches": (RecomputeConfig(policy="selective", selective=["norm"]),
                    PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=["linear", "swiglu", "attn_out"]),
-                   TOLERANCE["fp8"]),
+                   None),
 }
 
 
@@ -215,6 +217,12 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
         saved[on] = measure_saved_bytes(model, lambda: loss.append(model(tokens[:, :-1], labels=tokens[:, 1:])))
         loss[0].backward()
         grads[on] = {n: p.grad for n, p in model.named_parameters()}
+    bound = {}
+    if rtol is None:  # each gradient's own FP8 error: eager FP8 against eager fp32 on the same tokens
+        model = build_model(cfg.model, seed=0)
+        apply_layer_plan(model, precision=PrecisionConfig(), recompute=recompute, compiled=False)
+        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+        bound = {n: ((grads[False][n] - p.grad).norm() / p.grad.norm()).item() for n, p in model.named_parameters()}
     layers = [part for part in saved[False] if part.startswith("layer")]
     assert saved[True]["layer0"] == saved[False]["layer0"]
     for part in layers:
@@ -223,7 +231,7 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
             assert saved[True][part] == saved[False][part], (part, saved)
     for name, want in grads[False].items():
         rel = ((grads[True][name] - want).norm() / want.norm()).item()
-        assert rel <= rtol, (name, rel)
+        assert rel <= (rtol if rtol is not None else bound[name]), (name, rel, bound.get(name))
 
 
 def test_every_region_runs_through_a_run_region_seam():
