@@ -28,8 +28,10 @@ ROOT = the checkpoint root:
     ROOT outside OUT holds committed checkpoints and resume = false
                                              refuse, even with overwrite: nothing outside OUT is deleted
     resume = true, ROOT has a checkpoint     resume it, unless its run id differs from run.json's, the
-                                             recipe's model differs from run.json's fingerprint, or its
-                                             tensors do not fit the recipe (checkpoint.weight_errors)
+                                             recipe's model differs from run.json's fingerprint, its
+                                             tensors do not fit the recipe (checkpoint.weight_errors), or
+                                             its model.dsa.stage differs from OUT/config.toml's (a new
+                                             stage is a new run, from checkpoint.init_from)
     resume = true, no checkpoint, OUT unused start a new run (how a restart-on-failure job starts)
     resume = true, no checkpoint, run.json says this run never committed one into ROOT
                                              restart it at step 0 (an earlier attempt died before its
@@ -47,6 +49,7 @@ import os
 import secrets
 import shutil
 import time
+import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -147,7 +150,7 @@ def check(cfg: Config) -> RunPlan:
         return _fresh(cfg, plan)
     found = ckpt.committed_checkpoints(root)
     if found:
-        return _resume(plan, found[-1][1], shapes)
+        return _resume(cfg, plan, found[-1][1], shapes)
     return _no_checkpoint(cfg, plan)
 
 
@@ -169,14 +172,14 @@ def _fresh(cfg: Config, plan: RunPlan) -> RunPlan:
     return plan
 
 
-def _resume(plan: RunPlan, path: Path, shapes: dict) -> RunPlan:
+def _resume(cfg: Config, plan: RunPlan, path: Path, shapes: dict) -> RunPlan:
     """Resume the committed checkpoint `path` if it belongs to this run and fits the recipe."""
     record, info, errors = plan.record or {}, ckpt.commit_info(path), []
     if record.get("id") and info.get("run") and info["run"] != record["id"]:
         errors.append(f"checkpoint.resume: {path} belongs to run {info['run']}, but {plan.out / RUN_FILE} is run "
                       f"{record['id']}: checkpoint.dir holds another run's checkpoints; point it at this run's, or use "
                       "a new train.output_dir")
-    errors += _fingerprint_errors(plan)
+    errors += _fingerprint_errors(plan) + _stage_errors(cfg, plan, path)
     errors += [f"checkpoint.resume: cannot load {path.name} into the recipe's model: {e}"
                for e in ckpt.weight_errors(path, shapes)]
     if errors:
@@ -226,6 +229,23 @@ def _fingerprint_errors(plan: RunPlan) -> list[str]:
     return [(f"checkpoint.resume: the recipe's model differs from the run's in {plan.out / RUN_FILE} "
              f"({_differs(have, plan.fingerprint)}); resume with the run's model shape, or start a new run "
              "(a new train.output_dir, or train.overwrite=true)")]
+
+
+def _stage_errors(cfg: Config, plan: RunPlan, path: Path) -> list[str]:
+    """A DeepSeek Sparse Attention stage other than the run's: the tensors fit (the stages share them), but the
+    run's config.toml, rewritten at start, would then describe the steps already taken by the new stage."""
+    d, recorded = cfg.model.dsa, plan.out / "config.toml"
+    try:
+        old = tomllib.loads(recorded.read_text(encoding="utf-8")).get("model", {}).get("dsa", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return []  # no record to contradict
+    was = old.get("stage") if isinstance(old, dict) and old.get("enabled") is True else None
+    if not d.enabled or was is None or was == d.stage:
+        return []
+    return [f"checkpoint.resume: {recorded} records this run as DeepSeek Sparse Attention's {was!r} stage, but the "
+            f"recipe sets model.dsa.stage={d.stage!r}: resuming would rewrite config.toml, and the run's record would "
+            f"say its {was} steps were {d.stage} ones; start the {d.stage} stage as a new run instead (a new "
+            f"train.output_dir) with checkpoint.init_from = '{path}', this run's newest checkpoint"]
 
 
 def _step_of(path: Path) -> int:

@@ -78,6 +78,9 @@ CASES = [
      "parallel.pp_stage_layers=[1, 1] must list 2 positive block counts summing to model.n_layers=4"),
     ("node-groups", lambda t: [RECIPE, *sets("parallel.ep=4", "parallel.ranks_per_node=2", "model.moe.n_groups=1",
                                              "model.moe.topk_groups=1")], 4, "must be a multiple of the 2 nodes"),
+    ("cp-a2a-zero", lambda t: [RECIPE, *sets("parallel.cp_a2a=0")], 1, "parallel.cp_a2a=0 must be > 0"),
+    ("cp-a2a-divides", lambda t: [RECIPE, *sets("parallel.cp=2", "parallel.cp_a2a=3")], 2,
+     "parallel.cp_a2a=3 must divide parallel.cp=2"),
     # training
     ("lr", lambda t: [RECIPE, *sets("train.lr=-1")], 1, "train.lr=-1.0 must be > 0"),
     ("warmup", lambda t: [RECIPE, *sets("train.warmup_steps=-1")], 1, "train.warmup_steps=-1 must be >= 0"),
@@ -278,3 +281,69 @@ def test_compile_with_cxx_pointing_nowhere_stops_at_start(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 2, proc.stderr  # the header and the rule
     assert f"none answers (tried {tmp_path / 'no-g++'}: the CXX environment variable" in proc.stderr
+
+
+def _dryrun(argv):
+    from tools.dryrun import main as dryrun_main
+
+    return dryrun_main(argv)
+
+
+ENTRY_POINTS = {"train": lambda argv: main(argv), "print-config": lambda argv: main([*argv, "--print-config"]),
+                "dryrun": _dryrun}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_cp_a2a_zero_is_one_rule_at_every_entry_point(entry, tmp_path, capsys, monkeypatch):
+    """parallel.cp_a2a = 0 once divided by zero in the layout rule (a ZeroDivisionError traceback from train,
+    --print-config and the dry run); now the section rule names it and the layout rules wait for it."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = ENTRY_POINTS[entry]([RECIPE, *sets("parallel.cp_a2a=0", f"train.output_dir={tmp_path / 'out'}")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err == "error: invalid recipe (1 problem):\n  - parallel.cp_a2a=0 must be > 0\n", err
+
+
+def _numeric_keys(cls, path: str):
+    """Dotted names of every int and float field of a section class, sub-tables included."""
+    import dataclasses
+    from typing import get_type_hints
+
+    hints = get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[fl.name]):
+            yield from _numeric_keys(hints[fl.name], f"{path}.{fl.name}")
+        elif hints[fl.name] in (int, float):
+            yield f"{path}.{fl.name}"
+
+
+def _all_numeric_keys():
+    from moe_lc.config.sections import SECTIONS
+
+    return [key for name, cls in SECTIONS.items() for key in _numeric_keys(cls, name)]
+
+
+DSA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "model.dsa.enabled=true", "model.dsa.index_topk=16",
+       "model.dsa.index_n_heads=4", "model.dsa.index_head_dim=16"]
+
+
+@pytest.mark.parametrize("key", _all_numeric_keys())
+def test_a_numeric_key_at_zero_or_below_is_a_rule_or_legal(key):
+    """Every numeric key at 0 and -1, on the debug MoE (GQA) and on it with DSA (whose rules apply only when
+    on), against the recipe's own world (the dry run) and one process (train): the recipe either loads, or
+    stops with rules that name the key; never another exception (parallel.cp_a2a = 0 was a ZeroDivisionError)."""
+    from moe_lc.config import ConfigError, load_config
+
+    for base in ([], DSA):
+        for value in (0, -1):
+            for world in (None, 1):
+                try:
+                    load_config(RECIPE, [*base, f"{key}={value}"], world_size=world, warnings=[])
+                except ConfigError as exc:
+                    assert any(key in line for line in exc.errors), (value, world, exc.errors)
+
+
+def test_every_numeric_key_is_scanned():
+    keys = _all_numeric_keys()
+    assert len(keys) >= 80 and "parallel.cp_a2a" in keys and "model.dsa.index_topk" in keys

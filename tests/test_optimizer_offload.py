@@ -151,14 +151,18 @@ def test_the_dry_run_sees_the_optimizer_leave_the_device_as_the_planner_does():
 
 
 def test_an_offloaded_optimizer_on_torchruns_one_thread_warns():
-    """torchrun sets OMP_NUM_THREADS=1, and the offloaded update runs on the process's CPU threads: with
-    train.threads left at auto on a GPU run, the recipe warns once; set threads, or a CPU run, it does not."""
+    """torchrun sets OMP_NUM_THREADS=1 where it starts several processes per machine, and the offloaded update
+    runs on the process's CPU threads: with train.threads left at auto on a GPU run under torchrun, the recipe
+    warns once; set threads, a CPU run, or one process without torchrun (auto takes the idle cores), it does not."""
     from moe_lc.config.rules import recipe_warnings
 
-    def warned(*extra):
+    torchrun = {"TORCHELASTIC_RUN_ID": "test", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
+
+    def warned(*extra, env=torchrun):
         cfg = load_config(RECIPE, OFFLOADED + list(extra))
-        return [w for w in recipe_warnings(cfg) if "offloaded" in w]
+        return [w for w in recipe_warnings(cfg, env=env) if "offloaded" in w]
 
     assert len(warned("train.threads=0", "train.device=cuda")) == 1
     assert "set train.threads" in warned("train.threads=0", "train.device=auto")[0]
     assert warned("train.threads=8", "train.device=cuda") == warned("train.threads=0", "train.device=cpu") == []
+    assert warned("train.threads=0", "train.device=auto", env={}) == []

@@ -158,6 +158,30 @@ def test_resume_refuses_a_model_unlike_the_runs(tmp_path):
     assert code == 2 and "the recipe's model differs from the run's" in err and "dim 128 -> 64" in err, err
 
 
+DSA = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "model.dsa.enabled=true", "model.dsa.index_topk=16",
+       "model.dsa.index_n_heads=4", "model.dsa.index_head_dim=16"]
+
+
+def test_resuming_a_dsa_warmup_as_the_sparse_stage_is_refused(tmp_path):
+    """The stages share every tensor, so the checkpoint fits; but resuming rewrites config.toml, and the run
+    would then say its warm-up steps were sparse ones. Refused in one line naming the way: a new run from
+    checkpoint.init_from; the warm-up itself resumes as before."""
+    out = tmp_path / "warmup"
+    code, _, err = train(out, *DSA, "model.dsa.stage=warmup", "train.steps=1", "checkpoint.interval=1")
+    assert code == 0, err
+    before = snapshot(out)
+    code, _, err = train(out, *DSA, "model.dsa.stage=sparse", "train.steps=2", "checkpoint.resume=true")
+    assert code == 2 and err.count("\n") == 2 and "Traceback" not in err, err
+    assert (f"checkpoint.resume: {out / 'config.toml'} records this run as DeepSeek Sparse Attention's 'warmup' "
+            "stage, but the recipe sets model.dsa.stage='sparse': resuming would rewrite config.toml, and the run's "
+            "record would say its warmup steps were sparse ones; start the sparse stage as a new run instead (a new "
+            f"train.output_dir) with checkpoint.init_from = '{out / 'checkpoints' / 'step_00000001'}'") in err, err
+    assert snapshot(out) == before  # config.toml still says warmup
+    code, _, err = train(out, *DSA, "model.dsa.stage=warmup", "train.steps=2", "checkpoint.resume=true")
+    assert code == 0 and steps_of(out) == [1, 2], err
+
+
 def test_a_run_that_died_before_its_first_save_restarts_cleanly(tmp_path):
     """resume = true in a restart-on-failure job: the first attempt died after step 2 without a checkpoint;
     the next attempt restarts at step 0 and metrics.jsonl holds each step once."""

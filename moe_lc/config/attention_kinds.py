@@ -36,7 +36,7 @@ name and module type and is the same for every kind today.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 
@@ -208,6 +208,38 @@ ATTENTION_KINDS["dsa"] = replace(
     tp_rule="moe_lc.parallel.dsa_plan:dsa_tp_rule", hf_pieces="moe_lc.convert.hf_names:dsa_pieces",
     hf_family="moe_lc.convert.hf_config:dsa_family", core_flops="moe_lc.model.dsa:dsa_core_flops",
     extra_plan="moe_lc.parallel.dsa_plan:dsa_layer_plan")
+
+
+def dsa_warnings(cfg, given: set[str]) -> list[str]:
+    """[model.dsa] keys while DSA is off (written and not the default, or written without `enabled`); a sparse
+    top-k that keeps every key; a warm-up (everything frozen but the indexers) from random weights."""
+    m, d, S = cfg.model, cfg.model.dsa, cfg.train.seq_len
+    if not d.enabled:
+        off, default = "model.dsa.enabled" in given, type(d)()
+        knobs = [f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in asdict(d).items()
+                 if k != "enabled" and f"model.dsa.{k}" in given and (v != getattr(default, k) or not off)]
+        if not knobs:
+            return []
+        verb = "it does" if len(knobs) == 1 else "they do"
+        if attention_kind(replace(m, dsa=replace(d, enabled=True))).name != "dsa":
+            return [f"model.dsa.{', '.join(knobs)} set, but DeepSeek Sparse Attention is off (model.dsa.enabled = "
+                    f"false; it also needs model.attention = {ATTENTION_KINDS['dsa'].attention!r}, not {m.attention!r}): "
+                    f"{verb} nothing"]
+        return [f"model.dsa.{', '.join(knobs)} set, but DeepSeek Sparse Attention is off (model.dsa.enabled = "
+                f"false): {verb} nothing, and the model trains as dense MLA with every weight training; set "
+                "model.dsa.enabled = true to use them"]
+    w = []
+    if d.stage == "sparse" and d.index_topk >= S:
+        w.append(f"model.dsa.index_topk={d.index_topk} is at or above train.seq_len={S}, the keys a query selects "
+                 "from (the whole sequence, under cp too): every query keeps every key it sees, so the sparse stage "
+                 "computes dense MLA's attention through the indexer and the sparse kernels, 10-30x dense MLA's time "
+                 "on a CPU thread at 256-2K tokens (tools/bench/dsa_cpu.py); set index_topk below train.seq_len "
+                 "(DeepSeek-V3.2: 2048 of 128K), or model.dsa.enabled = false")
+    if d.stage == "warmup" and not cfg.checkpoint.init_from:
+        w.append("model.dsa.stage='warmup' without checkpoint.init_from: the warm-up freezes everything but the "
+                 "indexers, so they learn to imitate the attention of a randomly initialised model that never "
+                 "trains; set checkpoint.init_from to the trained MLA model's checkpoint")
+    return w
 
 
 def attention_kind(m) -> AttentionSpec:

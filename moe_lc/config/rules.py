@@ -11,7 +11,7 @@ import math
 import os
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from moe_lc.config.attention_kinds import ATTENTION_KINDS, attention_kind
+from moe_lc.config.attention_kinds import ATTENTION_KINDS, attention_kind, dsa_warnings
 from moe_lc.config.choices import AttentionKind, names
 from moe_lc.config.sections import SECTIONS, Config, DataConfig, ParallelConfig, TrainConfig
 
@@ -65,11 +65,14 @@ def resolve_degrees(p: ParallelConfig, world_size: int | None) -> tuple[dict[str
     return degrees, e
 
 
+DEGREES_RULE = "parallel degrees must be >= 1 (pp, cp, cp_a2a, tp, ep; dp >= 0)"
+
+
 def layout_errors(p: ParallelConfig, world_size: int | None) -> tuple[dict[str, int], list[str]]:
     """(degrees, errors) of the mesh alone: world, ep folding, nodes. ParallelDims builds on this."""
     d, e = resolve_degrees(p, world_size)
-    if min(p.pp, p.cp, p.tp, p.ep, d["dp"]) <= 0:
-        return d, e + ["parallel degrees must be >= 1 (dp >= 0)"]
+    if min(p.pp, p.cp, p.cp_a2a, p.tp, p.ep, d["dp"]) <= 0:  # the rules below divide by them
+        return d, e + [DEGREES_RULE]
     world, rpn = d["world"], d["ranks_per_node"]
     if rpn <= 0 or world % rpn and rpn % world:
         e.append(f"parallel.ranks_per_node={rpn} must divide the world size {world}")
@@ -193,7 +196,7 @@ def hybrid_cp_errors(cfg: Config) -> list[str]:
     ring, and a per-micro-batch chunk placement."""
     m, p, e = cfg.model, cfg.parallel, []
     A = p.cp_a2a
-    if A == 1 or p.cp % A or m.n_heads % p.tp:
+    if A <= 1 or p.cp % A or m.n_heads % p.tp:
         return e  # the layout and tp rules name those
     if (m.n_heads // p.tp) % A:
         e.append(f"parallel.cp_a2a={A} must divide the query heads per tp rank, model.n_heads / parallel.tp = "
@@ -238,7 +241,7 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
 def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Rules that tie sections together. `world_size` None = the recipe's own."""
     d, e = layout_errors(cfg.parallel, world_size)
-    if e and "parallel degrees must be >= 1 (dp >= 0)" in e:
+    if DEGREES_RULE in e:
         return e[:-1]  # the section rules already name the bad degree
     e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + hybrid_cp_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
     m, data, t = cfg.model, cfg.data, cfg.train
@@ -265,9 +268,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
-def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
+def recipe_warnings(cfg: Config, given: set[str] = frozenset(), env=os.environ) -> list[str]:
     """Legal settings that are likely mistakes, one line each (the run goes on). `given`: the dotted keys
-    the recipe and its --set overrides wrote, so a default (or a printed config repeating one) never warns."""
+    the recipe and its --set overrides wrote, so a default (or a printed config repeating one) never warns;
+    `env`: this process's environment (how it was launched)."""
     d, t, rope, w = cfg.data, cfg.train, cfg.model.rope, []
     if ("data.synthetic_tasks" in given and d.synthetic_tasks != DataConfig().synthetic_tasks
             and d.synthetic_weight == 0 and d.source != "synthetic"):
@@ -290,14 +294,11 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
         w.append(f"train.muon_ns_dtype={t.muon_ns_dtype!r} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_exact_rms" in given and t.muon_exact_rms and t.optimizer != "muon":
         w.append(f"train.muon_exact_rms = true is set, but train.optimizer={t.optimizer!r} does not read it")
-    r = cfg.recompute
-    if "attn_core" in t.offload and r.policy == "selective" and "mla_up" in r.selective:
-        w.append("train.offload item 'attn_core' with recompute.selective item 'mla_up': the replay already drops "
-                 "the core's q, k, v (rebuilt from the latents), so offloading them adds host copies and frees "
-                 "almost no device memory (the planner's host and activation bytes show how much)")
-    if cfg.parallel.placement.optimizer == "offloaded" and t.threads == 0 and cfg.train.device != "cpu":
+    if (cfg.parallel.placement.optimizer == "offloaded" and t.threads == 0 and t.device != "cpu"
+            and _torchrun_one_thread(env)):
         w.append("parallel.placement.optimizer = 'offloaded' runs the update on this process's torch CPU threads, and "
-                 "torchrun sets OMP_NUM_THREADS=1: set train.threads to the host cores each rank may use")
+                 "torchrun set OMP_NUM_THREADS=1 for it (one thread): set train.threads to the host cores each rank "
+                 "may use")
     if ("parallel.placement.optimizer_overlap" in given and not cfg.parallel.placement.optimizer_overlap
             and cfg.parallel.placement.optimizer != "offloaded"):
         w.append("parallel.placement.optimizer_overlap = false is set, but parallel.placement.optimizer = 'device' "
@@ -305,7 +306,29 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset()) -> list[str]:
     if t.warmup_steps > t.steps:
         w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the run ends inside the "
                  f"warmup and never trains at train.lr={t.lr:g}")
-    return w + _moe_warnings(cfg) + _document_warnings(d)
+    return w + _moe_warnings(cfg) + _document_warnings(d) + dsa_warnings(cfg, given) + _qk_clip_warnings(cfg)
+
+
+def _torchrun_one_thread(env) -> bool:
+    """torchrun started this process with OMP_NUM_THREADS=1 (it sets that where it starts several processes
+    on a machine and the variable is unset): train.threads = 0 then takes 1 thread (moe_lc/cpu_threads.py),
+    where one process started without torchrun takes its idle cores."""
+    return "TORCHELASTIC_RUN_ID" in env and env.get("OMP_NUM_THREADS", "").strip() == "1"
+
+
+def _qk_clip_warnings(cfg: Config) -> list[str]:
+    """A tau that a fresh model's heads exceed already. QK-clip's statistic, a head's largest log-sum-exp
+    (moe_lc/parallel/qk_clip.py), is ln(n) for a query attending evenly over n keys (logits near 0): every head
+    is clipped from the first step, and the clip, scaling logits toward 0, keeps the statistic near ln(n)."""
+    t, d = cfg.train, cfg.model.dsa
+    n = min(t.seq_len, d.index_topk) if d.enabled and d.stage == "sparse" else t.seq_len
+    if not 0 < t.qk_clip < math.log(n):
+        return []
+    keys = f"{n} keys" + (" (model.dsa.index_topk, the sparse stage's selection)" if n < t.seq_len else "")
+    return [f"train.qk_clip={t.qk_clip:g} is below ln({n}) = {math.log(n):.2f}: QK-clip bounds a head's largest "
+            f"logit by its largest log-sum-exp, which is {math.log(n):.2f} already for a query attending evenly "
+            f"over its {keys}, so every head is clipped every step and its attention flattened toward uniform; "
+            "set tau well above it (Kimi K2 trains with 100)"]
 
 
 CAPACITY_DROP_WARN = 0.1  # warn when balanced routing already drops this share of the routed copies
