@@ -108,10 +108,16 @@ class LightningIndexer(nn.Module):
         return self.run_region(apply_rope, self.wq(q_lat).view(B, S, self.n_heads, self.head_dim), cos, sin)
 
 
-class LocalSparseCore:
-    """Where DSA's ring passes run on one device: a ring of one rank, heads all here."""
+class LocalSparseCore(nn.Module):
+    """Where DSA's ring passes run on one device: a ring of one rank, heads all here. Calling it is the
+    sparse attention's kernel call (the `attn_core` train.offload takes, as MLA's `core`)."""
 
     ring, cp, tp = OneRank(), 1, 1
+
+    def forward(self, q, kv, wkv, sel, scale: float, nope_dim: int):
+        """Roped q (B, S, H, Dn + Dr), key rows kv (B, S, Ckv + Dr), wkv_b's weight, the selection -> (out
+        (B, S, H, Dv), lse (B, H, S)): `SparseLatentAttention` over this core's ring."""
+        return SparseLatentAttention.apply(q, kv, wkv, sel, scale, nope_dim, self.ring)
 
     def layout(self, seq_local: int, docs) -> RingLayout:
         return RingLayout.one_device(seq_local, docs)
@@ -244,8 +250,7 @@ class DSAttention(MLAttention):
 def _sparse_attention(attn: DSAttention, sel, q, kv):
     """Roped q (B, S, H, Dn + Dr), key rows kv (B, S, Ckv + Dr) -> (out (B, S, H, Dv), lse (B, H, S)) over the
     selection: the piece selective recomputation ("attention") replays, keeping q, kv and the selection."""
-    return SparseLatentAttention.apply(q, kv, attn.wkv_b.weight, sel, attn.softmax_scale, attn.nope_dim,
-                                       attn.sparse_core.ring)
+    return attn.sparse_core(q, kv, attn.wkv_b.weight, sel, attn.softmax_scale, attn.nope_dim)
 
 
 def dsa_lr_scale(m: ModelConfig, lr: float):

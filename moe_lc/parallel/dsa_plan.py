@@ -23,16 +23,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_lc.model.dsa import LocalSparseCore
 from moe_lc.ops.dsa_ring import OneRank, RingLayout
 from moe_lc.parallel import comm
 from moe_lc.parallel.context import P2PRing, rank_chunks
 from moe_lc.parallel.mesh import ParallelDims
 
 
-class ParallelSparseCore:
-    """DSA's `sparse_core` under cp and / or tp (moe_lc/model/dsa.py's LocalSparseCore on one device)."""
+class ParallelSparseCore(LocalSparseCore):
+    """DSA's `sparse_core` under cp and / or tp (moe_lc/model/dsa.py's LocalSparseCore on one device): its call,
+    the sparse attention, visits the "cp" ring."""
 
     def __init__(self, dims: ParallelDims):
+        super().__init__()
         self.cp_group, self.tp_group = dims["cp"], dims["tp"]
         self.cp, self.tp = dims.cp, dims.tp
         self.ring = P2PRing(self.cp_group) if self.cp > 1 else OneRank()
@@ -49,8 +52,8 @@ class ParallelSparseCore:
             comm.all_reduce(t, self.tp_group)
         return t
 
-    def __repr__(self) -> str:
-        return f"ParallelSparseCore(cp={self.cp}, tp={self.tp})"
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, tp={self.tp}"
 
 
 def dsa_layer_plan(attn: nn.Module, dims: ParallelDims | None, plan, aux_loss_scale: float, items: set) -> None:

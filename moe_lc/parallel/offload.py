@@ -3,21 +3,27 @@ between their forward and their backward.
 
 Items (moe_lc/config/choices.py `OffloadItem`), each the modules whose forward's saved tensors move:
 
-    attn_core    every attention module's core (the kernel call, or the ring under context parallelism):
-                 q, k, v, the output and the LSE it keeps
+    attn_core    every attention module's core (the kernel call, or the ring under context parallelism;
+                 DeepSeek Sparse Attention's `sparse_core` in its sparse stage): q, k, v (DSA: q and the
+                 latent key rows), the output and the LSE it keeps (DSA: and the selected positions)
     expert_fc1   the routed experts' up projection (w13): its input rows, kept for w13's weight gradient
     experts      everything the routed experts keep: w13's input, the SwiGLU's gate|up (and its output
                  unless recompute's "swiglu" replays it), w2's input
 
-How: forward pre / post hooks on those modules enter and leave autograd's saved-tensor hooks, so that
-each tensor the module saves (parameters and tensors under `MIN_BYTES` excepted) is copied to host
-memory and the device copy dropped; backward copies it back. On a GPU the copies run on a stream of their
-own into pinned memory, and when backward first reaches a module call's tensors it starts copying back
-the call saved just before it (the next backward needs them), so transfers overlap compute. On a CPU
-the same code copies into fresh host tensors (no memory is saved: the host is the device; the tests hold
-the path to bit-exactness), and on the meta device (the planner's trace, the dry run) only the shape is
-kept (the bytes told to trace_hooks' `offloaded` watchers instead of the trace's device bytes) and backward gets a fresh
-tensor, allocated where the copy back would be.
+How: each item's modules (the sources) run inside a scope: attn_core's is the attention module around its
+core, the experts items' the source itself. Forward pre / post hooks on the scope enter and leave
+autograd's saved-tensor hooks. Inside a source's forward each tensor saved (parameters and tensors under
+`MIN_BYTES` excepted) is copied to host memory and the device copy dropped; later in the scope, a tensor
+saved again on a storage already moved (the core's output that wo keeps for its weight gradient, DSA's
+selection that its indexer loss keeps) shares that host copy, so the device storage really goes; every
+other saved tensor passes to the saved-tensor hooks around (a checkpoint, the memory tools) as if these
+were not there. Backward copies each back. On a GPU the copies run on a stream of their own into pinned
+memory, and when backward first reaches a scope call's tensors it starts copying back the call saved just
+before it (the next backward needs them), so transfers overlap compute. On a CPU the same code copies into
+fresh host tensors (no memory is saved: the host is the device; the tests hold the path to bit-exactness),
+and on the meta device (the planner's trace, the dry run) only the shape is kept (the bytes told to
+trace_hooks' `offloaded` watchers instead of the trace's device bytes) and backward gets a fresh tensor,
+allocated where the copy back would be.
 
 Values are unchanged: a tensor comes back bit for bit, with its strides. The recipe's rules refuse it where
 it would move nothing or only copies of what stays on the device: recompute policy "full", attn_core
@@ -30,27 +36,31 @@ import weakref
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from moe_lc.model.moe import RoutedExperts
+from moe_lc.model.saved_tensors import enclosing_hooks
 from moe_lc.parallel.trace_hooks import tell
 
 MIN_BYTES = 64 * 1024  # smaller saved tensors (routing counts, scalars) stay: a copy costs more than they hold
 
 
-def offloaded_modules(model: nn.Module, items) -> list[nn.Module]:
-    """The modules whose forwards' saved tensors `items` move to the host."""
+def offloaded_modules(model: nn.Module, items) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """(scope, sources) of every module `items` name: the tensors saved inside a source's forward move to
+    the host, and within the scope's forward later saves of their storages share the host copies."""
     from moe_lc.config.attention_kinds import module_kinds
 
     kinds, out = tuple(module_kinds()), []
     for module in model.modules():
         if "attn_core" in items and isinstance(module, kinds):
-            out += [m for m in (getattr(module, "core", None), getattr(module, "sparse_core", None))
-                    if isinstance(m, nn.Module)]
+            cores = [m for m in (getattr(module, "core", None), getattr(module, "sparse_core", None))
+                     if isinstance(m, nn.Module)]
+            out.append((module, cores))
         elif isinstance(module, RoutedExperts):
             if "experts" in items:
-                out.append(module)
+                out.append((module, [module]))
             elif "expert_fc1" in items:
-                out.append(module.w13)
+                out.append((module.w13, [module.w13]))
     return out
 
 
@@ -64,12 +74,47 @@ class _Saved:
         self.host, self.device, self.ready, self.used = host, None, None, False
 
 
+class _View:
+    """A later save of a moved storage: the _Saved that holds it (its whole storage) and this tensor's view."""
+
+    __slots__ = ("saved", "shape", "stride", "offset")
+
+    def __init__(self, saved: _Saved, t: torch.Tensor):
+        self.saved, self.shape, self.stride, self.offset = saved, t.shape, t.stride(), t.storage_offset()
+
+
+class _Passed:
+    """A saved tensor this offload leaves to the hooks around it: what their pack made, and their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+class _Scope:
+    """One call of a scope module while its forward runs: the saved tensors it moved (weak references, for
+    the prefetch), how many sources' forwards are running inside it, the storages moved whole {storage
+    key: (weak storage, _Saved)}, and the saved-tensor hooks around it (None: none)."""
+
+    def __init__(self, outer):
+        self.call: list[weakref.ref] = []
+        self.depth, self.moved, self.outer, self.hooks = 0, {}, outer, None
+
+
 def _empty_like(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
     """An uninitialized tensor like t on `device`, with t's strides where they are dense (so that a kernel
     reading it back takes the same path), contiguous otherwise."""
     if _dense(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
     return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """Whether a tensor saved inside a source goes to the host: not a weight (nor a view of one: they stay
+    where the optimizer updates them), and at least MIN_BYTES."""
+    return not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) \
+        and t.numel() * t.element_size() >= MIN_BYTES
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -85,39 +130,57 @@ class ActivationOffload:
     def __init__(self, model: nn.Module, items, device: torch.device | str):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.calls: list[list[weakref.ref]] = []  # each module call's saved tensors, in forward order
+        self.calls: list[list[weakref.ref]] = []  # each scope call's moved tensors, in forward order
         self.host_bytes = self.peak = 0
-        self.modules = offloaded_modules(model, items)
+        scopes = offloaded_modules(model, items)
+        self.modules = [m for _, sources in scopes for m in sources]
         self.handles = []
-        for module in self.modules:
-            self.handles.append(module.register_forward_pre_hook(self._enter))
-            self.handles.append(module.register_forward_hook(self._leave, always_call=True))
-        self._open: list = []
+        for scope, sources in scopes:  # pre-hooks run in this order, post-hooks too: sources leave first
+            self.handles.append(scope.register_forward_pre_hook(self._enter))
+            for m in sources:
+                self.handles.append(m.register_forward_pre_hook(self._source_enter))
+                self.handles.append(m.register_forward_hook(self._source_leave, always_call=True))
+            self.handles.append(scope.register_forward_hook(self._leave, always_call=True))
+        self._open: list[_Scope | None] = []
 
     # -- module hooks ---------------------------------------------------------------------------------
     def _enter(self, module, args):
         if not torch.is_grad_enabled():
             self._open.append(None)
             return
-        call: list[weakref.ref] = []
+        scope = _Scope(enclosing_hooks())
         self.calls = [c for c in self.calls if any(r() is not None for r in c)]  # calls backward freed
-        self.calls.append(call)
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, call), self._unpack)
-        hooks.__enter__()
-        self._open.append(hooks)
+        self.calls.append(scope.call)
+        scope.hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, scope), self._unpack)
+        scope.hooks.__enter__()
+        self._open.append(scope)
 
     def _leave(self, module, args, output):
-        hooks = self._open.pop()
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+        scope = self._open.pop()
+        if scope is not None:
+            scope.hooks.__exit__(None, None, None)
+            scope.moved.clear()
+
+    def _source_enter(self, module, args):
+        if self._open and self._open[-1] is not None:
+            self._open[-1].depth += 1
+
+    def _source_leave(self, module, args, output):
+        if self._open and self._open[-1] is not None:
+            self._open[-1].depth -= 1
 
     # -- saved-tensor hooks ---------------------------------------------------------------------------
-    def _pack(self, t, call: list):
-        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            return t  # weights (and their transposed views) stay where the optimizer updates them
+    def _pack(self, t, scope: _Scope):
+        if isinstance(t, torch.Tensor):
+            moved = scope.moved.get(t.untyped_storage()._cdata)
+            if moved is not None and not moved[0].expired():
+                return _View(moved[1], t)  # its storage is on the host already
+            if scope.depth and _movable(t):
+                return self._move(t, scope)
+        return t if scope.outer is None else _Passed(scope.outer[0](t), scope.outer[1])
+
+    def _move(self, t: torch.Tensor, scope: _Scope) -> _Saved:
         nbytes = t.numel() * t.element_size()
-        if nbytes < MIN_BYTES:
-            return t
         if t.device.type == "meta":  # the planner's trace or the dry run: nothing to copy, and t must go
             tell("offloaded", t)
             saved = _Saved((t.shape, t.stride(), t.dtype))
@@ -135,7 +198,10 @@ class ActivationOffload:
             host.copy_(t)
             saved = _Saved(host)
         self._book(saved, nbytes)
-        call.append(weakref.ref(saved))
+        scope.call.append(weakref.ref(saved))
+        storage = t.untyped_storage()
+        if t.storage_offset() == 0 and _dense(t) and nbytes == storage.nbytes():  # the whole storage, strides kept
+            scope.moved[storage._cdata] = (StorageWeakRef(storage), saved)
         return saved
 
     def _book(self, saved: _Saved, nbytes: int) -> None:
@@ -147,6 +213,10 @@ class ActivationOffload:
         self.host_bytes -= nbytes
 
     def _unpack(self, saved):
+        if isinstance(saved, _Passed):
+            return saved.unpack(saved.packed)
+        if isinstance(saved, _View):
+            return self._unpack(saved.saved).as_strided(saved.shape, saved.stride, saved.offset)
         if not isinstance(saved, _Saved):
             return saved
         if isinstance(saved.host, tuple):  # meta: a fresh tensor, as backward would allocate the copy
