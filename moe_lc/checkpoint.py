@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from moe_lc import faults
+from moe_lc.parallel.tie import tie_mismatch, untied_head
 
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
@@ -128,24 +129,26 @@ def recipe_beside(step_dir: Path) -> Path | None:
     return None
 
 
-def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]], fresh: str | None = None) -> list[str]:
+def weight_errors(path: Path, shapes: dict[str, tuple[int, ...]], fresh: str | None = None,
+                  untie: bool = False) -> list[str]:
     """Why the checkpoint at `path` cannot give a model of these full `shapes` its weights; [] if it can.
     Both directions count: a tensor of the model the checkpoint lacks, and a tensor of the checkpoint's
     model the recipe lacks (a 4-layer checkpoint into 3 layers would otherwise drop layers.3.* without a
     word). Key-set differences come first, one line each, naming the first few and the count. A missing
     router bias is allowed (DeepSeek-V2 checkpoints have none: it stays zero), and so are tensors whose name
     holds `fresh` when the checkpoint has none of them (a module the run adds and initializes: DeepSeek
-    Sparse Attention's indexer, new in the warm-up stage from a dense model)."""
+    Sparse Attention's indexer, new in the warm-up stage from a dense model). Tied against untied is one
+    line naming model.tie_embeddings, or allowed one way with `untie` (parallel/tie.py: `tie_mismatch`)."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:
         return [f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})"]
     saved = {key[len("model."):]: m for key, m in meta.items() if key.startswith("model.")}
-    missing = [n for n in shapes if n not in saved and not n.endswith("expert_bias")]
+    errors, told = tie_mismatch(path, set(saved), set(shapes), untie)
+    missing = [n for n in shapes if n not in saved and not n.endswith("expert_bias") and n not in told]
     if fresh and not any(fresh in n for n in saved):
         missing = [n for n in missing if fresh not in n]
-    extra = [n for n in saved if n not in shapes]
-    errors = []
+    extra = [n for n in saved if n not in shapes and n not in told]
     if missing:
         errors.append(f"{path} lacks {_some(missing)} of the recipe's model")
     if extra:
@@ -195,9 +198,8 @@ def _dcp_save(state: dict, path: Path, group=None, file_per_tensor: bool = False
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process notice
         try:
             dcp.save(state, storage_writer=writer, process_group=group)
-        except CheckpointException as exc:  # DCP reports a Ctrl-C as one of its failures: keep it a Ctrl-C
-            if any(isinstance(e, KeyboardInterrupt) for e, _ in exc.failures.values()):
-                raise KeyboardInterrupt from None
+        except CheckpointException as exc:
+            _reraise_interrupt(exc)
             raise
 
 
@@ -239,6 +241,7 @@ def load_checkpoint(path: str | Path, state: dict) -> dict:
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
+        _reraise_interrupt(exc)
         raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {_first_line(exc)})") from None
     return state
 
@@ -317,24 +320,33 @@ class Checkpointer:
         `path` under any layout, nothing else; `init_from_errors` has vetted it on every rank alike. The
         fp32 ZeRO master shards are filled (from the checkpoint's fp32 masters when it has them, else from
         its model tensors) and published to the parameters, so a bf16 run started from fp32 weights keeps
-        them exactly."""
+        them exactly. A tied checkpoint into an untied model (`untied_head`): the head's boxes read the
+        saved embedding, in a second load (DCP reads one entry into one set of boxes), on every rank."""
         from moe_lc.parallel.checkpoint_state import model_state, optimizer_state
 
         keys = checkpoint_keys(path)
+        untie = untied_head(keys, parallel.module.cfg.tie_embeddings)
         masters = optimizer_state(optimizer, parallel, self.dims)["params"]
         state: dict = {"model": {}, "optim": {"params": {}}}
+        head: dict = {"model": {}, "optim": {"params": {}}}
         for name, value in model_state(parallel, self.dims).items():
-            if f"model.{name}" not in keys:
+            source, into = ("embed.weight", head) if untie and name == "head.weight" else (name, state)
+            if f"model.{source}" not in keys:
                 continue  # a router bias the source never had (DeepSeek-V2): stays zero
             if name in masters:
-                if f"optim.params.{name}.master" in keys:
-                    state["optim"]["params"][name] = {"master": masters[name]["master"]}
+                if f"optim.params.{source}.master" in keys:
+                    into["optim"]["params"][source] = {"master": masters[name]["master"]}
                 else:
-                    state["model"][name] = masters[name]["master"]  # fp32 boxes read the model entry
+                    into["model"][source] = masters[name]["master"]  # fp32 boxes read the model entry
             elif name not in parallel.placements:  # a buffer
-                state["model"][name] = value
+                into["model"][source] = value
             # else: a parameter whose ZeRO slices all live on other ranks: gather_params brings it
         load_checkpoint(path, state)
+        if untie:  # collective: every rank, with or without a piece of the head
+            load_checkpoint(path, head)
+            if self.is_writer:
+                print(f"checkpoint.init_from: {path} is tied (model.tie_embeddings = true) and this recipe is not: "
+                      "the head starts as a copy of the embedding", flush=True)
         for shard in optimizer.shards:
             shard.gather_params()
         if optimizer.ema is not None:  # weights only: the EMA starts from them
@@ -386,6 +398,14 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"])
         train.pop("world")
         return path, train
+
+
+def _reraise_interrupt(exc: BaseException) -> None:
+    """DCP reports a Ctrl-C (or a SIGTERM a caller turned into one) as one of its failures: keep it that
+    KeyboardInterrupt, not a failed save or load."""
+    for e, _ in getattr(exc, "failures", {}).values():
+        if isinstance(e, KeyboardInterrupt):
+            raise e.with_traceback(None) from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -40,7 +40,8 @@ def init_from_checkpoint(cfg: Config) -> Path:
         raise ConfigError([f"checkpoint.init_from: {exc}"]) from None
     dsa = cfg.model.dsa
     fresh = ".indexer." if dsa.enabled and dsa.stage == "warmup" else None  # V3.2's warm-up adds the indexer
-    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, state_shapes(cfg.model), fresh)]
+    shapes = state_shapes(cfg.model)  # untie: a tied checkpoint's embedding starts an untied head (load_weights)
+    errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, shapes, fresh, untie=True)]
     if errors:
         raise ConfigError(errors[:8] + ([f"... and {len(errors) - 8} more"] if len(errors) > 8 else []))
     return path

@@ -7,6 +7,8 @@
 - Inputs: a truncated shard, an invalid config.json, a garbage tokenizer (convert, training's
   data.tokenizer, load_tokenizer), the [hf] extra missing, a run with no checkpoint: one line each.
 - to-hf writes bos / eos ids and the index (also for one shard), and transformers loads the result.
+- from-hf sizes the recipe's [train] for the machine (CPU without CUDA, GPU with; --train-for picks) and
+  says so in its header. (Interruptions and stale staging copies: tests/test_convert_interrupt.py.)
 - Each family added after the first four refuses, in one line naming the field, what it cannot express
   (a sliding window, clip_qkv, sparse steps, a partial rotary factor outside glm4_moe);
   to-hf names the field that leaves a model without a transformers family.
@@ -332,6 +334,59 @@ def test_converted_recipe_shows_a_recipe_that_extends_it(conversion, tmp_path):
     cfg = load_config(tmp_path / "my_run.toml")
     assert cfg.train.output_dir == "runs/my_run" and cfg.checkpoint.init_from == str(conversion)
     assert any("to-hf runs/my_run" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def long_source(tmp_path_factory) -> Path:
+    """The tiny Llama with max_position_embeddings 8192 (a GPU recipe's seq_len 4096, a CPU's 256)."""
+    config = hf_models.llama()
+    config.max_position_embeddings = 8192
+    directory = tmp_path_factory.mktemp("llama8k") / "hf"
+    hf_models.save_model(config, directory)
+    return directory
+
+
+def train_sizes(out: Path) -> tuple[int, int, int]:
+    t = load_config(out / "recipe.toml").train
+    return t.seq_len, t.global_batch, t.micro_batch
+
+
+CPU_LINE = "# [train] is sized for a CPU (--train-for cpu{}): seq_len = 256, global_batch = 8, micro_batch = 4."
+GPU_LINE = "# [train] is sized for a GPU (--train-for gpu{}): seq_len = 4096, global_batch = 16, micro_batch = 8."
+
+
+def test_recipe_train_sizes_follow_the_machine(long_source, tmp_path, capsys, monkeypatch):
+    """Without CUDA the recipe's [train] is CPU-sized (a 30-step example at the GPU sizes ran 39 s a step),
+    with CUDA GPU-sized; --train-for picks either; the header says which, why and the other's sizes."""
+    here = "gpu" if torch.cuda.is_available() else "cpu"  # this machine, unpatched
+    from_hf(long_source, tmp_path / "here", log=quiet)
+    assert train_sizes(tmp_path / "here") == {"cpu": (256, 8, 4), "gpu": (4096, 16, 8)}[here]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from_hf(long_source, tmp_path / "cpu", log=quiet)
+    lines = (tmp_path / "cpu" / "recipe.toml").read_text().splitlines()
+    assert train_sizes(tmp_path / "cpu") == (256, 8, 4)
+    assert CPU_LINE.format(", the default without CUDA") in lines, lines[:12]
+    assert ("# For a GPU set seq_len = 4096, global_batch = 16, micro_batch = 8 in your [train], or convert with "
+            "--train-for gpu") in lines, lines[:12]
+    assert cli(capsys, "from-hf", long_source, "--out", tmp_path / "gpu", "--train-for", "gpu")[0] == 0
+    assert train_sizes(tmp_path / "gpu") == (4096, 16, 8)
+    assert GPU_LINE.format("") in (tmp_path / "gpu" / "recipe.toml").read_text().splitlines()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert from_hf_module.default_train_for() == "gpu"
+    monkeypatch.undo()  # DCP's writer would then look for a CUDA stream
+    monkeypatch.setattr(from_hf_module, "default_train_for", lambda: "gpu")
+    from_hf(long_source, tmp_path / "cuda", log=quiet)
+    lines = (tmp_path / "cuda" / "recipe.toml").read_text().splitlines()
+    assert train_sizes(tmp_path / "cuda") == (4096, 16, 8)
+    assert GPU_LINE.format(", the default where torch sees CUDA") in lines, lines[:12]
+    assert ("# For a CPU set seq_len = 256, global_batch = 8, micro_batch = 4 in your [train], or convert with "
+            "--train-for cpu") in lines, lines[:12]
+    from_hf(long_source, tmp_path / "cpu2", train_for="cpu", log=quiet)
+    assert train_sizes(tmp_path / "cpu2") == (256, 8, 4)
+    with pytest.raises(ConvertError, match=r"train_for='tpu': expected one of gpu, cpu"):
+        from_hf(long_source, tmp_path / "tpu", train_for="tpu", log=quiet)
 
 
 # -- the families added after the first four -------------------------------------------------------

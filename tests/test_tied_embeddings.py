@@ -9,6 +9,9 @@
   and tie_word_embeddings, and 3 AdamW steps from them equal transformers' own 3 steps (torch AdamW on
   the HF model) on the same batches within 1e-5, losses and final weights.
 - The planner counts the tied table once, and its pp_tie all-reduce as the run counts it.
+- checkpoint.init_from of a tied conversion with model.tie_embeddings = false unties it: the head starts
+  as a copy of the embedding (one line says so), the first loss is the tied model's, and pp2 1F1B and tp2
+  train like one process; an untied checkpoint under a tied recipe is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -300,3 +303,88 @@ def test_planner_counts_the_tied_table_once_and_its_pp_tie_all_reduce():
                            world_size=2)
     assert all("comm/pp_tie/all_reduce_bytes" not in r.comm_per_step() for r in plan(dualpipe, 2).ranks)
     _check_layout("pp2-tied", 2, over, act_rtol=None)  # PP activations: not measured there either
+
+
+# -- untying a tied checkpoint on load (checkpoint.init_from), and refusing to tie an untied one ------------
+
+def started_from(ours_dir, tmp, *overrides):
+    """A trainer with `ours_dir`'s weights loaded as checkpoint.init_from loads them."""
+    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.train import Trainer
+
+    cfg = load_config(ours_dir / "recipe.toml", TRAIN_HF + [f"train.output_dir={tmp}/run", *overrides])
+    trainer = Trainer(cfg)
+    trainer.checkpointer.load_weights(init_from_checkpoint(cfg), trainer.parallel, trainer.optimizer)
+    return trainer
+
+
+def test_a_tied_checkpoint_unties_on_load(tied_hf, tmp_path, capsys):
+    """model.tie_embeddings = false over a tied conversion: the head starts as a copy of the embedding (one
+    line says so), so the first forward, and its loss, are the tied model's; then the two tables train apart."""
+    from moe_lc.checkpoint import find_checkpoint
+
+    _, _, ours = tied_hf["qwen3"]
+    step = find_checkpoint(ours)
+    tied = started_from(ours, tmp_path / "tied")
+    capsys.readouterr()
+    untied = started_from(ours, tmp_path / "untied", "model.tie_embeddings=false")
+    assert capsys.readouterr().out.count(
+        f"checkpoint.init_from: {step} is tied (model.tie_embeddings = true) and this recipe is not: the head "
+        "starts as a copy of the embedding\n") == 1
+    head, embed = untied.model.head.weight, untied.model.embed.weight
+    assert head is not embed and torch.equal(head, embed) and torch.equal(embed, tied.model.embed.weight)
+    assert untied.train_step().loss == tied.train_step().loss
+    assert not torch.equal(untied.model.head.weight, untied.model.embed.weight)
+
+
+def test_untie_on_load_under_pp2_and_tp2_like_one_process(tied_hf):
+    """pp2 1F1B: the head lives on the last stage, the embedding on the first; tp2: each rank holds a
+    vocabulary shard of both. Each rank reads the saved embedding into its own head boxes, and 3 steps
+    equal one process (fp32, 1e-5)."""
+    from tests.harness import run_layout
+
+    _, _, ours = tied_hf["qwen3"]
+    recipe, untie = ours / "recipe.toml", TRAIN_HF + ["model.tie_embeddings=false"]
+    one = run_layout(recipe, untie, world=1)
+    assert "head.weight" in one.final_state
+    for layout in (["parallel.pp=2", "parallel.pp_schedule=1f1b"], ["parallel.tp=2"]):
+        got = run_layout(recipe, untie + layout, world=2)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, one.losses)) <= 1e-5, (layout, got.losses)
+        assert got.final_state.keys() == one.final_state.keys()
+        for name, want in one.final_state.items():
+            rel = ((got.final_state[name].double() - want.double()).norm() / want.double().norm()).item()
+            assert rel <= 1e-5, (layout, name, rel)
+
+
+def test_tying_an_untied_checkpoint_is_refused_in_one_line(tied_hf, tmp_path):
+    """An untied model's head is a trained tensor apart from its embedding: tying keeps one, so it is refused
+    naming model.tie_embeddings; a tied checkpoint where no loader unties (resume, to-hf, eval) names it too;
+    every lacks / holds line names the tensors."""
+    from moe_lc.checkpoint import find_checkpoint, weight_errors
+    from moe_lc.config import ConfigError
+    from moe_lc.convert import from_hf
+    from moe_lc.model.transformer import state_shapes
+    from moe_lc.preflight import init_from_checkpoint
+
+    hf_models.save_model(hf_models.qwen3(), tmp_path / "hf")  # untied
+    from_hf(tmp_path / "hf", tmp_path / "untied", log=lambda *_: None)
+    step = find_checkpoint(tmp_path / "untied")
+    cfg = load_config(tmp_path / "untied" / "recipe.toml", ["model.tie_embeddings=true"])
+    with pytest.raises(ConfigError) as refused:
+        init_from_checkpoint(cfg)
+    assert refused.value.errors == [
+        f"checkpoint.init_from: {step} holds an untied model (a head.weight trained apart from embed.weight) but "
+        "the recipe sets model.tie_embeddings = true: one tensor cannot be both, and the two differ, so tying would "
+        "throw one away; set model.tie_embeddings = false"], refused.value.errors
+
+    _, _, tied = tied_hf["qwen3"]
+    tied_step = find_checkpoint(tied)
+    untied_model = load_config(tied / "recipe.toml", ["model.tie_embeddings=false"]).model
+    assert weight_errors(tied_step, state_shapes(untied_model), untie=True) == []
+    (line,) = weight_errors(tied_step, state_shapes(untied_model))
+    assert line.startswith(f"{tied_step} holds a tied model (its embed.weight is also the head, no head.weight) "
+                           "but the recipe sets model.tie_embeddings = false: set it to true"), line
+    one_layer = load_config(tied / "recipe.toml", ["model.n_layers=1", "model.moe.n_dense_layers=1",
+                                                   "model.tie_embeddings=false"]).model
+    extra = weight_errors(tied_step, state_shapes(one_layer), untie=True)
+    assert len(extra) == 1 and f"{tied_step} holds 8 tensors: layers.1.attn_norm.weight, " in extra[0], extra

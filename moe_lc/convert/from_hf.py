@@ -1,6 +1,9 @@
 """`from-hf`: a Hugging Face model directory -> our recipe + a step-0 DCP checkpoint, streamed.
 
-    DIR/recipe.toml          [model] of the architecture, [data] tokenizer, [checkpoint] init_from = DIR
+    DIR/recipe.toml          [model] of the architecture, [data] tokenizer, [checkpoint] init_from = DIR,
+                             [train] sized for the machine it is meant to train on (TRAIN_FOR: a GPU's
+                             seq_len <= 4096 x 16 sequences, or a CPU's 256 x 8; by default the one
+                             converting, CUDA or not), said in its header
     DIR/tokenizer/           the tokenizer files, copied (checked first), and hf_token_ids.json: the
                              bos / eos / pad ids of the source config.json, which to-hf writes back
     DIR/checkpoint/step_00000000/    committed DCP checkpoint: "model" entries as boxes of full tensors
@@ -21,6 +24,7 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +40,25 @@ from moe_lc.model.transformer import state_shapes
 from moe_lc.parallel.checkpoint_state import Chunks
 
 BOX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TrainSize:
+    """The [train] sizes a converted recipe starts with, for one kind of machine."""
+
+    machine: str  # "a GPU", for the recipe's header
+    max_seq_len: int  # seq_len = min(max_position_embeddings, this)
+    global_batch: int
+    micro_batch: int
+
+
+# a CPU step at the GPU sizes (4096 tokens x 16 sequences) took 39 s for a 0.14M-parameter model (issue 61)
+TRAIN_FOR = {"gpu": TrainSize("a GPU", 4096, 16, 8), "cpu": TrainSize("a CPU", 256, 8, 4)}
+
+
+def default_train_for() -> str:
+    """'gpu' where torch sees CUDA, else 'cpu'."""
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 class LazyChunks(Chunks):
@@ -151,9 +174,11 @@ def checked_tokenizer(hf_dir: Path) -> dict[str, Path]:
     return files
 
 
-def recipe_text(cfg, family: str, hf_dir: Path, out: Path, tokenizer: str, seq_len: int) -> str:
+def recipe_text(cfg, family: str, hf_dir: Path, out: Path, tokenizer: str, hf: dict, train_for: str) -> str:
+    size, max_len = TRAIN_FOR[train_for], _max_len(hf)
     recipe = Config(model=cfg, data=DataConfig(tokenizer=tokenizer),
-                    train=TrainConfig(seq_len=seq_len, output_dir=f"runs/{out.name}"),
+                    train=TrainConfig(seq_len=min(max_len, size.max_seq_len), global_batch=size.global_batch,
+                                      micro_batch=size.micro_batch, output_dir=f"runs/{out.name}"),
                     checkpoint=CheckpointConfig(init_from=str(out)))
     head = (f"{CONVERSION_HEAD}{hf_dir} ({family}) by `python -m moe_lc.convert from-hf`.\n"
             "# Train from these weights with a recipe of your own, e.g. my_run.toml:\n"
@@ -161,13 +186,31 @@ def recipe_text(cfg, family: str, hf_dir: Path, out: Path, tokenizer: str, seq_l
             "#     [train]\n"
             "#     output_dir = \"runs/my_run\"\n"
             "# then `python -m moe_lc.convert to-hf runs/my_run --out hf/my_run` exports the run's newest checkpoint.\n"
-            "# The [model] tables must stay as they are (weight shapes); everything else is yours to change.\n\n")
+            "# The [model] tables must stay as they are (weight shapes); everything else is yours to change.\n"
+            + _size_note(train_for, max_len) + "\n")
     return head + to_toml(recipe)
 
 
-def _seq_len(hf: dict) -> int:
+def _size_note(train_for: str, max_len: int) -> str:
+    """The header's lines on [train]'s sizes: for which machine and why, and the other machine's sizes."""
+    other = "cpu" if train_for == "gpu" else "gpu"
+    default = ""
+    if train_for == default_train_for():
+        default = ", the default where torch sees CUDA" if train_for == "gpu" else ", the default without CUDA"
+
+    def sizes(kind: str) -> str:
+        t = TRAIN_FOR[kind]
+        return (f"seq_len = {min(max_len, t.max_seq_len)}, global_batch = {t.global_batch}, "
+                f"micro_batch = {t.micro_batch}")
+    return (f"# [train] is sized for {TRAIN_FOR[train_for].machine} (--train-for {train_for}{default}): "
+            f"{sizes(train_for)}.\n# For {TRAIN_FOR[other].machine} set {sizes(other)} in your [train], or convert "
+            f"with --train-for {other}\n"
+            "# (on a CPU, 4096 tokens x 16 sequences take tens of seconds a step, even for a tiny model).\n")
+
+
+def _max_len(hf: dict) -> int:
     try:
-        return min(int(hf.get("max_position_embeddings") or 4096), 4096)
+        return int(hf.get("max_position_embeddings") or 4096)
     except (TypeError, ValueError):
         raise ConvertError(f"max_position_embeddings={hf['max_position_embeddings']!r} is not an integer") from None
 
@@ -195,17 +238,21 @@ def _model_state(cfg, weights: HFWeights, by_name: dict, box_bytes: int, log) ->
     return state
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, box_bytes: int = BOX_BYTES,
-            log=print) -> Path:
-    """Convert; returns the committed checkpoint directory. See the module docstring."""
+def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, train_for: str | None = None,
+            box_bytes: int = BOX_BYTES, log=print) -> Path:
+    """Convert; returns the committed checkpoint directory. See the module docstring. `train_for`: 'cpu'
+    or 'gpu', the machine the recipe's [train] is sized for (default: `default_train_for()`)."""
+    train_for = train_for or default_train_for()
+    if train_for not in TRAIN_FOR:
+        raise ConvertError(f"train_for={train_for!r}: expected one of {', '.join(TRAIN_FOR)}")
     require_hf_extra("from-hf")
     hf_dir, out = Path(hf_dir).resolve(), Path(out).resolve()
     start = time.perf_counter()
     check = functools.partial(check_out, out, overwrite=overwrite, kind="an earlier conversion",
                               replaceable=is_conversion, inputs=(hf_dir,))
-    with staged(out, "from-hf", check) as tmp:
+    with staged(out, "from-hf", check, log) as tmp:
         hf = read_hf_config(hf_dir)
-        seq_len = _seq_len(hf)
+        _max_len(hf)  # a bad max_position_embeddings is refused before any weight is read
         tok_files = checked_tokenizer(hf_dir)
         cfg, family, weights, by_name = plan(hf_dir, hf)
         log(f"from-hf: {family} from {hf_dir}")
@@ -219,7 +266,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, box
                 tokenizer = str(out / "tokenizer")
             else:
                 log(f"from-hf: {hf_dir} has no tokenizer.json; the recipe keeps data.tokenizer = 'byte'")
-            (tmp / "recipe.toml").write_text(recipe_text(cfg, family, hf_dir, out, tokenizer, seq_len))
+            (tmp / "recipe.toml").write_text(recipe_text(cfg, family, hf_dir, out, tokenizer, hf, train_for))
             path = save_checkpoint(tmp / "checkpoint", 0, {"model": state}, is_writer=True, file_per_tensor=True)
         finally:
             weights.close()

@@ -10,14 +10,25 @@ or loses, what was there:
 
 Creating the staging directory is also the writability check: a read-only --out fails in one line
 before the first weight is read, not after an hour of conversion.
+
+The staging directory is `.OUT.<command>-<host>-<pid>-<hex>` beside --out. A conversion that raises
+or is interrupted (Ctrl-C; SIGTERM, which `python -m moe_lc.convert` unwinds the same way) removes it,
+with SIGINT and SIGTERM ignored while it does and while the result is swapped in (a signal then is
+lost: the conversion is complete a moment later). One killed outright (SIGKILL, a crash) leaves it; the
+next conversion to the same --out removes it (`stale_copies`: named with this host, and its pid no
+longer runs), never the copy of a running conversion or of one on another host sharing the filesystem.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
+import signal
+import socket
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +36,8 @@ from moe_lc.convert.hf_config import ConvertError
 
 CONVERSION_HEAD = "# Converted from "  # the first line of every recipe.toml from-hf writes
 CONVERSION_ENTRIES = {"recipe.toml", "checkpoint", "tokenizer"}
+COMMANDS = ("from-hf", "to-hf")
+HOST = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
 
 
 def listing(path: Path, most: int = 6) -> str:
@@ -71,13 +84,57 @@ def check_out(out: Path, *, overwrite: bool, kind: str, replaceable: Callable[[P
         raise ConvertError(f"--out {out} is {kind} (it holds {listing(out)}): pass --overwrite to replace it")
 
 
+def _aside(out: Path, what: str) -> Path:
+    """A new name beside `out` for this process: `.OUT.<what>-<host>-<pid>-<hex>` (see `stale_copies`)."""
+    return out.parent / f".{out.name}.{what}-{HOST}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stale_copies(out: Path) -> list[Path]:
+    """Staging copies of `out` (and old outputs set aside by a swap, while `out` exists) left by a
+    conversion on this host whose process no longer runs. A name without a host (written before hosts
+    were named) counts as this host's."""
+    kinds = "|".join(map(re.escape, COMMANDS + ("old",) if out.is_dir() else COMMANDS))
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?:{kinds})-(?:(.+)-)?(\d+)-[0-9a-f]{{6}}")
+    found = []
+    for p in out.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and m.group(1) in (None, HOST) and not _running(int(m.group(2))):
+            found.append(p)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """SIGINT and SIGTERM ignored inside (main thread only: elsewhere Python cannot set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(s, handler)
+
+
 def _swap(tmp: Path, out: Path) -> None:
     """Rename `tmp` to `out`. An absent or empty `out` is replaced by the one rename (atomic); a full
     one is moved aside first and removed after: between the renames `out` is absent, never mixed."""
     if not (out.is_dir() and any(out.iterdir())):
         os.replace(tmp, out)
         return
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(3)}"
+    old = _aside(out, "old")
     os.rename(out, old)
     try:
         os.rename(tmp, out)
@@ -88,24 +145,33 @@ def _swap(tmp: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(out: Path, command: str, check: Callable[[], None]):
-    """Run `check` (a refusal raises before anything is created), yield a new directory beside `out` to
-    write into, then `check` again (something may have appeared at `out` meanwhile) and swap it in.
-    On any failure the staging directory is removed and `out` is left as it was."""
+def staged(out: Path, command: str, check: Callable[[], None], log=print):
+    """Run `check` (a refusal raises before anything is created), remove stale copies of `out` left by
+    killed conversions, yield a new directory beside `out` to write into, then `check` again (something
+    may have appeared at `out` meanwhile) and swap it in. On any failure or interruption the staging
+    directory is removed and `out` is left as it was (see the module docstring)."""
+    assert command in COMMANDS, command
     check()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConvertError(f"--out {out}: cannot create {exc.filename or out.parent} ({exc.strerror})") from None
-    tmp = out.parent / f".{out.name}.{command}-{os.getpid()}-{secrets.token_hex(3)}"
+    tmp = _aside(out, command)
     try:
         tmp.mkdir()
     except OSError as exc:
         raise ConvertError(f"--out {out}: cannot write in {out.parent} ({exc.strerror})") from None
+    stale = stale_copies(out)
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    if stale:
+        log(f"{command}: removed what killed conversions left beside {out}: {', '.join(p.name for p in stale)}")
     try:
         yield tmp
-        check()
-        _swap(tmp, out)
+        with signals_ignored():
+            check()
+            _swap(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_ignored():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -175,7 +175,7 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, recipe: str | Path | None 
     inputs = (path.resolve(), *(f.resolve() for f in tok_files.values()))
     check = functools.partial(check_out, out, overwrite=overwrite, kind="a Hugging Face model directory",
                               replaceable=is_hf_model_dir, inputs=inputs)
-    with staged(out, "to-hf", check) as tmp:
+    with staged(out, "to-hf", check, log) as tmp:
         log(f"to-hf: {path} ({recipe_path.name}) -> {family} in {out}")
         writer = ShardWriter(tmp, max_shard_bytes)
         _write_weights(writer, path, cfg, family, dtypes, log, start)

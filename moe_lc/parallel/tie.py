@@ -9,6 +9,11 @@ reduce-scatter each rank all-reduces its reduced shard over pp_tie (moe_lc/paral
 comm.py: 2 x (n-1)/n x 4 bytes x the shard's elements), and both copies take the same update. The global
 grad norm weighs each copy 1/n. Schedules whose first and last stage share the rank (DualPipe, DualPipeV,
 one stage) hold one copy and need no group.
+
+Checkpoints: a tied model saves embed.weight and no head.weight. checkpoint.init_from of a tied checkpoint
+into an untied recipe (continued pre-training with a head of its own) starts the head as a copy of the
+embedding (`untied_head`, read in Checkpointer.load_weights); the reverse is refused (`tie_mismatch`):
+an untied model's head was trained apart from its embedding, and one tensor cannot be both.
 """
 
 from __future__ import annotations
@@ -51,3 +56,25 @@ def tie_plan(model: nn.Module, dims: ParallelDims, schedule, placements: Placeme
     if dims.coords()["pp"] in holders:
         place = placements.of(model.embed.weight)
         place.tie_group, place.norm_weight = TIE_GROUP, torch.tensor(1.0 / len(holders))
+
+
+def untied_head(keys: set[str], tie_embeddings: bool) -> bool:
+    """A tied checkpoint (its flattened `keys`: an embedding and no head) loaded into an untied model: the
+    head starts as a copy of the embedding (checkpoint.init_from)."""
+    return not tie_embeddings and "model.embed.weight" in keys and "model.head.weight" not in keys
+
+
+def tie_mismatch(path, saved: set[str], wanted: set[str], untie: bool) -> tuple[list[str], set[str]]:
+    """A checkpoint at `path` (its model tensors `saved`) and a recipe (its model's `wanted`) that differ in
+    model.tie_embeddings: (the error lines, the tensor names they account for, which the checkpoint's
+    generic lacks / holds lines leave out). A tied checkpoint into an untied recipe is no error with `untie`."""
+    if "embed.weight" in saved and "head.weight" not in saved and "head.weight" in wanted:
+        return ([] if untie else [
+            f"{path} holds a tied model (its embed.weight is also the head, no head.weight) but the recipe sets "
+            "model.tie_embeddings = false: set it to true (checkpoint.init_from can untie one: it starts the head "
+            "as a copy of the embedding)"]), {"head.weight"}
+    if "head.weight" in saved and "embed.weight" in wanted and "head.weight" not in wanted:
+        return [f"{path} holds an untied model (a head.weight trained apart from embed.weight) but the recipe sets "
+                "model.tie_embeddings = true: one tensor cannot be both, and the two differ, so tying would throw "
+                "one away; set model.tie_embeddings = false"], {"head.weight"}
+    return [], set()
