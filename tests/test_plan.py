@@ -484,3 +484,69 @@ def test_671b_plan_takes_under_30_seconds_and_mirror_ranks_agree():
                (b.memory, b.transients, b.activations, b.comm_per_step()), r
         assert sorted(a.layers) == sorted(b.layers)
     assert "loss head" in p.ranks[0].transients and "loss head" not in p.ranks[7].transients
+
+
+# -- --search: nothing fits, progress, Ctrl-C (issue 61) ------------------------------------------------
+SEARCH = [str(RECIPES / "overlap_cpu.toml"), "--world", "2", "--cluster", "h100", "--search"]
+
+
+def test_search_with_nothing_that_fits_names_what_binds_and_exits_2(capsys):
+    """No layout fits: no empty table and exit 0, but one `error:` line with what binds (parameters and
+    gradients alone, or the smallest planned peak and its layout) and what to change; exit status 2."""
+    from tools import plan as plan_tool
+    from tools.clusters import resolve
+    from tools.steptime_search import search
+
+    assert plan_tool.main(SEARCH + ["--set", "cluster.hbm_gb=0.00001"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: none of the 5 layouts of 2 GPUs fits 1e-05 GB per GPU: parameters and gradients "
+                          "alone need ") and "give more GPUs (--world) or more memory per GPU" in err
+    cluster, eff = resolve("h100")
+    found = search(SEARCH[0], [], 2, cluster, eff, plan, log=lambda *a, **k: None)
+    peaks = {r["name"]: r["peak_gb"] for r in found["ranked"]}
+    smallest = min(peaks, key=peaks.get)
+    assert plan_tool.main(SEARCH + ["--set", f"cluster.hbm_gb={peaks[smallest] * 0.999}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and [ln for ln in err.splitlines() if not ln.startswith("[")] == [
+        f"error: none of the 5 layouts of 2 GPUs fits {peaks[smallest] * 0.999:g} GB per GPU: the smallest planned "
+        f"peak is {peaks[smallest]:.3g} GB ({smallest}); give more GPUs (--world), more memory per GPU (another "
+        "--cluster, --set cluster.hbm_gb=GB) or a smaller peak (--set recompute.policy=full, a smaller "
+        "train.micro_batch or train.seq_len)"]
+
+
+def test_search_prints_progress_and_ctrl_c_prints_the_ranking_so_far(monkeypatch, capsys):
+    """A progress line per planned layout (tried / total, elapsed, ETA, best so far) on stderr; Ctrl-C
+    during the third layout's plan ends the search with the ranking of the two planned, a line saying so,
+    and exit status 130."""
+    from tools import plan as plan_tool
+
+    calls = []
+
+    def interrupted_plan(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(plan_tool, "plan", interrupted_plan)
+    assert plan_tool.main(SEARCH) == 130
+    out, err = capsys.readouterr()
+    progress = err.splitlines()
+    assert len(progress) == 2 and progress[0].startswith("[1/5 ") and progress[1].startswith("[2/5 "), err
+    assert all(", ETA " in ln and " tokens/s/GPU, peak " in ln and "| best so far: " in ln for ln in progress)
+    lines = out.splitlines()
+    assert lines[0] == "Interrupted (Ctrl-C) after 2 of 5 layouts: the ranking of those tried"
+    ranked = [ln[5:33].strip() for ln in lines if ln[:3].strip().isdigit()]  # the table's layout column
+    assert sorted(ranked) == sorted(ln.split("] ")[1].split(":")[0] for ln in progress)
+
+
+def test_search_plans_the_recipes_recompute_policy_alone_to_the_same_peak():
+    """--search asks plan() for the recipe's policy only (one trace per other policy fewer): the same peak,
+    memory and traffic, and only that policy's saved activations listed."""
+    cfg = load_config(RECIPES / "overlap_cpu.toml", world_size=4)
+    full, alone = plan(cfg, 4), plan(cfg, 4, policies=(cfg.recompute.policy,))
+    assert list(alone.ranks[0].activations) == [cfg.recompute.policy]
+    for a, b in zip(full.ranks, alone.ranks):
+        assert (a.peak_bytes(), a.memory, a.transients, a.comm_per_step()) == \
+               (b.peak_bytes(), b.memory, b.transients, b.comm_per_step())

@@ -4,8 +4,12 @@
                            [--lengths 128,...,8192] [--samples N] [--eval-only] [--reuse-scores]
                            [--no-yarn-inference]
 
-Default stages: recipes/longctx/base.toml -> extend_2k.toml -> extend_4k.toml (256 -> 2K -> 4K tokens on
-CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature). For each stage, in order:
+Default stages: the checkout's recipes/longctx/base.toml -> extend_2k.toml -> extend_4k.toml (256 -> 2K ->
+4K tokens on CPU, DeepSeek-V3's 4K -> 32K -> 128K recipe in miniature); an installed package has no
+recipes/, so there the stages are given. Paths are the user's: STAGE, --runs and --out relative to the
+working folder, and the trainer and the eval run in that folder, so a recipe's or a --set's relative
+paths (data.path, ...) resolve there as under moe-train (`extends` relative to the recipe's own folder).
+For each stage, in order:
   1. train: `python -m moe_lc.train STAGE` (through torchrun with pp x cp x tp x dp ranks) with
      train.output_dir = RUNS/<stage name> and, after the first, checkpoint.init_from = the previous
      stage's checkpoints: weights only, fresh optimizer, step and data, as DeepSeek-V3's extension
@@ -19,6 +23,10 @@ After the first stage, the same checkpoint is also scored with the last stage's 
 training ("YaRN at inference", as in the YaRN paper's figures) into OUT/<first stage>_yarn_x<factor>/.
 Finally OUT/longctx.png (passkey exact match by length for every stage, the last stage's depth x
 length heatmap, perplexity by length) and OUT/summary.md (the numbers, wall times, commands).
+
+Stopped (Ctrl-C, SIGTERM) the running step is stopped too (SIGTERM: the trainer checkpoints after its
+step), a log that received nothing is removed with the folders made for it, and the exit status is 130 or
+143; the same command continues the chain (finished stages are skipped, a stage resumes its checkpoint).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ if __name__ == "__main__" and not __package__:  # `python tools/extend.py` from 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,16 +51,26 @@ from pathlib import Path
 import importlib
 
 from moe_lc.config import ConfigError, load_config
+from moe_lc.out_path import OutPathError, unwritable
 
 from .ablate import command, is_complete
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, or the folder pip installed the packages into
 # the eval harness beside this package: `eval` in a checkout, `moe_lc_eval` where pip installed the tools
 EVAL = "eval" if __package__ == "tools" else "moe_lc_eval"
 plots = importlib.import_module(f"{EVAL}.plots")
 
 DEFAULT_STAGES = tuple(str(ROOT / "recipes" / "longctx" / f) for f in ("base.toml", "extend_2k.toml", "extend_4k.toml"))
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
+STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a process killed by it reports
+
+
+class Stopped(Exception):
+    """SIGTERM arrived: raised where the chain is, so the running step is stopped and cleaned up (`_run`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -106,19 +126,70 @@ def yarn_inference_sets(first: Stage, last: Stage) -> list[str]:
 
 
 def _run(cmd: list[str], log: Path, echo) -> float:
-    """Run cmd with its output teed to log and to the console; raises on failure; returns wall seconds."""
+    """Run cmd in the working folder with its output teed to log and to the console; raises on failure;
+    returns wall seconds. Stopped (KeyboardInterrupt, Stopped), the child is stopped too, and a log that
+    received nothing is removed with the folders made for it."""
     echo("$ " + " ".join(cmd))
+    made = _missing_dirs(log.parent)
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log, "w") as f, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            f.write(line)
-            echo("  " + line.rstrip())
+    # the children import the moe_lc (and eval) this tool runs from: the checkout, or the installed packages
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        with open(log, "w") as f, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.STDOUT, text=True) as proc:
+            try:
+                for line in proc.stdout:
+                    f.write(line)
+                    echo("  " + line.rstrip())
+            except BaseException:
+                _stop(proc)
+                raise
+    except BaseException:
+        _remove_empty(log, made)
+        raise
     if proc.returncode:
         raise RuntimeError(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed (exit {proc.returncode}); see {log}")
     return time.perf_counter() - start
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """End a child this tool was stopped in the middle of: SIGTERM (the trainer saves a checkpoint after
+    its step and exits; torchrun passes it to every rank), then SIGKILL after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _missing_dirs(folder: Path) -> list[Path]:
+    """The folders `folder.mkdir(parents=True)` would make, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty(log: Path, made: list[Path]) -> None:
+    """What a step stopped before it wrote anything leaves: its empty log and the folders made for it."""
+    if log.is_file() and log.stat().st_size == 0:
+        log.unlink()
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # something was written there
+            break
+
+
+def _write(path: Path, text: str) -> None:
+    """path's new text in one step (a temporary beside it, renamed over it): a stop leaves the old or the new."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
@@ -154,16 +225,17 @@ def run_pipeline(stages: list[Stage], out: Path, args, echo=print) -> dict:
     figure = plots.extension_figure(curves, out / "longctx.png", trained)
     summary["figure"] = str(figure)
     summary["table"] = passkey_table(curves)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(summary_markdown(summary, curves))
+    _write(out / "summary.json", json.dumps(summary, indent=1))
+    _write(out / "summary.md", summary_markdown(summary, curves))
     echo(f"wrote {figure}, {out / 'summary.md'}")
     return summary
 
 
 def shown(cmd: list[str]) -> str:
-    """cmd as a user types it from the repository root: `python`, paths relative to the root."""
-    root = str(ROOT) + os.sep
-    return " ".join("python" if part == sys.executable else part.replace(root, "") for part in cmd)
+    """cmd as a user types it in the working folder, where it runs: `python`, paths under the folder
+    relative to it."""
+    here = str(Path.cwd()) + os.sep
+    return " ".join("python" if part == sys.executable else part.replace(here, "") for part in cmd)
 
 
 def scored(stage: Stage, args) -> bool:
@@ -230,8 +302,11 @@ def summary_markdown(summary: dict, curves: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """Exit status 0; 2 with one `error:` line (a bad recipe or path, a failed step); 130 / 143 when stopped
+    by SIGINT / SIGTERM."""
     ap = argparse.ArgumentParser(prog="python tools/extend.py", description=__doc__.splitlines()[0])
-    ap.add_argument("stages", nargs="*", default=list(DEFAULT_STAGES), help="stage recipes, in order")
+    ap.add_argument("stages", nargs="*", help="stage recipes, in order (default: the checkout's recipes/longctx/"
+                                              "base.toml extend_2k.toml extend_4k.toml)")
     ap.add_argument("--runs", default="runs/longctx", help="training runs go to RUNS/<stage name>")
     ap.add_argument("--out", default="runs/longctx/eval", help="eval results, figure and summary")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every stage")
@@ -246,14 +321,50 @@ def main(argv=None) -> int:
     ap.add_argument("--no-yarn-inference", dest="yarn_inference", action="store_false",
                     help="skip scoring the first stage with the last stage's YaRN")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    missing = [s for s in DEFAULT_STAGES if not Path(s).is_file()]
+    if not args.stages and missing:
+        print(f"error: the default stages, recipes/longctx/{{base,extend_2k,extend_4k}}.toml, ship with the moe_lc "
+              f"checkout, not the installed package ({missing[0]} is not there); give the stage recipes: "
+              f"moe-extend STAGE.toml ...", file=sys.stderr)
+        return 2
+    # absolute from here on: the children run in this folder too, and the messages name where things are
+    recipes = [os.path.abspath(s) for s in args.stages or DEFAULT_STAGES]
+    runs, out = Path(os.path.abspath(args.runs)), Path(os.path.abspath(args.out))
+    # SIGTERM (kill, a job's time limit) stops the chain as Ctrl-C does; Python handles signals in the main thread
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_stopped)} if main_thread else {}
     try:
-        stages = plan_stages(args.stages, Path(args.runs), out, args.set)
+        stages = plan_stages(recipes, runs, out, args.set)
+        for flag, folder in (("--runs", runs), ("--out", out)):
+            _check_dir(flag, folder)
         run_pipeline(stages, out, args)
-    except (ConfigError, RuntimeError, FileNotFoundError) as exc:
+    except (ConfigError, RuntimeError, FileNotFoundError, OutPathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Stopped) as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"stopped by {signal.Signals(signum).name}; the same command continues the chain (finished stages "
+              "are skipped, a stopped stage resumes from its last checkpoint)", file=sys.stderr)
+        return STOP_EXIT[signum]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
+def _check_dir(flag: str, folder: Path) -> None:
+    """OutPathError when `folder` cannot hold the outputs (a file there or above it, not writable); made
+    only where a step writes into it."""
+    existing = next(q for q in (folder, *folder.parents) if q.exists())
+    if not existing.is_dir():
+        raise OutPathError(f"{flag} {folder}: {existing} is a file, not a directory")
+    problem = unwritable(existing)
+    if problem:
+        raise OutPathError(f"{flag} {folder}: {problem}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from .ablate import command
 from .extend import shown
 from .timeline import draw, summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, or the folder pip installed the packages into
 RUNS = {  # name -> (what it shows, extra --set)
     "dualpipe": ("DualPipe, overlap on", []),
     "dualpipe_no_overlap": ("DualPipe, parallel.overlap = false", ["parallel.overlap=false"]),
@@ -56,8 +56,11 @@ def run_one(name: str, recipe: str, out: Path, sets: list[str], steps: int) -> d
     start = time.perf_counter()
     log = out / f"{name}.log"
     with open(log, "w") as fh:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+        # in the working folder, as moe-train: a --set's relative paths resolve there; the children import
+        # the packages this tool runs from (the checkout, or the installed ones)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)).returncode
     if code != 0:
         raise RuntimeError(f"{name}: exit status {code}; see {log}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
         return 2
     from moe_lc.config import ConfigError, load_config
 
-    recipe = str(Path(args.recipe or ROOT / "recipes" / "overlap_cpu.toml").resolve())  # the runs start in ROOT
+    recipe = str(Path(args.recipe or ROOT / "recipes" / "overlap_cpu.toml").resolve())
     if args.recipe is None and not Path(recipe).is_file():
         print("error: --recipe: the default, recipes/overlap_cpu.toml, ships with the moe_lc checkout, not the "
               "installed package; give --recipe PATH", file=sys.stderr)

@@ -291,12 +291,15 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     return out
 
 
-def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
-    """The plan of a validated config on `world` ranks (None: the recipe's own degrees)."""
+def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLICIES) -> Plan:
+    """The plan of a validated config on `world` ranks (None: the recipe's own degrees). `policies`: the
+    recompute policies whose saved activations RankPlan.activations lists (the recipe's own, which the
+    memory and the peak use, always): --search asks for that one alone, skipping a trace per other policy."""
     layouts = rank_layouts(cfg, world)
     deg = layouts[0].dims
     cfg = cfg.replace(parallel=replace(cfg.parallel, dp=deg.dp))  # the blocks are traced on this mesh
     policy = cfg.recompute.policy
+    policies = [p for p in POLICIES if p in policies or p == policy]
     ranks = []
     schedule = pipeline_schedule(cfg, deg)
     # one trace, forward and backward: the saved bytes, what a split backward holds, and what each part sends
@@ -304,7 +307,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "") -> Plan:
     for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
-        estimates = {p: _estimates(cfg, stages, p) for p in POLICIES}
+        estimates = {p: _estimates(cfg, stages, p) for p in policies}
         acts, status = _activations(cfg, deg, stages, pp_rank, schedule, estimates)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
         scale = deg.pp * deg.dp * deg.cp * deg.tp
@@ -433,15 +436,29 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.search:
-        found = steptime_search.search(args.recipe, sets, args.world or mesh(cfg).world, *cluster, plan)
-        print(json.dumps({"search": found}, indent=1) if args.json else steptime_search.render(found))
-        return 0
+        return _search(args, sets, cfg, cluster)
     p = plan(cfg, args.world, args.recipe)
     predicted = steptime.predict(cfg, p, *cluster) if cluster else None
     if args.json:
         print(json.dumps({**p.to_json(), **({"predicted": predicted} if predicted else {})}, indent=1))
     else:
         print(render(p, cfg, args.terms) + (f"\n{steptime.render(predicted)}" if predicted else ""))
+    return 0
+
+
+def _search(args, sets: list[str], cfg: Config, cluster) -> int:
+    """--search: the ranking; exit status 2 with one `error:` line when no layout fits (what binds, what to
+    change), 130 when stopped by Ctrl-C (the ranking of the layouts planned until then)."""
+    found = steptime_search.search(args.recipe, sets, args.world or mesh(cfg).world, *cluster, plan)
+    if args.json:
+        print(json.dumps({"search": found}, indent=1))
+    elif found["ranked"] or found["interrupted"]:
+        print(steptime_search.render(found))
+    if found["interrupted"]:
+        return 130
+    if not found["ranked"]:
+        print(f"error: {steptime_search.nothing_fits(found, cfg)}", file=sys.stderr)
+        return 2
     return 0
 
 
