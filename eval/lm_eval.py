@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     """lm_eval's own CLI with the moe_lc model registered; `argv` as lm_eval's (default: sys.argv[1:]).
     Exit status lm_eval's, or 2 with one `error: ` line for the mistakes above."""
     if not lm_eval_installed():
+        if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):  # what it is, even without the extra
+            print("usage: moe-lm-eval [lm-evaluation-harness's arguments] --model moe_lc --model_args path=RUN_DIR\n\n"
+                  f"lm-eval's CLI with the moe_lc model registered; it needs lm-eval: {EXTRA_HINT}")
+            return 0
         print(f"error: python -m eval.lm_eval (moe-lm-eval) needs lm-eval, which is not installed: {EXTRA_HINT}",
               file=sys.stderr)
         return 2
