@@ -22,7 +22,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from moe_lc.cpu_threads import apply_threads
 from moe_lc.data import load_tokenizer
 from moe_lc.model.decode import extend, new_cache, prefill
-from .lm_eval import BridgeError, greedy_error, resolve_model_args
+from .lm_eval_args import BridgeError, greedy_error, resolve_model_args
 from .model_io import forward_logits, load_model
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_lc.checkpoint import (CheckpointError, checkpoint_keys, find_checkpoint, load_checkpoint, recipe_beside,
-                               weight_errors)
+from moe_lc.job.checkpoint import (CheckpointError, checkpoint_keys, find_checkpoint, load_checkpoint, recipe_beside,
+                                   weight_errors)
 from moe_lc.config import Config, ConfigError, load_config
 from moe_lc.model.transformer import Transformer, state_shapes
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
@@ -80,7 +80,7 @@ class ContextParallelLM(nn.Module):
     def shard(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full tokens (B, S) -> this rank's zig-zag chunks and their positions, S padded at the end to a
         multiple of 2 cp (causal attention and per-token routing keep the padding out of real positions)."""
-        from moe_lc.parallel.context import zigzag_shard
+        from moe_lc.parallel.cp.ring import zigzag_shard
 
         group, S = self.dims["cp"], tokens_BS.shape[1]
         padded = -(-S // (2 * group.size)) * 2 * group.size
@@ -90,7 +90,7 @@ class ContextParallelLM(nn.Module):
 
     def gather(self, t_BS: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's (B, S_local, ...) shard -> the full (B, length, ...) on every rank (padding cut)."""
-        from moe_lc.parallel.context import zigzag_unshard
+        from moe_lc.parallel.cp.ring import zigzag_unshard
 
         return zigzag_unshard(t_BS.contiguous(), self.dims["cp"], dim=1)[:, :length]
 

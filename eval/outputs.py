@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from moe_lc.out_path import unwritable
+from moe_lc.job.out_path import unwritable
 
 from .tasks import DEPTH_TASKS
 

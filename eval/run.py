@@ -42,11 +42,11 @@ from .ruler import NEEDS_HAYSTACK, RULER_TASKS
 from .summary import markdown, summary_table
 from .model_io import check_fit, checkpoint_step, eval_dims, load_eval_config, load_model, resolve_checkpoint
 from .outputs import clear_earlier, earlier_outputs, open_output, write_results
-from moe_lc.checkpoint import CheckpointError
+from moe_lc.job.checkpoint import CheckpointError
 from moe_lc.config import ConfigError
 from moe_lc.data import load_tokenizer
 from moe_lc.parallel.mesh import exit_process
-from moe_lc.preflight import resolve_device
+from moe_lc.job.preflight import resolve_device
 
 DEFAULT_TASKS = (*tasks.RETRIEVAL_TASKS, "perplexity")
 

@@ -8,7 +8,7 @@ Kinds (each fires once, on the given rank or on every rank, at optimizer step `s
     prepare_kill  tools/prepare_data.py is SIGKILLed right after publishing its `step`-th shard of a
                   split (the other split's open shard left half-written), to test resuming
     sigterm       the process sends itself SIGTERM during step `step` (after the update, before the ranks
-                  agree whether to stop: moe_lc/stop_signal.py), as a scheduler stopping the job would
+                  agree whether to stop: moe_lc/job/stop_signal.py), as a scheduler stopping the job would
     sigusr1       the same with SIGUSR1 (a scheduler's signal sent ahead of the stop)
 Under torchrun restarts a fault fires only in the first attempt (TORCHELASTIC_RESTART_COUNT = 0),
 so the restarted job runs clean. Nothing happens unless the variable is set.

@@ -23,13 +23,14 @@ from moe_lc import cpu_threads
 cpu_threads.passive_wait_if_shared()  # before torch loads the OpenMP runtime, which reads the policy once
 import torch  # noqa: E402
 
-from moe_lc import checkpoint as ckpt
-from moe_lc import faults, run_dir
+from moe_lc.job import checkpoint as ckpt
+from moe_lc import faults
+from moe_lc.job import run_dir
 from moe_lc.config import Config, ConfigError, load_config, to_toml
 from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
 from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report, source_names
-from moe_lc.lr_schedule import lr_at
-from moe_lc.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
+from moe_lc.job.lr_schedule import lr_at
+from moe_lc.job.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
 from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
 from moe_lc.ops import fp8_te
 from moe_lc.ops.fp8_linear import gemm_recipe
@@ -38,17 +39,17 @@ from moe_lc.parallel.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
-from moe_lc.parallel.param_gather import install_holds
+from moe_lc.parallel.zero.param_gather import install_holds
 from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
-                                        zero_param_groups)
+                                         zero_param_groups)
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
-from moe_lc.parallel.zero import ZeroOptimizer
-from moe_lc.preflight import init_from_checkpoint, preflight, resolve_device
-from moe_lc.recipe_error_exit import exit_on_recipe_error
-from moe_lc.step_timeline import traced_step
-from moe_lc.stop_signal import StopRequest, Stopped
-from moe_lc.train_step import (StepResult, balance_routers, document_attention_metrics, dsa_metrics, forward_backward,
-                               mtp_losses, source_losses, step_token_count)
+from moe_lc.parallel.zero.optimizer import ZeroOptimizer
+from moe_lc.job.preflight import init_from_checkpoint, preflight, resolve_device
+from moe_lc.job.recipe_error_exit import exit_on_recipe_error
+from moe_lc.job.timeline import traced_step
+from moe_lc.job.stop_signal import StopRequest, Stopped
+from moe_lc.job.step import (StepResult, balance_routers, document_attention_metrics, dsa_metrics, forward_backward,
+                             mtp_losses, source_losses, step_token_count)
 
 
 class Interrupted(Exception):
@@ -116,7 +117,7 @@ class Trainer:
                                   cfg.model.mtp.depth)
         self.step = 0
         self.nonfinite_skipped = 0
-        self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (stop_signal.py)
+        self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (job/stop_signal.py)
         self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,
                                               async_save=cfg.checkpoint.async_save)
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
@@ -389,7 +390,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Exit status: 0 done, 1 non-finite final loss, 2 bad recipe / checkpoint / run directory, 3 stopped
     by the non-finite guard, 130 interrupted (Ctrl-C), 128 + N stopped with a checkpoint by signal N (143
-    SIGTERM, 138 SIGUSR1; moe_lc/stop_signal.py). Every rank returns the same status; a recipe error (the
+    SIGTERM, 138 SIGUSR1; moe_lc/job/stop_signal.py). Every rank returns the same status; a recipe error (the
     same on every rank) is printed by rank 0."""
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -63,7 +63,7 @@ def test_the_recipe_choices_are_the_registry():
 # --------------------------------------------------------------------------- nothing else decides by kind
 
 KIND_FILES = {"moe_lc/config/attention_kinds.py", "moe_lc/model/attention.py", "moe_lc/model/mla.py",
-              "moe_lc/parallel/latent_ring.py", "moe_lc/model/dsa.py", "moe_lc/parallel/dsa_plan.py"}
+              "moe_lc/parallel/cp/latent_ring.py", "moe_lc/model/dsa.py", "moe_lc/parallel/dsa_plan.py"}
 COMPARISON = re.compile(r"\battention\s*[!=]=|[!=]=\s*[\"'](?:" + "|".join(ATTENTION_KINDS) + r")[\"']")
 MODULE_CLASSES = {k.module.split(":")[1] for k in ATTENTION_KINDS.values()}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lc.preflight import _available_ram
+from moe_lc.job.preflight import _available_ram
 from moe_lc.train import main
 
 ROOT = Path(__file__).resolve().parents[1]

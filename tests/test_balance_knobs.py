@@ -158,7 +158,7 @@ def _dispatch_with_drops(rank, world):
     from moe_lc.config import ParallelConfig
     from moe_lc.model.moe import LocalDispatcher, RoutedExperts
     from moe_lc.model.seams import through
-    from moe_lc.parallel.expert import AllToAllDispatcher, ExpertTopology
+    from moe_lc.parallel.ep.dispatch import AllToAllDispatcher, ExpertTopology
     from moe_lc.parallel.mesh import ParallelDims
     from moe_lc.parallel.placement import Placements, Shard
     from tests.test_expert_parallel import _problem
@@ -279,7 +279,7 @@ def test_planner_scales_the_all_to_all_by_the_capacity():
     routing, marked an estimate); a real run's routing is skewed, so its hot experts drop more than half:
     measured at most the plan (seen: 0.57-0.85 of it; without a capacity the planner is within 10% here).
     Every other key exact."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     layout = ["train.steps=2", "train.seq_len=64", "train.global_batch=8", "train.warmup_steps=1", "parallel.ep=2",
               "parallel.dp=2", "train.micro_batch=2"]
@@ -300,8 +300,8 @@ def test_dry_run_under_balanced_routing_sends_what_the_planner_says_under_a_capa
     """Balanced routing (the dry run's) asks every expert for T*k/E copies: a capacity of half that keeps
     exactly half, and the traced all-to-all equals the planner's to the byte (probability priority
     traced as position: the same counts per expert)."""
-    from tools.dryrun import trace_rank
-    from tools.plan import plan
+    from tools.dry_run.rank_trace import trace_rank
+    from tools.planner.plan import plan
 
     layout = ["train.seq_len=64", "train.global_batch=8", "parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
               "train.micro_batch=2", "model.moe.capacity_factor=0.5"]

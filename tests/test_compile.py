@@ -18,7 +18,7 @@ from moe_lc.parallel.compile import CompiledRegions, CompileWatch
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.train import run
 from tests.harness import FAST, RECIPES, LayoutResult, compare, reference, run_layout
-from tools.activation_memory import measure_saved_bytes
+from tools.planner.activation_memory import measure_saved_bytes
 
 RECIPE = RECIPES / "debug_cpu.toml"
 # the pipeline tests' shapes (tests/test_pipeline_runtime.py): the one-process reference is shared with them

@@ -142,12 +142,12 @@ def test_registries_implement_exactly_the_recipe_choices():
     it, so a name can be neither accepted without an implementation nor implemented without a name."""
     from moe_lc.config import choices
     from moe_lc.data.synthetic import TASKS
-    from moe_lc.lr_schedule import SCHEDULES
-    from moe_lc.metrics import LOGGERS
+    from moe_lc.job.lr_schedule import SCHEDULES
+    from moe_lc.job.metrics import LOGGERS
     from moe_lc.model.capacity import DROP_POLICIES
     from moe_lc.model.recompute import POLICIES, SELECTIVE_ITEMS
     from moe_lc.ops import attention, fp8_linear
-    from moe_lc.parallel.expert import DISPATCHERS
+    from moe_lc.parallel.ep.dispatch import DISPATCHERS
     from moe_lc.parallel.pipeline.schedules import BUILDERS
 
     pairs = {

@@ -25,7 +25,7 @@ from moe_lc.config import ConfigError, ParallelConfig, load_config, model_config
 from moe_lc.model.transformer import build_model
 from moe_lc.ops.attention import AttentionBackend, attention_with_lse, get_backend
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.context import (attention_work, chunk_ids, ring_attention_with_lse,
+from moe_lc.parallel.cp.ring import (attention_work, chunk_ids, ring_attention_with_lse,
                                      ring_schedule, zigzag_shard, zigzag_unshard)
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.layer_plan import apply_layer_plan
@@ -355,8 +355,6 @@ def test_cp_trains_dense_model_like_one_device(cp, dp):
     assert report.max_param_rel <= 1e-5, report
 
 
-@pytest.mark.skipif(not (ROOT / "moe_lc" / "parallel" / "tensor.py").exists(),
-                    reason="cp=2 x tp=2 needs tensor parallelism (moe_lc/parallel/tensor.py), not merged yet")
 @pytest.mark.parametrize("recipe", [pytest.param(DENSE, marks=pytest.mark.slow), RECIPE])
 def test_cp2_tp2_trains_like_one_device(recipe):
     ref, got, report = _equivalence(recipe, 2, 1, tp=2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from eval.model_io import load_eval_config, load_model, resolve_checkpoint
-from moe_lc.checkpoint import find_checkpoint
+from moe_lc.job.checkpoint import find_checkpoint
 from moe_lc.config import load_config
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from moe_lc.convert.hf_files import HFWeights

@@ -15,7 +15,7 @@ from moe_lc.model.transformer import build_model
 from moe_lc.ops.attention import attention_with_lse, get_backend
 from moe_lc.ops.attention_backends import ReferenceBackend
 from moe_lc.ops.documents import Documents, Piece
-from moe_lc.parallel.context import chunk_ids, ring_attention_with_lse, zigzag_shard, zigzag_unshard
+from moe_lc.parallel.cp.ring import chunk_ids, ring_attention_with_lse, zigzag_shard, zigzag_unshard
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.config import ParallelConfig
 from tests.harness import RECIPES, run_workers
@@ -308,7 +308,7 @@ def test_step_metrics_count_the_work_of_the_masked_attention():
     """attn/doc_work is one layer's score elements over the batch; the fraction is against the causal mask."""
     from moe_lc.parallel.comm import Group
     from moe_lc.parallel.parallelize import prepare_batch
-    from moe_lc.train_step import document_attention_metrics
+    from moe_lc.job.step import document_attention_metrics
 
     dims = ParallelDims(1, 1, 1, 1, 1, 1, 1, 0, groups={"cp": Group("cp", [0], 0), "dp": Group("dp", [0], 0)})
     cfg = load_config(RECIPES / "debug_cpu.toml").model

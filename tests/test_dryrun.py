@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_lc.config import load_config
-from tools.dry_trace import HostLiterals, StepTracer, balanced_select
-from tools.dryrun import pick_ranks
+from tools.dry_run.trace import HostLiterals, StepTracer, balanced_select
+from tools.dry_run.rank_trace import pick_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "debug_cpu.toml")
@@ -59,7 +59,7 @@ def test_mid_size_dualpipe_ep_tp_layout_matches_the_planner_on_every_role():
         traced, planned, _ = report["comparison"]["comm"]["comm/ep/all_to_all_bytes"]
         assert traced == planned > 0
         # every dispatch reads its split sizes on the host (torch's all-to-all takes host lists)
-        assert any("expert.py" in site and "(dispatch)" in site for site in report["host_reads"])
+        assert any("ep/dispatch.py" in site and "(dispatch)" in site for site in report["host_reads"])
 
 
 def test_balanced_select_loads_every_expert_equally_inside_the_group_limit():

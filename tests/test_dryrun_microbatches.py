@@ -1,5 +1,5 @@
 """The dry run traces the fewest micro-batches whose pipeline schedule peaks as the whole step does
-(tools/dry_microbatches.py): the planner's walk and a traced step give the same peak, less only the
+(tools/dry_run/microbatches.py): the planner's walk and a traced step give the same peak, less only the
 inputs of the micro-batches left out, which the dry run states."""
 
 import random
@@ -9,9 +9,9 @@ import pytest
 from moe_lc.config import load_config
 from moe_lc.parallel.pipeline import build_schedule
 from tests.harness import RECIPES
-from tools.dry_microbatches import fewest_microbatches, input_bytes, with_microbatches
-from tools.dryrun import microbatch_note, trace_rank
-from tools.pipeline_memory import schedule_peak
+from tools.dry_run.microbatches import fewest_microbatches, input_bytes, with_microbatches
+from tools.dry_run.rank_trace import microbatch_note, trace_rank
+from tools.planner.pipeline_memory import schedule_peak
 
 RECIPE = str(RECIPES / "debug_cpu.toml")
 

@@ -1,4 +1,4 @@
-"""Activation offloading (train.offload, moe_lc/parallel/offload.py) under DeepSeek Sparse Attention.
+"""Activation offloading (train.offload, moe_lc/parallel/memory/offload.py) under DeepSeek Sparse Attention.
 
 Sparse stage: `attn_core` takes what the sparse attention's kernel call (the `sparse_core`) keeps for
 backward: the roped queries, the latent key rows, the output and the selected positions (its LSE, 8 KiB
@@ -42,7 +42,7 @@ def _sparse_core_bytes(cfg) -> int:
 def test_sparse_core_offload_moves_its_tensors_and_the_planner_books_them():
     """One process, 2 layers: the host holds q, key rows, output and positions of each layer; the device's
     saved bytes drop by exactly that; the planner's host bytes and its activation drop are the measured ones."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     base = FAST + DSA + SHAPE + ["model.n_layers=2"]
     kept_cfg, away_cfg = load_config(RECIPE, base), load_config(RECIPE, base + CORE)
@@ -58,7 +58,7 @@ def test_sparse_core_offload_moves_its_tensors_and_the_planner_books_them():
 def test_sparse_core_offload_under_cp2_is_booked_by_the_planner():
     """Under cp2 the sparse core is the ring's (ParallelSparseCore): the planner's trace on cp2 moves each
     rank's q and output (its 64 rows; the key rows and positions fall under MIN_BYTES there)."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     base = FAST + DSA + SHAPE + ["model.n_layers=2", "parallel.cp=2", "parallel.dp=1"]
     away = plan(load_config(RECIPE, base + CORE, world_size=2), 2).ranks[0]
@@ -85,7 +85,7 @@ def test_warmup_stage_offloads_the_dense_core_as_mla_does():
     """The warm-up attends densely through MLA's core: attn_core moves what it moves under MLA at the same
     shape (q, k, v and the output of each layer), the device drop and the planner's are equal, and the
     warm-up's steps (main model frozen, indexer trained) are bit for bit the ones without offloading."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     base = FAST + DSA + SHAPE + WARMUP + ["model.n_layers=2"]
     (device_kept, _), (device_away, host) = (_saved_bytes(load_config(RECIPE, base + e)) for e in ([], CORE))
@@ -107,7 +107,7 @@ def test_offloading_the_sparse_core_lowers_the_dry_runs_peak_by_what_the_planner
     planner's: the host bytes less one layer's tensors, fetched back when backward reaches that layer (the
     planner's `offload fetch` term; the traced peak falls in that backward)."""
     from tests.test_dryrun import dryrun
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     sets = DSA + SHAPE + ["parallel.dp=1", "train.global_batch=8"]
     args = [str(RECIPE), "--ranks", "0", *[f"--set={s}" for s in sets]]

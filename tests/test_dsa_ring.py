@@ -12,7 +12,7 @@ from moe_lc.ops.dsa_attention import IndexerKLSparse, SparseLatentAttention, sel
 from moe_lc.ops.dsa_ring import OneRank, RingLayout, select
 from moe_lc.ops.dsa_warmup import IndexerKLDense, head_lse
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.context import P2PRing, chunk_ids
+from moe_lc.parallel.cp.ring import P2PRing, chunk_ids
 from tests.harness import run_workers
 
 B, S, G, E, H, TOPK = 2, 64, 3, 8, 4, 9

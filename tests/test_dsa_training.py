@@ -88,7 +88,7 @@ def test_the_warmup_starts_from_a_dense_mla_checkpoint_and_the_sparse_stage_does
     bit for bit (frozen); the sparse stage from the same dense checkpoint is refused in one line naming the
     indexer (it needs the warm-up's)."""
     from moe_lc.config import ConfigError
-    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.job.preflight import init_from_checkpoint
 
     ckpt = tmp_path / "dense" / "checkpoints"
     dense = run_layout(RECIPE, TRAIN + DSA[:6] + ["train.steps=1", f"checkpoint.dir={ckpt}"], world=1)

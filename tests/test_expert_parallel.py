@@ -10,13 +10,12 @@ import torch
 
 from moe_lc.config import model_config, ParallelConfig
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.expert import ExpertTopology
+from moe_lc.parallel.ep.dispatch import ExpertTopology
 from moe_lc.model.seams import through
 from tests.harness import FAST, RECIPES, assert_equivalent, reference, run_layout, run_workers
 
 RECIPE = RECIPES / "debug_cpu.toml"
 BASE = ["train.steps=5", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=1", "train.warmup_steps=2"]
-TENSOR_PY = Path(__file__).resolve().parents[1] / "moe_lc" / "parallel" / "tensor.py"
 
 
 # -- topology ---------------------------------------------------------------------------------------
@@ -68,7 +67,7 @@ def _ep_case(rank, dims, mode, sizes, shape, hot):
     """EP forward/backward of this rank's tokens vs the single-device result on all tokens, counted
     inter-node bytes per phase, and which token ids arrived at this rank."""
     from moe_lc.model.moe import LocalDispatcher, RoutedExperts
-    from moe_lc.parallel.expert import DISPATCHERS, ExpertTopology, named_counters
+    from moe_lc.parallel.ep.dispatch import DISPATCHERS, ExpertTopology, named_counters
     from moe_lc.parallel.placement import Placements, Shard
 
     E, K, G, TG, D, F = shape
@@ -272,8 +271,6 @@ def test_ep_with_expert_data_parallel_zero_trains_like_one_device(dispatch):
             assert step["comm/edp/all_gather_bytes"] == experts_local * 4 // 2
 
 
-@pytest.mark.skipif(not TENSOR_PY.exists(), reason="ep over dp x tp needs tensor parallelism "
-                    "(moe_lc/parallel/tensor.py), which is being written in parallel with this issue")
 def test_ep_over_dp_and_tp_trains_like_one_device():
     _equivalent(["parallel.tp=2", "parallel.ep=4"], 4)
 

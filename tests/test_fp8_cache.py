@@ -15,8 +15,8 @@ from moe_lc.ops.fp8_storage import Fp8Tiles
 from moe_lc.ops.linear import KEEP_AS_IS, GroupedLinear, Linear, WeightGradStore
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from tests.harness import RECIPES, TOLERANCE, assert_equivalent, reference, run_layout
-from tools.activation_memory import estimate, measure_saved_bytes
-from tools.dry_trace import balanced_select
+from tools.planner.activation_memory import estimate, measure_saved_bytes
+from tools.dry_run.trace import balanced_select
 
 RECIPE = RECIPES / "debug_cpu.toml"
 BASE = ["train.steps=4", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=1", "train.warmup_steps=2"]

@@ -169,7 +169,7 @@ class ThreadRing:
 @pytest.mark.parametrize("backend_name", CUDA_BACKENDS)
 def test_ring_attention_with_threads_as_cp_ranks_matches_one_call(backend_name):
     from moe_lc.parallel.comm import Group
-    from moe_lc.parallel.context import KVBlocks, ring_backward, ring_forward, zigzag_shard
+    from moe_lc.parallel.cp.ring import KVBlocks, ring_backward, ring_forward, zigzag_shard
 
     backend = cuda_backend(backend_name)
     cp, seq, h, h_kv, d = 4, 1024, 8, 2, 128

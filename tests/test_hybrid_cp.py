@@ -1,4 +1,4 @@
-"""Hybrid context parallelism (`parallel.cp_a2a`, moe_lc/parallel/ulysses.py): placement, the attention on
+"""Hybrid context parallelism (`parallel.cp_a2a`, moe_lc/parallel/cp/ulysses.py): placement, the attention on
 real all-to-all and ring groups against fp64 full attention, counted bytes by formula, the rules that
 refuse a layout before any process group, and training equal to one process (fp32, 1e-5) with the
 planner's counted bytes equal to the run's.
@@ -20,9 +20,9 @@ import torch
 from moe_lc.config import ConfigError, ParallelConfig, load_config
 from moe_lc.ops.attention import attention_with_lse
 from moe_lc.ops.documents import Documents
-from moe_lc.parallel.context import chunk_ids, zigzag_shard
+from moe_lc.parallel.cp.ring import chunk_ids, zigzag_shard
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.ulysses import hybrid_attention_with_lse, hybrid_chunk_ids, kv_repeats
+from moe_lc.parallel.cp.ulysses import hybrid_attention_with_lse, hybrid_chunk_ids, kv_repeats
 from tests.harness import RECIPES, ROOT, assert_equivalent, reference, run_layout, run_workers
 
 RECIPE = RECIPES / "debug_cpu.toml"
@@ -150,7 +150,7 @@ def _hybrid_worker(rank, world):
 
 def _formula(q, k, v, out, a2a, R):
     """(forward, backward) bytes per (group, op): the all-to-all moves (A-1)/A of q, k, v (kv heads repeated
-    to a multiple of A) and out, each way; the ring over R positions moves its K/V blocks (context.py)."""
+    to a multiple of A) and out, each way; the ring over R positions moves its K/V blocks (cp/ring.py)."""
     f = kv_repeats(k.shape[2], a2a)
     e, kv = 4, (k.numel() + v.numel()) * f  # the blocks after the all-to-all hold as many elements
     moved = (q.numel() + kv + out.numel()) * e * (a2a - 1) // a2a
@@ -229,7 +229,7 @@ SLOW = ("cp4_a2_tp2", "mla_expanded_cp4_a2", "mla_latent_cp4_a4")  # 17 s each b
 def _assert_counted_equals_planned(got, overrides, world, groups=None):
     """Every rank's counted bytes per step, every group and op (or those of `groups`), equal the planner's
     (tools/plan.py traces the blocks on the recipe's mesh, the all-to-all and ring groups included)."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     cfg = load_config(RECIPE, overrides, world_size=world)
     predicted = plan(cfg, world)
@@ -383,8 +383,8 @@ def test_planner_holds_for_hybrid_cp(name, overrides, act_rtol):
 def test_search_tries_each_all_to_all_size_inside_a_node():
     """tools/plan.py --search: every cp > 1 candidate also with cp_a2a = 2, 4, ... while A x tp fits a node
     and A divides the heads per tp rank (moe16b_128k: 16 heads, nodes of 8)."""
-    from tools.clusters import resolve
-    from tools.steptime_search import candidates, name
+    from tools.step_time.clusters import resolve
+    from tools.step_time.search import candidates, name
 
     cfg = load_config(ROOT / "recipes" / "moe16b_128k.toml", world_size=64)
     cluster, _ = resolve("h100")

@@ -58,7 +58,7 @@ def test_671b_pipeline_rank0_builds_only_its_shards():
     """DeepSeek-V3's layout (PP16 DualPipe x EP64 x ZeRO-1 over 2048 ranks), rank 0 built in this process
     on virtual groups: the parameters it allocates equal the planner's parameter bytes for pipeline rank 0
     (its two mirrored stages, 4 of 256 experts per MoE layer), and the process grows by about that."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     cfg = load_config(ROOT / "recipes" / "deepseek_v3_671b.toml", world_size=2048)
     dims = ParallelDims.from_config(cfg.parallel, 2048, rank=0)

@@ -207,7 +207,7 @@ def test_mla_latent_ring_under_fp8_tracks_one_device():
 
 
 def _ring_bytes_per_layer(values_per_token: int, tokens: int, cp: int) -> int:
-    """One attention call's ring bytes on one rank, fp32 (moe_lc/parallel/context.py): forward
+    """One attention call's ring bytes on one rank, fp32 (moe_lc/parallel/cp/ring.py): forward
     (cp-1) blocks, backward (cp-1) blocks and cp fp32 gradient accumulators."""
     numel = tokens * values_per_token
     return (cp - 1) * numel * 4 + (cp - 1) * numel * 4 + cp * numel * 4
@@ -217,7 +217,7 @@ def test_mla_latent_ring_moves_the_latent_bytes_the_formula_gives():
     """Debug MLA dims, 4 heads x (Dqk 24 + Dv 16) = 160 values per token expanded, 32 + 8 = 40 latent:
     comm.py's counted cp bytes equal the formula and the planner's figure for both rings, 4x apart."""
     from tests.harness import run_layout
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     cfg_over = TRAIN + MLA[:-1] + ["model.mla.v_head_dim=16", "parallel.cp=2"]
     cfg = load_config(RECIPES / "debug_cpu.toml", cfg_over, world_size=2)
@@ -238,7 +238,7 @@ def test_latent_ring_codec_gradients_match_autograd_in_row_chunks():
     """The latent ring's up-projection backward, formed 128 rows at a time (as at 128K, 1024), equals
     autograd through its forward (fp32)."""
     from moe_lc.ops.linear import PLAIN
-    from moe_lc.parallel.latent_ring import LatentBlocks
+    from moe_lc.parallel.cp.latent_ring import LatentBlocks
 
     torch.manual_seed(0)
     H, Dn, Dv, Dr, C, B, S = 3, 8, 6, 4, 16, 2, 300

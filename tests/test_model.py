@@ -229,7 +229,7 @@ def test_16bit_cross_entropy_keeps_the_logits_not_an_fp32_log_softmax():
     """CrossEntropySum on bf16 logits: the loss of F.cross_entropy on their fp32 values (within fp32
     rounding), gradients within bf16 rounding, and what backward keeps is the logits themselves and one
     fp32 log-sum-exp per row (2V + 4 bytes a token, not 4V), in row chunks across the ROWS boundary."""
-    from tools.activation_memory import measure_saved_bytes
+    from tools.planner.activation_memory import measure_saved_bytes
 
     from moe_lc.model.transformer import CrossEntropy16, CrossEntropySum
 

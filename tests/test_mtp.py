@@ -116,7 +116,7 @@ def test_dualpipe_rank_zero_holds_one_embedding_and_head_for_the_model_and_mtp()
     """DeepSeek-V3 3.2.1: with DualPipe the first and last stages share pipeline rank 0, so the MTP
     module uses the model's embedding and output head: one copy of their parameters (and so of their
     gradients and optimizer state), none on the middle ranks."""
-    from tools.plan_layout import rank_layouts
+    from tools.planner.layout import rank_layouts
 
     cfg = load_config(RECIPE, ["model.mtp.depth=1", "parallel.pp=2", "parallel.pp_schedule=dualpipe", "train.micro_batch=1",
                                "model.n_layers=4"], world_size=2)

@@ -17,7 +17,7 @@ from moe_lc.optim import RULES, Muon, recipe_rule
 from moe_lc.optim.muon import NS_COEFFICIENTS, newton_schulz
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero import ZeroOptimizer
+from moe_lc.parallel.zero.optimizer import ZeroOptimizer
 from tests.harness import (RECIPES, LayoutResult, assert_equivalent, compare, interrupted_and_resumed, reference,
                            run_layout)
 
@@ -210,8 +210,8 @@ def test_tp_gather_bytes_are_counted_partition_the_matrices_and_equal_the_plan()
     whose Shard cuts a matrix dim); the two dp ranks' owners split the matrices between them (together:
     every slice of the planner's placement table once), tp peers own the same ones, and the planner's
     figures for dp rank 0 are its counted ones, every key."""
-    from tools.plan import plan
-    from tools.plan_layout import rank_layouts
+    from tools.planner.plan import plan
+    from tools.planner.layout import rank_layouts
 
     steps = ["train.steps=2", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
              "train.warmup_steps=1", "parallel.dp=2", "parallel.tp=2", "parallel.zero_bucket_mb=0.05"]

@@ -1,4 +1,4 @@
-"""Activation offloading (train.offload, moe_lc/parallel/offload.py): what the named modules save goes to
+"""Activation offloading (train.offload, moe_lc/parallel/memory/offload.py): what the named modules save goes to
 host memory and comes back bit for bit, so training is ZeRO-1's without it, bit for bit, under dp2,
 dp2 x ep2, dp2 x tp2 and pp2 DualPipe x dp2; a checkpoint saved without it resumes with it exactly;
 the tensors really leave (the device-side saved bytes drop by what the host holds); the planner's trace
@@ -78,7 +78,7 @@ def test_offloaded_tensors_leave_the_device_and_come_back():
 def test_the_planner_books_offloaded_bytes_on_the_host_as_measured(items):
     """The planner's trace (meta tensors) books each offloaded tensor as host bytes: its host bytes equal
     the measured offload's, and its device saved bytes drop by exactly what the measured forward's drop."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     base = FAST + ["train.seq_len=128", "train.micro_batch=4"]
     (device_kept, _), (device_away, host) = (_saved_bytes(load_config(RECIPE, base + extra)) for extra in ([], items))
@@ -106,7 +106,7 @@ def test_attn_core_beside_the_mla_up_replay_moves_the_output_and_lse():
     the core's output and LSE (the output is also wo's input: one host copy serves both): every host byte is a
     device byte freed, and the recipe no longer warns."""
     from moe_lc.config.rules import recipe_warnings
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     mla = ["model.attention=mla", "model.mla.q_lora_rank=48", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
            "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "recompute.policy=selective",
@@ -148,7 +148,7 @@ def test_the_671b_128k_layout_on_1024_gpus_fits_80gb_by_offloading_expert_inputs
     """recipes/deepseek_v3_671b_128k_1024.toml: the planner puts pp 0 over an 80 GB GPU (74.5 GiB)
     without offloading and every pipeline rank under it with expert_fc1 offloaded, the host bytes stated
     (the dry run traces every role: docs/results/dryrun-671b-128k-1024)."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     recipe = RECIPES / "deepseek_v3_671b_128k_1024.toml"
     gib80 = 80e9

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_lc import checkpoint as ckpt
+from moe_lc.job import checkpoint as ckpt
 from moe_lc.config import ConfigError, load_config, to_toml
 from moe_lc.config.choices import Optimizer, names
 from moe_lc.model.counting import param_counts
@@ -16,12 +16,12 @@ from moe_lc.model.transformer import Transformer
 from moe_lc.optim import RULES, SGD, AdamW
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero import ShardedParams, ZeroOptimizer
-from moe_lc.parallel.zero_layout import bucket_elems, bucket_sizes
+from moe_lc.parallel.zero.optimizer import ShardedParams, ZeroOptimizer
+from moe_lc.parallel.zero.layout import bucket_elems, bucket_sizes
 from moe_lc.train import Trainer
 from tests.harness import (FAST, RECIPES, assert_equivalent, interrupted_and_resumed, reference,
                            run_workers)
-from tools.plan import plan
+from tools.planner.plan import plan
 
 RECIPE = RECIPES / "debug_cpu.toml"
 SMALL = FAST + ["train.steps=3", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
@@ -54,7 +54,7 @@ def test_rules_sit_below_zero_and_import_no_layout():
     assert set(rules) == {"moe_lc.optim", "moe_lc.optim.rule", "moe_lc.optim.adamw", "moe_lc.optim.sgd",
                           "moe_lc.optim.muon"}
     assert all(d.startswith("moe_lc.optim") for deps in rules.values() for d in deps), rules
-    assert "moe_lc.optim.rule" in graph["moe_lc.parallel.zero"]
+    assert "moe_lc.optim.rule" in graph["moe_lc.parallel.zero.optimizer"]
 
 
 # -- the math, on one process -----------------------------------------------------------------------

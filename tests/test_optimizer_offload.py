@@ -1,4 +1,4 @@
-"""Optimizer offloading (parallel.placement.optimizer = "offloaded", moe_lc/parallel/optimizer_offload.py)
+"""Optimizer offloading (parallel.placement.optimizer = "offloaded", moe_lc/parallel/zero/host_step.py)
 against ZeRO-1's device placement: bit for bit (losses and every final parameter) under dp2, dp2 x ep2,
 dp2 x tp2 and pp2 DualPipe x dp2, combined with ZeRO-2 and activation offloading, under Muon and QK-clip;
 a checkpoint saved with the optimizer on the device resumes offloaded exactly; the master and the rule's
@@ -57,7 +57,7 @@ def test_the_deferred_updates_run_as_the_next_forward_reaches_each_bucket(tmp_pa
     in its own order (the buffer's last bucket, the embedding's, first) as each chain's parameters are needed, and
     ends with none pending; the parameters it computes with are the updated ones (the same logits as with every
     update done in the step)."""
-    from moe_lc.parallel import optimizer_offload
+    from moe_lc.parallel.zero.optimizer import host_step as optimizer_offload
     from moe_lc.train import Trainer
 
     order = []
@@ -98,7 +98,7 @@ def test_the_state_lives_on_the_host_and_the_copies_are_the_planners(tmp_path):
     planner's `host_transfers`; the planner moves the optimizer row (and the staging) to the host and its
     device optimizer bytes to 0, its host bytes equal to what the groups hold."""
     from moe_lc.train import Trainer
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     overrides = FAST + STEPS + ["train.micro_batch=4", "train.steps=3", f"train.output_dir={tmp_path}"]
     cfg = load_config(RECIPE, overrides + OFFLOADED + ["precision.recipe=bf16"])

@@ -87,7 +87,7 @@ def _toy_moe_phases():
     """attention (x -> 2x), dispatch (rows 3x leave), experts (rows 5x leave), combine (x + rows, summed):
     the transfers go through a group of one (RowTransfer copies at once, the autograd edges are real)."""
     from moe_lc.parallel.comm import single_group
-    from moe_lc.parallel.row_transfer import RowTransfer
+    from moe_lc.parallel.ep.row_transfer import RowTransfer
 
     group = single_group("ep")
 

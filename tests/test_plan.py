@@ -1,6 +1,6 @@
 """tools/plan.py: published ZeRO figures, and the planner held to measurement.
 
-Saved activations and traffic are traced (tools/block_trace.py: one block of each kind forward and
+Saved activations and traffic are traced (tools/planner/block_trace.py: one block of each kind forward and
 backward on the meta device): the traced bytes must equal what a real CPU forward keeps
 (`measure_saved_bytes`), part by part and under every recompute policy, and what a split backward
 leaves for W what the W closures of a real CPU backward hold. Optimizer-state bytes and counted
@@ -29,14 +29,14 @@ from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.parallel.parallelize import prepare_batch
 from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.optim import AdamW
-from moe_lc.parallel.zero import ZeroOptimizer
+from moe_lc.parallel.zero.optimizer import ZeroOptimizer
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
-from tools.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
-from tools.block_trace import block_kind, forget_traces, trace_parts
-from tools.dry_trace import HostLiterals, StepTracer, balanced_select
-from tools.meta_kernels import MetaKernels
-from tools.placement_semantics import zero_comm, zero_memory
-from tools.plan import plan
+from tools.planner.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
+from tools.planner.block_trace import block_kind, forget_traces, trace_parts
+from tools.dry_run.trace import HostLiterals, StepTracer, balanced_select
+from tools.dry_run.meta_kernels import MetaKernels
+from tools.planner.placement_semantics import zero_comm, zero_memory
+from tools.planner.plan import plan
 
 RECIPE = RECIPES / "debug_cpu.toml"
 GB = 1e9
@@ -194,7 +194,7 @@ def test_traced_fp8_cached_bytes_equal_a_measured_forward_routed_alike(items):
 
 def test_tracer_remembers_meta_kernels_only_where_they_make_fresh_tensors():
     """The trace runs an op's meta kernel once per (inputs' metadata, other arguments) when the op makes
-    fresh tensors (tools/meta_kernels.py: a 128K ring repeats its shapes cp - 1 times): a repeat
+    fresh tensors (tools/dry_run/meta_kernels.py: a 128K ring repeats its shapes cp - 1 times): a repeat
     gets new tensors of the same shape, stride and dtype; a scalar's type is part of the key; views and
     in-place ops still run."""
     x, i = torch.empty(4, 6, device="meta"), torch.empty(3, dtype=torch.int64, device="meta")  # no values
@@ -410,11 +410,11 @@ def test_traced_all_to_all_keeps_the_share_an_expert_capacity_lets_through():
 
 
 def test_planner_traffic_reads_no_model_feature():
-    """What the model sends is read off its traced blocks (tools/block_trace.py), not restated: the planner's
+    """What the model sends is read off its traced blocks (tools/planner/block_trace.py), not restated: the planner's
     layout and traffic code reads no attention kind, head count, ring, routing, capacity, precision or
     recompute setting (a new attention kind, say sparse attention's indexer keys on the cp ring, is
     planned by running)."""
-    tree = ast.parse((ROOT / "tools" / "plan_layout.py").read_text())
+    tree = ast.parse((ROOT / "tools" / "planner/layout.py").read_text())
     read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     features = {"attention", "mla", "mla_ring", "n_heads", "n_kv_heads", "head_size", "qk_norm", "qkv_bias", "dim",
                 "topk", "capacity_factor", "weighted_swiglu", "aux_loss_weight", "global_aux_loss_weight",
@@ -494,8 +494,8 @@ def test_search_with_nothing_that_fits_names_what_binds_and_exits_2(capsys):
     """No layout fits: no empty table and exit 0, but one `error:` line with what binds (parameters and
     gradients alone, or the smallest planned peak and its layout) and what to change; exit status 2."""
     from tools import plan as plan_tool
-    from tools.clusters import resolve
-    from tools.steptime_search import search
+    from tools.step_time.clusters import resolve
+    from tools.step_time.search import search
 
     assert plan_tool.main(SEARCH + ["--set", "cluster.hbm_gb=0.00001"]) == 2
     out, err = capsys.readouterr()

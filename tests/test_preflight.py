@@ -17,8 +17,8 @@ from moe_lc.config import ConfigError, MLAConfig, load_config
 from moe_lc.model.memory_floor import block_floor
 from moe_lc.ops.attention import unusable_reason
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
-from moe_lc.preflight import _available_ram, attention_error, device_errors, memory_errors
-from tools.activation_memory import estimate
+from moe_lc.job.preflight import _available_ram, attention_error, device_errors, memory_errors
+from tools.planner.activation_memory import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug_cpu.toml"

@@ -177,7 +177,7 @@ LAYOUTS = {
     "dsa_sparse_cp2": (DSA_SPARSE + ["train.steps=5", "train.seq_len=64", "train.micro_batch=4", "train.lr=1.5e-3",
                                      "train.qk_clip=2.84"], ["parallel.cp=2"], 2),
     "dp2_tp2": ([], ["parallel.dp=2", "parallel.tp=2"], 4),
-    # hybrid cp: each rank sees its head group's lse over its ring position (moe_lc/parallel/ulysses.py)
+    # hybrid cp: each rank sees its head group's lse over its ring position (moe_lc/parallel/cp/ulysses.py)
     "cp4_a2a2": ([], ["parallel.cp=4", "parallel.cp_a2a=2"], 4),
     "mla_cp4_a2a2_latent": (MLA_SMALL + ["train.lr=0.005", "train.qk_clip=3.6"], ["parallel.cp=4", "parallel.cp_a2a=2"],
                             4),
@@ -201,7 +201,7 @@ def test_clipping_runs_train_like_one_process(layout):
 def test_qk_clip_all_reduces_are_the_planners_bytes():
     """cp2: every step's counted bytes of every group and op equal the planner's, QK-clip's two
     all-reduces among them (fp32 max lse of 4 layers x 4 heads over dp x cp, then of 4 layers over the world)."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     got = run_layout(RECIPE, CLIPPING + ["train.steps=2", "parallel.cp=2"], world=2)
     cfg = load_config(RECIPE, FAST + CLIPPING + ["train.steps=2", "parallel.cp=2"], world_size=2)

@@ -160,7 +160,7 @@ def test_guarded_runs_train_like_one_process(layout):
 def test_the_guards_all_reduce_is_the_planners_bytes():
     """cp2: every step's counted bytes equal the planner's, the guard's all-reduce over cp among them (the
     per-sample bound, B x H fp32, once per attention call and again per replay)."""
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     base = CLIPPING + ["train.steps=2", "parallel.cp=2"]
     got = run_layout(RECIPE, base + ["train.qk_clip_guard=true"], world=2)

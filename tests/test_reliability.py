@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lc.checkpoint import committed_checkpoints, latest_checkpoint
+from moe_lc.job.checkpoint import committed_checkpoints, latest_checkpoint
 from tests.harness import RECIPES, compare, run_layout, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,9 +168,9 @@ def test_hung_collective_names_the_op_and_group():
 def test_async_save_snapshots_before_training_continues(tmp_path):
     """Training overwrites the parameters right after an asynchronous save returns; the checkpoint
     still holds the values at save time."""
-    from moe_lc.checkpoint import Checkpointer, load_checkpoint
+    from moe_lc.job.checkpoint import Checkpointer, load_checkpoint
     from moe_lc.config import load_config
-    from moe_lc.parallel.checkpoint_state import model_state
+    from moe_lc.job.checkpoint_state import model_state
     from moe_lc.train import Trainer
 
     cfg = load_config(RECIPE, SMALL + ["train.steps=1", f"train.output_dir={tmp_path / 'run'}"])

@@ -1,4 +1,4 @@
-"""A run directory belongs to one run (moe_lc/run_dir.py): refusals that keep an earlier run's data
+"""A run directory belongs to one run (moe_lc/job/run_dir.py): refusals that keep an earlier run's data
 byte for byte, train.overwrite, resume that truncates metrics.jsonl, checkpoint key checks both ways,
 checkpoint.save_final, Ctrl-C, and the Weights & Biases logger."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_lc import checkpoint as ckpt
+from moe_lc.job import checkpoint as ckpt
 from moe_lc.config import load_config
 from moe_lc.model.transformer import state_shapes
 from moe_lc.train import main
@@ -282,7 +282,7 @@ def test_logger_choices_are_the_registry():
     from typing import get_args, get_type_hints
 
     from moe_lc.config import TrainConfig
-    from moe_lc.metrics import LOGGERS
+    from moe_lc.job.metrics import LOGGERS
 
     assert set(LOGGERS) == set(get_args(get_args(get_type_hints(TrainConfig)["loggers"])[0]))
 

@@ -1,6 +1,6 @@
 """A step's routing counts live in its ForwardStats (moe_lc/model/forward_stats.py), never on the modules:
 the routers and dispatchers keep no counter a trainer reads and zeroes, `ForwardStats.routing` is read
-only by the step (moe_lc/train_step.py), and a replayed router (full recomputation) books nothing twice."""
+only by the step (moe_lc/job/step.py), and a replayed router (full recomputation) books nothing twice."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import build_model
 from moe_lc.parallel.layer_plan import apply_layer_plan
-from moe_lc.train_step import forward_backward
+from moe_lc.job.step import forward_backward
 from tests.harness import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 # what routers and dispatchers kept until issue #45: read and zeroed by the trainer
 REMOVED = {"expert_load", "loss_sums", "dropped_load", "_counts"}
-OWNER, READERS = "moe_lc/model/forward_stats.py", {"moe_lc/train_step.py"}  # of ForwardStats.routing
+OWNER, READERS = "moe_lc/model/forward_stats.py", {"moe_lc/job/step.py"}  # of ForwardStats.routing
 
 
 def counter_reads(source: str, rel: str) -> list[str]:
@@ -42,7 +42,7 @@ def test_the_scan_finds_planted_counter_reads():
                "c = d.counters()\nrow = stats.routing[router]\nn = dynamo_utils.counters['stats']\n")
     assert sorted(counter_reads(planted, "moe_lc/somewhere.py")) == ["d.counters()", "m.router.expert_load",
                                                                       "moe.router.loss_sums", "stats.routing"]
-    assert counter_reads(planted.splitlines()[3], "moe_lc/train_step.py") == []
+    assert counter_reads(planted.splitlines()[3], "moe_lc/job/step.py") == []
 
 
 def test_no_code_reads_a_counter_off_a_module():

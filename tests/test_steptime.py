@@ -1,4 +1,4 @@
-"""The step-time predictor (tools/steptime.py via tools/plan.py --cluster): link times are bytes over the
+"""The step-time predictor (tools/step_time/model.py via tools/plan.py --cluster): link times are bytes over the
 group's link, a single-rank step is its FLOPs over peak x efficiency, DualPipe's F&B hides the EP
 all-to-all up to the compute beside it, and mistakes are one line."""
 
@@ -15,8 +15,8 @@ from moe_lc.config import ParallelConfig, load_config
 from moe_lc.model.counting import attention_core_flops, train_flops_per_token
 from moe_lc.parallel.mesh import ParallelDims
 from tools import plan as plan_tool
-from tools.clusters import CLUSTERS, EFFICIENCY, resolve
-from tools.steptime import link_seconds
+from tools.step_time.clusters import CLUSTERS, EFFICIENCY, resolve
+from tools.step_time.model import link_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_bench_file_replaces_the_default_efficiencies(tmp_path):
 def test_search_ranks_the_layouts_that_fit_and_says_why_each_beats_the_next():
     from dataclasses import replace
 
-    from tools.steptime_search import search
+    from tools.step_time.search import search
 
     cluster, eff = resolve("h100")
     found = search("recipes/overlap_cpu.toml", [], 2, cluster, eff, plan_tool.plan, log=lambda *a, **k: None)
@@ -118,7 +118,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_why_each_beats_the_next():
 
 
 def test_the_cpu_cluster_is_built_from_the_committed_cpu_benches():
-    from tools.steptime_cpu import cluster_from_fit, fit
+    from tools.step_time.cpu import cluster_from_fit, fit
 
     fitted, table = cluster_from_fit(fit()), CLUSTERS["cpu"]
     for key in ("fp32_tflops", "hbm_gbps", "net_gbps", "nvlink_gbps", "gpus_per_node", "op_us", "call_us",
@@ -128,7 +128,7 @@ def test_the_cpu_cluster_is_built_from_the_committed_cpu_benches():
 
 
 def test_steptime_cpu_names_a_missing_bench_file(tmp_path, capsys):
-    from tools.steptime_cpu import main
+    from tools.step_time.cpu import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--bench", str(tmp_path), "--out", str(tmp_path)])
@@ -145,7 +145,7 @@ def test_plan_on_the_cpu_cluster_is_the_committed_cpu_prediction(capsys):
 
 
 def test_host_costs_add_each_traced_op_and_call_and_only_the_link_hides_in_fb(capsys):
-    from tools.block_trace import trace_parts
+    from tools.planner.block_trace import trace_parts
 
     # dense_cpu: one rank, no pipeline; every micro-batch runs embed, the blocks and the head F, B and W
     base = ["recipes/dense_cpu.toml", "--cluster", "h100"]

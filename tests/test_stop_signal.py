@@ -1,5 +1,5 @@
 """SIGTERM and SIGUSR1 stop training after the step in progress, with a checkpoint written by every rank at
-the same step and one line naming it (moe_lc/stop_signal.py); the resumed run continues to the
+the same step and one line naming it (moe_lc/job/stop_signal.py); the resumed run continues to the
 uninterrupted run's losses, bit for bit."""
 
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_lc.checkpoint import committed_checkpoints
+from moe_lc.job.checkpoint import committed_checkpoints
 from tests.test_reliability import RECIPE, ROOT, SMALL, losses, train_cli
 
 STEPS = ["train.steps=10", "checkpoint.resume=true"]  # interval 0: only the stop writes a checkpoint before the end

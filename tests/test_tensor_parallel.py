@@ -47,7 +47,7 @@ def _largest_in_loss(model, h, labels):
 def _layer_check(tp_group, rank, n):
     """Column then row Linear (an MLP) with and without SP vs the full computation; max abs diffs."""
     from moe_lc.ops.linear import Linear
-    from moe_lc.parallel.tensor import ColumnParallel, RowParallel
+    from moe_lc.parallel.tp.mappings import ColumnParallel, RowParallel
 
     g = torch.Generator().manual_seed(1)
     D, F = 8, 12
@@ -205,7 +205,7 @@ def test_bad_shapes_are_clear_errors():
 
 
 def test_sequence_not_divisible_by_tp_is_a_clear_error():
-    from moe_lc.parallel.tensor import ReduceScatterSequence
+    from moe_lc.parallel.tp.mappings import ReduceScatterSequence
 
     with pytest.raises(ValueError, match="sequence length 15 is not divisible by tp=2"):
         ReduceScatterSequence.apply(torch.zeros(2, 15, 4), Group("tp", [0, 1], 0))

@@ -187,7 +187,7 @@ def test_tied_hf_converts_tied_and_comes_back(tied_hf, family, tmp_path):
     from safetensors.torch import load_file
 
     from eval.model_io import load_eval_config, load_model, resolve_checkpoint
-    from moe_lc.checkpoint import checkpoint_keys, find_checkpoint
+    from moe_lc.job.checkpoint import checkpoint_keys, find_checkpoint
     from moe_lc.convert import to_hf
 
     hf, hf_dir, ours_dir = tied_hf[family]
@@ -215,7 +215,7 @@ def train_ours(ours_dir, tmp) -> tuple[list[float], list[list[torch.Tensor]], di
     """3 steps of our trainer from the conversion: (losses, each step's micro-batch tokens (B, S+1), the
     final full state, the config)."""
     from moe_lc.parallel.parallelize import full_state_dict
-    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.job.preflight import init_from_checkpoint
     from moe_lc.train import Trainer
 
     cfg = load_config(ours_dir / "recipe.toml", TRAIN_HF + [f"train.output_dir={tmp}/run"])
@@ -288,7 +288,7 @@ def test_planner_counts_the_tied_table_once_and_its_pp_tie_all_reduce():
     DualPipe, whose rank 0 holds both ends, plans none."""
     from moe_lc.model.counting import param_counts
     from tests.test_plan import RECIPE, SMALL, _check_layout
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     over = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=1", "train.micro_batch=2"]
     cfg = load_config(RECIPE, SMALL + over, world_size=2)
@@ -309,7 +309,7 @@ def test_planner_counts_the_tied_table_once_and_its_pp_tie_all_reduce():
 
 def started_from(ours_dir, tmp, *overrides):
     """A trainer with `ours_dir`'s weights loaded as checkpoint.init_from loads them."""
-    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.job.preflight import init_from_checkpoint
     from moe_lc.train import Trainer
 
     cfg = load_config(ours_dir / "recipe.toml", TRAIN_HF + [f"train.output_dir={tmp}/run", *overrides])
@@ -321,7 +321,7 @@ def started_from(ours_dir, tmp, *overrides):
 def test_a_tied_checkpoint_unties_on_load(tied_hf, tmp_path, capsys):
     """model.tie_embeddings = false over a tied conversion: the head starts as a copy of the embedding (one
     line says so), so the first forward, and its loss, are the tied model's; then the two tables train apart."""
-    from moe_lc.checkpoint import find_checkpoint
+    from moe_lc.job.checkpoint import find_checkpoint
 
     _, _, ours = tied_hf["qwen3"]
     step = find_checkpoint(ours)
@@ -360,11 +360,11 @@ def test_tying_an_untied_checkpoint_is_refused_in_one_line(tied_hf, tmp_path):
     """An untied model's head is a trained tensor apart from its embedding: tying keeps one, so it is refused
     naming model.tie_embeddings; a tied checkpoint where no loader unties (resume, to-hf, eval) names it too;
     every lacks / holds line names the tensors."""
-    from moe_lc.checkpoint import find_checkpoint, weight_errors
+    from moe_lc.job.checkpoint import find_checkpoint, weight_errors
     from moe_lc.config import ConfigError
     from moe_lc.convert import from_hf
     from moe_lc.model.transformer import state_shapes
-    from moe_lc.preflight import init_from_checkpoint
+    from moe_lc.job.preflight import init_from_checkpoint
 
     hf_models.save_model(hf_models.qwen3(), tmp_path / "hf")  # untied
     from_hf(tmp_path / "hf", tmp_path / "untied", log=lambda *_: None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lc.checkpoint import committed_checkpoints
+from moe_lc.job.checkpoint import committed_checkpoints
 from moe_lc.config import load_config
 from moe_lc.train import run
 

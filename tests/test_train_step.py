@@ -12,7 +12,7 @@ from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import build_model
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.train_step import balance_routers, forward_backward, mtp_losses
+from moe_lc.job.step import balance_routers, forward_backward, mtp_losses
 from tests.harness import RECIPES
 
 MTP_WEIGHT = 0.5

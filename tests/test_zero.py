@@ -86,7 +86,7 @@ def _overlap_worker(rank, world):
     from moe_lc.parallel import comm
     from moe_lc.parallel.mesh import ParallelDims
     from moe_lc.parallel.parallelize import parallelize, zero_param_groups
-    from moe_lc.parallel.zero import ZeroOptimizer
+    from moe_lc.parallel.zero.optimizer import ZeroOptimizer
 
     d = ParallelDims.from_config(ParallelConfig(), world, rank)
     d.init_groups()

@@ -1,4 +1,4 @@
-"""ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/grad_rounds.py) against ZeRO-1: bit for bit
+"""ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/zero/grad_rounds.py) against ZeRO-1: bit for bit
 with one micro-batch per rank, to fp32 rounding (1e-6) with several (each micro-batch reduced, then summed)
 under dp2, dp2 x ep2, dp2 x tp2, pp2 DualPipe x dp2, and tp2 with one kv head (its rows' grad-norm weights:
 ZeRO-2 built them from the full-size buffer it does not have, and failed); a ZeRO-1 checkpoint resumed under ZeRO-2; counted
@@ -31,7 +31,7 @@ LAYOUTS = {  # (overrides, world, rounds: micro-batches through each of a rank's
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if LAYOUTS[k][1] > 2 else [])
                                     for k in LAYOUTS])
 def test_zero2_trains_like_zero1_and_sends_what_the_planner_says(layout):
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     extra, world, micro = LAYOUTS[layout]
     zero1 = run_layout(RECIPE, STEPS + extra, world=world)
@@ -69,7 +69,7 @@ def test_the_gradient_state_is_the_shard_and_staging_ends_with_the_step(tmp_path
     micro-batch per bucket, and after the step no staging is held; the planner's gradient bytes are the
     shards' (and ZeRO-1's the buffer's on top)."""
     from moe_lc.train import Trainer
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     overrides = FAST + STEPS + ["train.micro_batch=4", "train.steps=1", f"train.output_dir={tmp_path}"]
     cfg = load_config(RECIPE, overrides + ZERO2)

@@ -1,4 +1,4 @@
-"""ZeRO-3 (parallel.placement.params = "sharded_gather", moe_lc/parallel/param_gather.py): each rank keeps 1/N of the
+"""ZeRO-3 (parallel.placement.params = "sharded_gather", moe_lc/parallel/zero/param_gather.py): each rank keeps 1/N of the
 parameters and gathers a unit (embedding, block, head) around its forward and its backward.
 
 Equal to ZeRO-2, whose gradient rounds it uses, bit for bit under dp2, dp2 x ep2, cp2, pp2 1F1B x dp2 with a tied
@@ -43,7 +43,7 @@ SLOW = {k for k, (_, world) in LAYOUTS.items() if world > 2} | {"dp2_ep2", "dp2_
 
 
 def _planned_comm(overrides: list[str], world: int) -> dict:
-    from tools.plan import plan
+    from tools.planner.plan import plan
 
     cfg = load_config(RECIPE, FAST + overrides, world_size=world)
     return plan(cfg, world).ranks[0].comm_per_step()
@@ -91,10 +91,10 @@ def test_parameters_are_present_only_around_their_unit(tmp_path, monkeypatch):
     (`unit_gathers`: twice per micro-batch, the embedding once plus twice for the head); at most the running
     and the prefetched units (here three: the head's two and a prefetched block) are gathered at once, within
     the planner's "gathered units"; the kept shards are the planner's parameter bytes."""
-    from moe_lc.parallel import param_gather
+    from moe_lc.parallel.zero.optimizer import param_gather
     from moe_lc.train import Trainer
-    from tools.plan import plan
-    from tools.plan_layout import rank_layouts, unit_gathers
+    from tools.planner.plan import plan
+    from tools.planner.layout import rank_layouts, unit_gathers
 
     overrides = FAST + STEPS + ZERO3 + ["train.micro_batch=4", "train.steps=2", f"train.output_dir={tmp_path}",
                                         "model.tie_embeddings=true", "model.mtp.depth=1"]
@@ -136,7 +136,7 @@ def test_no_rank_ever_holds_its_whole_model(tmp_path, monkeypatch):
     """Start-up included: the build leaves every parameter without storage (nothing drawn), and ZeRO builds its
     buckets one at a time, each drawn through `initial_value`, its shard kept and the rest freed before the next;
     the shards hold the same values as a whole build's (tied embedding and MTP, 2 groups: dense and experts)."""
-    from moe_lc.parallel import zero
+    from moe_lc.parallel.zero.optimizer import optimizer as zero
     from moe_lc.parallel.build import build_rank_model
     from moe_lc.parallel.mesh import ParallelDims
     from moe_lc.train import Trainer
@@ -210,8 +210,8 @@ def test_the_zero_table_of_70b_on_16_ranks_comes_from_the_planners_rows():
     parameter, 490 / 210 / 78.75 GB."""
     from dataclasses import replace
 
-    from tools.placement_semantics import memory_by_state
-    from tools.plan import plan
+    from tools.planner.placement_semantics import memory_by_state
+    from tools.planner.plan import plan
 
     paper = {"params": 2, "grads": 2, "optimizer": 12}
     placements = {"ZeRO-1": [], "ZeRO-2": ZERO2, "ZeRO-3": ZERO3}

@@ -47,7 +47,7 @@ from moe_lc.config import ConfigError, load_config
 
 from . import ablate_settings as settings
 from .ablate_plot import plot_losses
-from moe_lc.out_path import out_dir
+from moe_lc.job.out_path import out_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

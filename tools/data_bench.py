@@ -42,7 +42,7 @@ from moe_lc.data.token_corpus import open_token_corpus
 from moe_lc.data.tokenizer import ByteTokenizer, load_tokenizer
 
 from .prepare_data import main as prepare_main
-from moe_lc.out_path import out_dir
+from moe_lc.job.out_path import out_dir
 
 
 def write_corpus(path: Path, max_mb: float) -> int:

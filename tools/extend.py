@@ -51,7 +51,7 @@ from pathlib import Path
 import importlib
 
 from moe_lc.config import ConfigError, load_config
-from moe_lc.out_path import OutPathError, unwritable
+from moe_lc.job.out_path import OutPathError, unwritable
 
 from .ablate import command, is_complete
 

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_lc.out_path import out_dir
+from moe_lc.job.out_path import out_dir
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, or the folder pip installed the packages into
 STEPS = ("env", "install", "tests", "bench")
@@ -129,7 +129,7 @@ def env_report() -> dict:
         props = torch.cuda.get_device_properties(0)
         report.update(device=torch.cuda.get_device_name(0), capability=f"{props.major}.{props.minor}",
                       sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
-        from moe_lc.metrics import peak_tflops_of
+        from moe_lc.job.metrics import peak_tflops_of
         from moe_lc.ops.attention import available_backends, get_backend
         report["peak_tflops"] = peak_tflops_of(report["device"])
         report["attention_backends"] = available_backends("cuda")

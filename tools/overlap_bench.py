@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_lc.out_path import out_dir
+from moe_lc.job.out_path import out_dir
 from .ablate import command
 from .extend import shown
 from .timeline import draw, summary

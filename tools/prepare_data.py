@@ -49,12 +49,12 @@ from pathlib import Path
 
 from moe_lc.data.corpus import is_val_file
 from moe_lc.data.ingest import (DEFAULT_PATTERNS, check_meta_fields, check_parquet_columns, collect_inputs,
-                                 encode_records, init_worker, iter_records)
+                                encode_records, init_worker, iter_records)
 from moe_lc.data.shards import SplitShards, outputs_of, state_path, write_json_atomic
 from moe_lc.data.token_corpus import manifest_path
 from moe_lc.data.token_file import token_dtype
 from moe_lc.data.tokenizer import load_tokenizer
-from moe_lc.out_path import OutPathError, out_file
+from moe_lc.job.out_path import OutPathError, out_file
 
 SPLITS = ("train", "val")
 TASK_DOCS = 256  # documents per worker task

@@ -35,7 +35,7 @@ from moe_lc.parallel.pipeline import (
     simulate,
 )
 
-from moe_lc.out_path import out_file
+from moe_lc.job.out_path import out_file
 
 # Light and dark shade per kind; chunk c uses shade c (interleaved chunks > 1 cycle through them).
 COLOURS = {"F": ("#fcd38d", "#f59e0b"), "B": ("#a5c8f0", "#3b7dd8"), "W": ("#b7e4b0", "#4a9d45")}

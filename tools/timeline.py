@@ -2,7 +2,7 @@
 
     python tools/timeline.py RUN_DIR [--png timeline.png] [--json] [--window START:END]
 
-Reads RUN_DIR/timeline/rank<R>.json (moe_lc/step_timeline.py) and prints, per mesh group and op,
+Reads RUN_DIR/timeline/rank<R>.json (moe_lc/job/timeline.py) and prints, per mesh group and op,
 the communication time of the step and the part hidden behind compute (1 - exposed / time), the
 measured mean cost of each pipeline action kind (F, B, W, F&B) and the simulator's step time for
 those costs next to the measured one. With --png it draws, per rank, one lane of compute phases
@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from moe_lc.out_path import out_file
+from moe_lc.job.out_path import out_file
 from moe_lc.parallel.pipeline import FB, CommGroup, Costs, build_schedule, simulate
 
 PHASE_COLOURS = {"attention": "#6baed6", "dispatch": "#fd8d3c", "experts": "#e6550d", "combine": "#fdae6b",
@@ -37,7 +37,7 @@ PHASE_COLOURS = {"attention": "#6baed6", "dispatch": "#fd8d3c", "experts": "#e65
 GROUP_ORDER = ("ep", "pp", "cp", "tp", "dp_cp", "edp", "dp_cp_tp", "dp", "world")
 
 
-RECORD_KEYS = ("rank", "step", "schedule", "overlap", "link", "step_interval", "comm")  # step_timeline.py writes them
+RECORD_KEYS = ("rank", "step", "schedule", "overlap", "link", "step_interval", "comm")  # job/timeline.py writes them
 
 
 def load(run: Path) -> list[dict]:

@@ -76,7 +76,7 @@ class AttentionSpec:
     saved_bytes: str              # (m, c, cp) -> bytes per token its backward surely keeps besides wo's input
     decode: str                   # its cache: shapes, prefill, step (model/decode.py `decoder`)
     # parallel ("module:name")
-    tp_rule: str                  # (module, tp) -> its parameters, placed (parallel/tensor_plan.py)
+    tp_rule: str                  # (module, tp) -> its parameters, placed (parallel/tp/plan.py)
     tp_groups: str | None         # (m, dims) -> None: process groups its TP rule uses, made on every rank up front
     local: CoreSeams              # one device (cp = 1)
     ring: CoreSeams               # under cp
@@ -163,7 +163,7 @@ def _no_tp_errors(m, tp: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------- the table
 
-_RING = "moe_lc.parallel.context:RingAttention"
+_RING = "moe_lc.parallel.cp.ring:RingAttention"
 _MLA_LOCAL = CoreSeams(attend="moe_lc.model.mla:attend", attend_up="moe_lc.model.recompute:mla_up_replayed")
 
 ATTENTION_KINDS: dict[str, AttentionSpec] = {
@@ -173,7 +173,7 @@ ATTENTION_KINDS: dict[str, AttentionSpec] = {
         module="moe_lc.model.attention:Attention", params="moe_lc.model.attention:gqa_params",
         vector_params="moe_lc.model.attention:gqa_vector_params",
         saved_bytes="moe_lc.model.attention:gqa_saved_bytes", decode="moe_lc.model.attention:GQADecode",
-        tp_rule="moe_lc.parallel.tensor_plan:gqa_rule", tp_groups="moe_lc.parallel.tensor_plan:gqa_kv_groups",
+        tp_rule="moe_lc.parallel.tp.plan:gqa_rule", tp_groups="moe_lc.parallel.tp.plan:gqa_kv_groups",
         local=CoreSeams(), ring=CoreSeams(core=_RING), expanded_ring=None,
         hf_pieces="moe_lc.convert.hf_names:gqa_pieces", hf_family="moe_lc.convert.hf_config:gqa_family",
         qk_clip_rows="moe_lc.model.attention:gqa_qk_clip_rows"),
@@ -183,11 +183,11 @@ ATTENTION_KINDS: dict[str, AttentionSpec] = {
         module="moe_lc.model.mla:MLAttention", params="moe_lc.model.mla:mla_params",
         vector_params="moe_lc.model.mla:mla_vector_params", saved_bytes="moe_lc.model.mla:mla_saved_bytes",
         decode="moe_lc.model.mla:MLADecode",
-        tp_rule="moe_lc.parallel.tensor_plan:mla_rule", tp_groups=None,
+        tp_rule="moe_lc.parallel.tp.plan:mla_rule", tp_groups=None,
         local=_MLA_LOCAL,
-        ring=CoreSeams(core="moe_lc.parallel.latent_ring:LatentRingAttention",
-                       attend="moe_lc.parallel.latent_ring:latent_attend",
-                       attend_up="moe_lc.parallel.latent_ring:latent_attend_mla_up"),
+        ring=CoreSeams(core="moe_lc.parallel.cp.latent_ring:LatentRingAttention",
+                       attend="moe_lc.parallel.cp.latent_ring:latent_attend",
+                       attend_up="moe_lc.parallel.cp.latent_ring:latent_attend_mla_up"),
         expanded_ring=CoreSeams(core=_RING, attend=_MLA_LOCAL.attend, attend_up=_MLA_LOCAL.attend_up),
         hf_pieces="moe_lc.convert.hf_names:mla_pieces", hf_family="moe_lc.convert.hf_config:mla_family",
         qk_clip_rows="moe_lc.model.mla:mla_qk_clip_rows"),

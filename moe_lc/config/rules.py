@@ -191,7 +191,7 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
 
 
 def hybrid_cp_errors(cfg: Config) -> list[str]:
-    """What the all-to-all of hybrid context parallelism (parallel.cp_a2a > 1, parallel/ulysses.py) cannot
+    """What the all-to-all of hybrid context parallelism (parallel.cp_a2a > 1, parallel/cp/ulysses.py) cannot
     split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), DSA's sparse
     ring, and a per-micro-batch chunk placement."""
     m, p, e = cfg.model, cfg.parallel, []
@@ -206,7 +206,7 @@ def hybrid_cp_errors(cfg: Config) -> list[str]:
                  "sparse ring moves the latent, which the all-to-all cannot split by head")
     if p.cp_layout != "zigzag":
         e.append(f"parallel.cp_layout={p.cp_layout!r} with parallel.cp_a2a={A} is not built: the hybrid placement "
-                 "is fixed (parallel/ulysses.py)")
+                 "is fixed (parallel/cp/ulysses.py)")
     return e
 
 

@@ -30,7 +30,7 @@ __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DSAConfig", 
 @dataclass(frozen=True)
 class PlacementConfig:
     """[parallel.placement]: where each training state lives beyond ZeRO-1's defaults (the placement table of
-    tools/placement_semantics.py: R replicated, S sharded over the parameter's data-parallel group)."""
+    tools/planner/placement_semantics.py: R replicated, S sharded over the parameter's data-parallel group)."""
 
     grads: GradPlacement = f("replicated", "replicated: ZeRO-1's full-size fp32 main-grad buffer, reduce-scattered "
                                            "once a step; sharded: ZeRO-2, each micro-batch's gradients "
@@ -204,7 +204,7 @@ class TrainConfig:
     threads: int = f(0, "torch CPU threads per process; 0 = auto: OMP_NUM_THREADS if set, else this process's idle "
                             "cores (moe_lc/cpu_threads.py); the start-up line says which and why")
     offload: list[OffloadItem] = f([], "activations kept in host memory from forward to backward "
-                                       "(moe_lc/parallel/offload.py): attn_core = what the attention core "
+                                       "(moe_lc/parallel/memory/offload.py): attn_core = what the attention core "
                                        "keeps; expert_fc1 = the routed experts' up-projection input; experts "
                                        "= everything the routed experts keep")
     compile: bool = f(False, "torch.compile the compute regions of each block and the loss head "

@@ -3,7 +3,7 @@
 Exit status: 0 written, 2 refused or failed (one line), 130 on Ctrl-C and 143 on SIGTERM (a scheduler's
 stop, `timeout`): an interrupted conversion removes its partial copy and prints one line saying that
 --out was left as it was (moe_lc/convert/out_dir.py), and exits with the status a process killed by
-the signal reports, as training does (moe_lc/stop_signal.py).
+the signal reports, as training does (moe_lc/job/stop_signal.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from moe_lc.checkpoint import CheckpointError
+from moe_lc.job.checkpoint import CheckpointError
 from moe_lc.config import ConfigError
 from moe_lc.convert import ConvertError, from_hf, to_hf
 from moe_lc.convert.from_hf import TRAIN_FOR

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lc.checkpoint import save_checkpoint
+from moe_lc.job.checkpoint import save_checkpoint
 from moe_lc.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
 from moe_lc.convert.hf_config import ConvertError, check_field_types, from_hf_config
 from moe_lc.convert.hf_files import (TOKEN_IDS, HFWeights, check_tokenizer, copy_tokenizer, require_hf_extra,
@@ -37,7 +37,7 @@ from moe_lc.convert.hf_files import (TOKEN_IDS, HFWeights, check_tokenizer, copy
 from moe_lc.convert.hf_names import Piece, mtp_copies, pieces, to_ours
 from moe_lc.convert.out_dir import CONVERSION_HEAD, check_out, is_conversion, staged
 from moe_lc.model.transformer import state_shapes
-from moe_lc.parallel.checkpoint_state import Chunks
+from moe_lc.job.checkpoint_state import Chunks
 
 BOX_BYTES = 1 << 30
 

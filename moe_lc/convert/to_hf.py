@@ -2,7 +2,7 @@
 `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, safetensors shards of at
 most `max_shard_bytes` with their index, and the tokenizer files of the recipe's tokenizer.
 
-The checkpoint holds every tensor as boxes of the full tensor (moe_lc.parallel.checkpoint_state), so
+The checkpoint holds every tensor as boxes of the full tensor (moe_lc.job.checkpoint_state), so
 reading a full tensor is the resharding load resume does, into a one-rank layout. It is read one
 layer at a time (the embedding, final norm and head as a group of their own); each layer's HF
 tensors go to the shard being filled, which is written when full: the resident set stays near one
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moe_lc.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, recipe_beside, weight_errors
+from moe_lc.job.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, recipe_beside, weight_errors
 from moe_lc.config import Config, load_config
 from moe_lc.convert.hf_config import ConvertError, family_of, to_hf_config
 from moe_lc.convert.hf_files import (TOKEN_IDS, ShardWriter, check_tokenizer, copy_tokenizer, require_hf_extra,

@@ -2,8 +2,8 @@
 
 Legend: B batch, S sequence (local: the full sequence on one device, a zig-zag shard under CP),
 H query heads, K key/value heads (H % K == 0), Dh head dim, D model dim. Under TP the heads of this
-module are the local ones (set by `moe_lc.parallel.tensor`), and the core is swapped for ring
-attention under CP (`moe_lc.parallel.context`); this file stays single-device code. Seams (see
+module are the local ones (set by `moe_lc.parallel.tp.mappings`), and the core is swapped for ring
+attention under CP (`moe_lc.parallel.cp.ring`); this file stays single-device code. Seams (see
 moe_lc/model/seams.py): `core`, `replay` around RoPE + core (selective recomputation keeps q|k|v), and
 `out_proj` around the whole attention and wo (FP8 activation caching keeps the output once, in FP8).
 Optional: q/k normalization before RoPE (`model.qk_norm`, moe_lc/model/qk_norm.py), RoPE on the first

@@ -17,7 +17,7 @@ of the same sequences (or of the whole batch), and P is this rank's tokens' part
 gradient is exactly the local one and the router's gradient sum over dp x cp x tp is the single-device
 gradient. `MoE.aux_loss_scale` (1 / (micro-batches * dp)) then makes the step's mean. `TokenShards`
 says how the tokens are split and does those sums: one device here, the mesh's groups under a parallel
-layout (moe_lc/parallel/balance_plan.py). `run_region`: the router's seam that runs the compiled regions
+layout (moe_lc/parallel/ep/balance_plan.py). `run_region`: the router's seam that runs the compiled regions
 (moe_lc/model/seams.py; the plain functions by default).
 """
 

@@ -23,9 +23,9 @@ class ForwardStats:
     device, booked once per micro-batch forward (moe.py, `MoE.dispatch_phase`): "loads" (E,) fp32 token
     copies routed to each expert (dropped ones included), "losses" (3,) fp32 the weighted auxiliary losses'
     shares (balance_losses.LOSS_NAMES order, zero where off), "dropped" () fp32 the copies dropped over
-    capacity, "spread" (N + 4,) fp64 the expert-parallel dispatcher's counters (parallel/expert.py); a
+    capacity, "spread" (N + 4,) fp64 the expert-parallel dispatcher's counters (parallel/ep/dispatch.py); a
     count a forward did not make is absent. The trainer reads them after the backward
-    (moe_lc/train_step.py: the load metrics and the routers' bias update).
+    (moe_lc/job/step.py: the load metrics and the routers' bias update).
     n_sources: data sources to book the next-token loss by (0: not booked); source_losses: (2, n_sources)
     fp64, each source's summed token loss and its token count over this rank's rows (zeros on a rank
     without the head).

@@ -3,7 +3,7 @@
 Preflight refuses a recipe whose floor exceeds the memory a rank has (`train.seq_len = 1048576` on the
 debug model), in a second, instead of letting it sit in attention for minutes. It is a LOWER bound, so
 it never refuses what could fit: every term is one the model surely keeps (the planner traces what a
-block keeps, tools/block_trace.py; tests/test_preflight.py checks this floor stays under that
+block keeps, tools/planner/block_trace.py; tests/test_preflight.py checks this floor stays under that
 figure), at the fewest bytes any precision or FP8 caching keeps it in, and every layout divides it
 as much as it could: tp divides every term (in truth only some are cut), cp the sequence, pp the blocks
 (some pipeline rank holds at least ceil(n_layers / pp) of them: the cheapest ones are counted).

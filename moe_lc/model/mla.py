@@ -25,7 +25,7 @@ projections replicated, and `gather` becomes the sequence all-gather of the late
 
 The "mla" attention kind (moe_lc/config/attention_kinds.py): besides the module, this file holds its
 counts from the config (`mla_params`, ...) and its latent decode cache (`MLADecode`, for
-moe_lc/model/decode.py). Its ring under context parallelism is moe_lc/parallel/latent_ring.py.
+moe_lc/model/decode.py). Its ring under context parallelism is moe_lc/parallel/cp/latent_ring.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ z-loss: balance_losses.py). No token dropping unless an expert capacity is set (
 Legend: T tokens (B*S flattened), D model dim, E routed experts, G expert groups, K experts per token,
 F expert hidden dim. Tokens reach experts through a `TokenDispatcher`: `LocalDispatcher` here (all
 experts on this device); expert parallelism swaps in an all-to-all dispatcher from outside
-(`moe_lc.parallel.expert`) without touching this file.
+(`moe_lc.parallel.ep.dispatch`) without touching this file.
 """
 
 from __future__ import annotations

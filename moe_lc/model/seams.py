@@ -29,9 +29,9 @@ decides, in one place, what each module gets.
               in the rank's compiled runner (moe_lc/parallel/compile.py). A dispatcher has one too.
   hold        `module.hold(chain, modules, backward=True)`: a chain of phases that reads the parameters of
               `modules`, returned as the chain to run. The default returns it as it is; ZeRO-3 (moe_lc/
-              parallel/param_gather.py) plugs in one that gathers those parameters before the chain's forward
+              parallel/zero/param_gather.py) plugs in one that gathers those parameters before the chain's forward
               and (backward) before its backward, and frees them after each; an offloaded optimizer that
-              defers its updates (moe_lc/parallel/optimizer_offload.py) one that settles them before the
+              defers its updates (moe_lc/parallel/zero/host_step.py) one that settles them before the
               forward. The model marks the embedding's, each block's and the head's chains (a block an MTP
               module calls is inside the head's).
   count_loads a router's `count_loads(ctx)`: whether this run of an MoE layer's forward (`ctx`, its

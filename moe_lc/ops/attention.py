@@ -1,6 +1,6 @@
 """Attention backends that return the log-sum-exp of the scores beside the output, as FlashAttention's
 kernels keep it for their backward (Dao et al. 2022, arXiv:2205.14135): ring attention merges partial
-results by it (parallel/context.py).
+results by it (parallel/cp/ring.py).
 
 Legend (flash-attn's native "BSHD" layout; shape suffixes on names follow it):
   B batch, Q query length (S_q), K key length (S_k), H query heads, J key/value heads (H_kv),
@@ -13,7 +13,7 @@ Legend (flash-attn's native "BSHD" layout; shape suffixes on names follow it):
 
 Every backend has `forward(q, k, v, causal, scale) -> (out, lse)` and
 `backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`. The backward recomputes the
-probabilities from the `lse` and `out` it is *given*, so ring attention (parallel/context.py) can run
+probabilities from the `lse` and `out` it is *given*, so ring attention (parallel/cp/ring.py) can run
 forward on key blocks, merge the partials by LSE, and then call backward per block with the merged
 (out, lse): the per-block gradients then sum to the exact full gradients (tests check this).
 

@@ -9,7 +9,7 @@ dsa_select.py's.
   sparse attention   `SparseLatentAttention`: each ring step attends the selected keys the visiting latent
                      block holds, in MLA's absorbed form (moe_lc/ops/sparse_attention.py), merged by LSE; a
                      block no query selected from is skipped (it still travels). Backward: the same ring, the
-                     blocks' fp32 gradient accumulators travelling home one step behind, as in context.py's
+                     blocks' fp32 gradient accumulators travelling home one step behind, as in cp/ring.py's
                      ring attention; wkv_b's gradient stays here.
   sparse-stage loss  `IndexerKLSparse`: sum_t KL(p(t, S_t) || softmax(I(t, S_t))), S_t the selection, p the
                      main attention's probabilities summed over heads and L1-normalized (`selected_probs`,

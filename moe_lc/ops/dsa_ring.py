@@ -5,7 +5,7 @@ indexer's selection pass.
 Legend: B batch, Q this rank's query rows, T a block's rows (every rank holds as many), E indexer head dim.
 
 A ring is any object with `rank`, `size` and `shift(tensors) -> in-flight` whose `wait()` gives the
-tensors of rank - 1 (moe_lc/parallel/context.py's P2PRing over the "cp" group, counted by comm.py);
+tensors of rank - 1 (moe_lc/parallel/cp/ring.py's P2PRing over the "cp" group, counted by comm.py);
 `OneRank` is the ring of a single device, so one code path serves both. At step s rank r holds the blocks
 of rank (r - s) mod size; the next shift is in flight while the current block is computed.
 

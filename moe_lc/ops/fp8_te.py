@@ -2,8 +2,8 @@
 
 Written against TE 2.x and UNTESTED on real TE: TE needs CUDA and builds from source, and no machine this
 project has run on has it installed (the lent GPU has none either). Read before writing, in
-NVIDIA/TransformerEngine: tests/pytorch/test_float8_blockwise_gemm_exact.py (the blockwise GEMM call this
-file copies the shape of), pytorch/cpp_extensions/gemm.py (`general_gemm`), pytorch/tensor/
+NVIDIA/TransformerEngine's test_float8_blockwise_gemm_exact.py, in its tests/pytorch (the blockwise GEMM
+call this file copies the shape of), pytorch/cpp_extensions/gemm.py (`general_gemm`), pytorch/tensor/
 float8_blockwise_tensor.py and float8_tensor.py (the quantizers). `tests/test_fp8_te.py` checks our
 operand mapping against a stand-in on CPU, and the real path against the emulation wherever TE imports
 on a GPU (it skips elsewhere).

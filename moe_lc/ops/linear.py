@@ -1,7 +1,7 @@
 """The one Linear: every weight matmul of the model goes through `Linear` or `GroupedLinear`.
 
 Parallel and precision features plug in here instead of wrapping modules again and again:
-- `tp`     : a tensor-parallel role object (set by `moe_lc.parallel.tensor`), whose `enter(x)` runs
+- `tp`     : a tensor-parallel role object (set by `moe_lc.parallel.tp.mappings`), whose `enter(x)` runs
              before the GEMM (e.g. all-gather of the sequence shards for a column-parallel layer) and
              `exit(y)` after it (e.g. reduce-scatter for a row-parallel layer); both are autograd
              functions with their collectives in the open. None = not tensor parallel.

@@ -1,4 +1,4 @@
-"""Optimizer update rules on ZeRO-1's shards (moe_lc/parallel/zero.py owns the buffers and collectives).
+"""Optimizer update rules on ZeRO-1's shards (moe_lc/parallel/zero/optimizer.py owns the buffers and collectives).
 
 `RULES` maps train.optimizer's names to the rules; `build_rule` makes the recipe's. A new rule is one
 file with an `UpdateRule` subclass (moe_lc/optim/rule.py says what it declares) plus its entry here and

@@ -1,6 +1,6 @@
 """What an update rule is: the math of one optimizer step on a ZeRO-1 shard, apart from the buffers.
 
-ZeRO-1 (moe_lc/parallel/zero.py) owns the layout: buckets, the reduce-scatter of gradients and the
+ZeRO-1 (moe_lc/parallel/zero/optimizer.py) owns the layout: buckets, the reduce-scatter of gradients and the
 all-gather of parameters, the global grad-norm and clipping, and the fp32 master shard. A rule owns the
 update and declares the state it keeps beside the master (`states()`): names, dtypes, bytes per element
 and initial values. That declaration is the one source of a rule's state for the buffers ZeRO allocates,
@@ -82,7 +82,7 @@ class ShardView:
         """The view of shard elements [lo, hi) (one bucket's 1/N slice: no parameter's elements on this rank
         cross its ends), with the no-decay ranges and parameters inside it shifted to start at 0. An
         elementwise rule updates the parts exactly as it updates the whole (the offloaded optimizer steps
-        bucket by bucket, moe_lc/parallel/optimizer_offload.py)."""
+        bucket by bucket, moe_lc/parallel/zero/host_step.py)."""
         inside = [o for o in self.params if lo <= o.lo and o.hi <= hi]
         return ShardView(self.master[lo:hi], self.grad[lo:hi], {k: v[lo:hi] for k, v in self.state.items()},
                          [(a - lo, b - lo) for a, b in self.no_decay if lo <= a and b <= hi],

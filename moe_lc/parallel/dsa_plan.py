@@ -26,7 +26,7 @@ from torch import nn
 from moe_lc.model.dsa import LocalSparseCore
 from moe_lc.ops.dsa_ring import OneRank, RingLayout
 from moe_lc.parallel import comm
-from moe_lc.parallel.context import P2PRing, rank_chunks
+from moe_lc.parallel.cp.ring import P2PRing, rank_chunks
 from moe_lc.parallel.mesh import ParallelDims
 
 
@@ -69,7 +69,7 @@ def dsa_layer_plan(attn: nn.Module, dims: ParallelDims | None, plan, aux_loss_sc
 def dsa_tp_rule(attn: nn.Module, tp) -> list:
     """MLA's tensor-parallel rule (heads split, latents gathered), and the indexer replicated on the sequence
     shard ("dp_cp_tp": its gradients are this rank's 1/tp share, summed with the other tp ranks')."""
-    from moe_lc.parallel.tensor_plan import mla_rule
+    from moe_lc.parallel.tp.plan import mla_rule
 
     tp.placements.set_group(attn.indexer.parameters(), "dp_cp_tp")
     return mla_rule(attn, tp) + list(attn.indexer.parameters())

@@ -6,12 +6,12 @@ attribute, so the rules can be resolved in any order and none reads what another
 exception, said where it is: `LayerPlan.wrap`, which wraps the decision so far, runs after the others):
 
     decision                                  attributes it sets                rule
-    tensor parallelism: TP role, local heads,  Linear.tp, .n_heads/.n_kv_heads,  parallel/tensor_plan.py
+    tensor parallelism: TP role, local heads,  Linear.tp, .n_heads/.n_kv_heads,  parallel/tp/plan.py
       vocab-parallel embedding and loss,       .gather, .embed, .loss_fn,
       a whole-row qk norm's sum of squares     WideRMSNorm.sum_squares
-    expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/expert.py
+    expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/ep/dispatch.py
       all-to-all token dispatcher              MoE.dispatcher
-    context parallelism: the attention core    .core (zig-zag ring attention;    parallel/context.py, the
+    context parallelism: the attention core    .core (zig-zag ring attention;    parallel/cp/ring.py, the
                                                  MLA's latent ring)                attention kind's ring
     GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
     recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
@@ -25,7 +25,7 @@ exception, said where it is: `LayerPlan.wrap`, which wraps the decision so far, 
     the MTP modules' embedding: the model's,   Transformer.mtp_embed             `resolve_layer_plan`
       borrowed (a pipeline stage with MTP
       and without the embedding calls it)
-    the balance losses' sums over the mesh     Router.token_shards               parallel/balance_plan.py
+    the balance losses' sums over the mesh     Router.token_shards               parallel/ep/balance_plan.py
     FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
     compiling (train.compile): every module's  .run_region (and the dispatcher's) `_compiled` (runners and
       regions through torch.compile, booked                                        watch: parallel/compile.py)
@@ -152,7 +152,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
     tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if tp > 1:
-        from moe_lc.parallel.tensor_plan import tensor_parallel_plan
+        from moe_lc.parallel.tp.plan import tensor_parallel_plan
 
         tensor_parallel_plan(model, dims, placements, plan)
     if getattr(model, "mtp", None) is not None and model.embed is not None:  # the embedding TP decided, if it did
@@ -160,7 +160,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
     for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
         placements.set_group(experts.parameters(), "edp")
     if ep > 1 and moes:
-        from moe_lc.parallel.expert import expert_parallel_plan
+        from moe_lc.parallel.ep.dispatch import expert_parallel_plan
 
         expert_parallel_plan(model, dims, expert_dispatch, placements, plan)
     elif precision.fp8_dispatch:
@@ -173,18 +173,18 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         if route is not None:
             plan.set(moe.router, select=route)
     if dims is not None and moes:
-        from moe_lc.parallel.balance_plan import balance_plan
+        from moe_lc.parallel.ep.balance_plan import balance_plan
 
         balance_plan(model, dims, plan)
     rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
     if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (a kind's latent ring: its own core)
-        from moe_lc.parallel.ulysses import hybrid_context_parallel_plan
+        from moe_lc.parallel.cp.ulysses import hybrid_context_parallel_plan
 
         latent = tuple(t for t, kind in module_kinds().items()
                        if kind.expanded_ring is not None and mla_ring != "expanded")
         hybrid_context_parallel_plan(model, dims, plan, latent)
     elif cp > 1:
-        from moe_lc.parallel.context import context_parallel_plan
+        from moe_lc.parallel.cp.ring import context_parallel_plan
 
         context_parallel_plan(model, dims, plan, {t: load(core) for t, core in rings.items() if core is not None})
     recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
@@ -251,7 +251,7 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
     seams (moe_lc/model/seams.py). A SwiGLU's output is kept by neither when "swiglu" is cached in FP8
     (that copy replaces the selective replay's compute-dtype one). An attention module takes its kind's
     `attend` seam for this cp degree and ring (MLA's latent ring under context parallelism,
-    parallel/latent_ring.py: moe_lc/config/attention_kinds.py), its replaying one under the kind's
+    parallel/cp/latent_ring.py: moe_lc/config/attention_kinds.py), its replaying one under the kind's
     selective item ("mla_up", which keeps the latents and does not replay the core)."""
     policy, items = recompute.policy, set(recompute.selective) if recompute.policy == "selective" else set()
     assert policy in POLICIES and items <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"

@@ -11,7 +11,7 @@ same j % ep. A node is `ranks_per_node` consecutive global ranks.
 
 Groups (each a `comm.Group` sharing one CommCounter): pp, dp, cp, tp, dp_cp (dense gradients),
 dp_cp_tp (tp-replicated parameters' gradients), ep, edp, world. With `cp_a2a` = A > 1 (hybrid context
-parallelism, parallel/ulysses.py) also cp_a2a, the A consecutive cp ranks of an all-to-all, and cp_ring,
+parallelism, parallel/cp/ulysses.py) also cp_a2a, the A consecutive cp ranks of an all-to-all, and cp_ring,
 the cp / A ranks with the same index in theirs (cp indices a, A + a, 2A + a, ...).
 
 With `pp_mirror` (DualPipe: pipeline ranks r and pp-1-r hold the same two stages), the gradient

@@ -27,7 +27,7 @@ from moe_lc.parallel.layer_plan import resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
 from moe_lc.parallel.tie import tie_plan
-from moe_lc.parallel.trace_hooks import tell
+from moe_lc.parallel.memory.trace_hooks import tell
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     `defer_wgrad`: give the deferring Linears the rank's weight-gradient store (default: under a
     pipeline schedule; the planner asks for it to measure what a split backward holds). `compiled`: the
     model's regions run through torch.compile (train.compile; the result's `compile_watch` counts them).
-    `offload`: train.offload's items, whose saved tensors live on the host (moe_lc/parallel/offload.py).
+    `offload`: train.offload's items, whose saved tensors live on the host (moe_lc/parallel/memory/offload.py).
     `qk_guard`: tau of QK-clip's forward guard (train.qk_clip_guard; moe_lc/parallel/qk_guard.py), 0 = none.
     """
     single_device_order = [name for name, _ in model.named_parameters()]
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe(),
                           plan.compile_watch)
     if offload:  # after the split: hooks on this rank's modules only
-        from moe_lc.parallel.offload import ActivationOffload
+        from moe_lc.parallel.memory.offload import ActivationOffload
 
         result.offload = ActivationOffload(model, offload, device if device is not None else "cpu")
     if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
@@ -161,7 +161,7 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     attention stays inside with document_mask (over the full sequence: the ring plans from it), or None.
     cp_layout "balanced" (with document_mask): this micro-batch's chunks are placed on cp ranks by
     `Documents.balanced_chunks`, recorded in "docs" for the ring. parallel.cp_a2a > 1: the hybrid
-    placement (`moe_lc.parallel.ulysses.hybrid_chunk_ids`).
+    placement (`moe_lc.parallel.cp.ulysses.hybrid_chunk_ids`).
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
@@ -169,14 +169,14 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     positions = docs.positions().to(tokens.device) if document_positions else torch.arange(S, device=tokens.device)
     mtp = mtp_targets(tokens, loss_mask, mtp_depth) if mtp_depth else None
     if dims.cp > 1:
-        from moe_lc.parallel.context import zigzag_shard
+        from moe_lc.parallel.cp.ring import zigzag_shard
 
         group, mine = dims["cp"], None
         if cp_layout == "balanced" and document_mask:
             docs.chunks = docs.balanced_chunks(dims.cp)
             mine = docs.chunks[group.rank]
         elif dims.cp_a2a > 1:  # hybrid cp: the chunks whose all-to-all gives the ring its zig-zag (ulysses.py)
-            from moe_lc.parallel.ulysses import hybrid_chunk_ids
+            from moe_lc.parallel.cp.ulysses import hybrid_chunk_ids
 
             mine = hybrid_chunk_ids(group.rank, dims.cp, dims.cp_a2a)
         inputs, labels, positions = (zigzag_shard(t, group, d, mine)
@@ -219,7 +219,7 @@ def tie_group_of_zero(zero_group: str) -> str | None:
 
 
 def frozen_zero_group(zero_group: str) -> bool:
-    """A ZeRO group of learning-rate scale 0 ("<group>*0"): it reduces and gathers nothing (zero.py)."""
+    """A ZeRO group of learning-rate scale 0 ("<group>*0"): it reduces and gathers nothing (zero/optimizer.py)."""
     return zero_group.partition("*")[2] == "0"
 
 

@@ -1,7 +1,7 @@
 """Where each parameter lives: `Shard` specs, the placement table the layer plan's rules fill, and
 gathering a full tensor back.
 
-A layer-plan rule that shards a parameter (tensor_plan.py, expert.py) records it in the `Placements` table (never on the
+A layer-plan rule that shards a parameter (tp/plan.py, ep/dispatch.py) records it in the `Placements` table (never on the
 parameter): the full (single-device) tensor is rebuilt by undoing the shards in reverse order. One
 table serves initialization (each rank materializes only its slice of the seeded full tensor),
 ZeRO-1 (gradient groups and grad-norm weights), final-state gathering, checkpoints and the planner.
@@ -165,7 +165,7 @@ class Parallelized:
     wgrad_store where the chunks' deferring Linears push their weight gradients (pipelines; else None)
     decisions   the layer plan it was built from, one line per decision (moe_lc/parallel/layer_plan.py)
     compile_watch  what compiling its regions cost and broke (train.compile; else None: parallel/compile.py)
-    offload     the rank's ActivationOffload (train.offload; else None: parallel/offload.py)
+    offload     the rank's ActivationOffload (train.offload; else None: parallel/memory/offload.py)
     initial_value  name -> that parameter's initial local tensor (set by `materialize`; ZeRO-3 draws its
                 deferred parameters through it, bucket by bucket)
     """

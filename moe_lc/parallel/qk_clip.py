@@ -15,7 +15,7 @@ its query rows (CP splits rows, DP splits batches); an all-reduce MAX over the a
 gradient group (dp x cp; DualPipe's mirror rank included) makes it the step's, so every replica rescales
 alike. The rescaling is per kind (the attention registry's `qk_clip_rows`: GQA's and MLA's rules,
 moe_lc/model/attention.py and mla.py): factors per row of the local weights, which ZeRO applies to
-the fp32 master rows before its all-gather (moe_lc/parallel/zero.py `row_scales`).
+the fp32 master rows before its all-gather (moe_lc/parallel/zero/optimizer.py `row_scales`).
 
 The rule reads the step's logits before its update, so the update can carry a head past tau until the
 next step's clip; `train.qk_clip_guard` adds a guard that holds tau inside each forward

@@ -5,7 +5,7 @@ the optimizer, as Megatron-LM does for its shared word embeddings (`_allreduce_w
 The copies start equal (the same name-seeded init) and stay equal bit for bit: the ZeRO-1 optimizer keeps
 the tied parameter in a ZeRO group of its own ("<grad group>+pp_tie", parallelize.zero_group_of), so its
 flat layout and each data-parallel rank's shard are the same on both stages; after the data-parallel
-reduce-scatter each rank all-reduces its reduced shard over pp_tie (moe_lc/parallel/zero.py, counted by
+reduce-scatter each rank all-reduces its reduced shard over pp_tie (moe_lc/parallel/zero/optimizer.py, counted by
 comm.py: 2 x (n-1)/n x 4 bytes x the shard's elements), and both copies take the same update. The global
 grad norm weighs each copy 1/n. Schedules whose first and last stage share the rank (DualPipe, DualPipeV,
 one stage) hold one copy and need no group.

@@ -7,7 +7,7 @@ report the median (and min / mean / n): robust to the odd slow call (allocator g
 
 Throughput: TFLOP/s = FLOPs / median seconds / 1e12, with each part's FLOP formula in its docstring.
 Peaks are NVIDIA's dense (no sparsity) datasheet figures, from the trainer's table
-(`moe_lc.metrics.PEAK_TFLOPS`): H100 SXM / H800 / H200 989 TFLOP/s bf16, 1979 fp8; H100 PCIe 756;
+(`moe_lc.job.metrics.PEAK_TFLOPS`): H100 SXM / H800 / H200 989 TFLOP/s bf16, 1979 fp8; H100 PCIe 756;
 H100 / H200 NVL 835.
 
 Results: every measurement is one entry (a flat dict) with `status` "ok", "error" (OOM, unsupported
@@ -33,14 +33,14 @@ from typing import Callable
 
 import torch
 
-from moe_lc.metrics import peak_tflops_of
+from moe_lc.job.metrics import peak_tflops_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def peak_tflops(device_name: str) -> dict[str, float] | None:
     """{"bf16": ..., "fp8": ...} dense TFLOP/s for a GPU name (the trainer's MFU table,
-    moe_lc.metrics.PEAK_TFLOPS: SXM / PCIe / NVL told apart), None when unknown (CPU)."""
+    moe_lc.job.metrics.PEAK_TFLOPS: SXM / PCIe / NVL told apart), None when unknown (CPU)."""
     table = peak_tflops_of(device_name)
     return None if table is None else {"bf16": table["bf16"], "fp8": table["fp8"]}
 

@@ -1,18 +1,18 @@
 """CPU benchmark: what one rank of a CPU recipe pays per framework op, per GEMM FLOP at the recipe's own
-shapes and per memory-bound byte, on one core (tools/steptime_cpu.py builds the `cpu` cluster from it).
+shapes and per memory-bound byte, on one core (tools/step_time/cpu.py builds the `cpu` cluster from it).
 
     python -m tools.bench.cpu_costs --out docs/results/steptime     # ~15 s
     python -m tools.bench.cpu_costs --recipe recipes/overlap_cpu.toml --reps 50
 
 One process, one thread, CPU time of this thread (`time.thread_time`: what the work costs, not the
-wall time a loaded machine adds; tools/steptime_cpu.py scales it by how much sharing the cores costs):
+wall time a loaded machine adds; tools/step_time/cpu.py scales it by how much sharing the cores costs):
 
   gemm        every GEMM (mm, addmm, bmm, _grouped_mm) the recipe's dense and MoE blocks dispatch at the
               recipe's micro-batch (1 x 128 tokens: 128-row GEMMs, the experts' grouped GEMMs with the
               routed counts), forward and backward, replayed with its own arguments: FLOPs / (time - the
               cost of issuing a 1x1 mm), summed over all of them -> `gemm_flops_per_s`.
   op_s        what the same blocks cost beyond those GEMMs, per aten op: each block's forward + backward
-              at the recipe's micro-batch, minus its GEMMs' replayed time, over the ops tools/block_trace.py
+              at the recipe's micro-batch, minus its GEMMs' replayed time, over the ops tools/planner/block_trace.py
               counts for it (F + B + W: the count the predictor multiplies by). The framework (Python,
               modules, autograd, dispatcher), allocating the activations and the memory-bound kernels, at
               the recipe's sizes and in the block's own order. `framework_op_s`: the framework alone, the
@@ -117,8 +117,8 @@ def forward_backward(block, x, dy, cos, sin) -> None:
 
 
 def _traced_ops(recipe: str) -> dict[str, int]:
-    """tools/block_trace.py's F + B + W op count of each block kind, on the one-process layout."""
-    from ..block_trace import trace_parts
+    """tools/planner/block_trace.py's F + B + W op count of each block kind, on the one-process layout."""
+    from ..planner.block_trace import trace_parts
 
     cfg = load_config(ROOT / recipe, ONE_PROCESS, world_size=1, check=False)
     return {k: sum(v.values()) for k, v in trace_parts(cfg, cfg.data.has_loss_mask, backward=True).ops.items()}
@@ -179,7 +179,7 @@ def memory_rate(recipe: str, reps: int) -> dict:
 def _memory_share(recipe: str, out: dict) -> float:
     """The predictor's memory-bound seconds of the blocks' F + B at `memory_bytes_per_s` over their time beyond
     the GEMMs: how much of op_s the predictor counts twice."""
-    from ..steptime import block_work
+    from ..step_time.model import block_work
 
     cfg = load_config(ROOT / recipe, ONE_PROCESS, world_size=1, check=False)
     tokens = cfg.train.micro_batch * cfg.train.seq_len

@@ -19,7 +19,7 @@ Per op and size the wall time of one call: the median over `--calls` calls on ea
   busy   link on, every rank computing BETWEEN_GEMMS GEMMs before each call (as the recipe's ranks
          compute between EP calls), the call's blocked time only: `busy_call_s`, per op, what a call costs
          beyond the link and the copy when the cores are busy: gloo, the wake-up on a busy core, and the
-         peer the scheduler had not yet run to the call (what tools/steptime_cpu.py takes per call).
+         peer the scheduler had not yet run to the call (what tools/step_time/cpu.py takes per call).
 Both ranks of a pair do the same work here: a peer behind for other reasons (the recipe's routing sends
 unequal rows) is not measured.
 Results: gloo_collectives.json.

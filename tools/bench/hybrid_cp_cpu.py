@@ -8,8 +8,8 @@ Four gloo ranks on this machine as 2 nodes x 2 (`parallel.ranks_per_node = 2`), 
 `--link` another: the case the hybrid exists for is a slow ring between nodes). Each A in (1, 2, 4) trains
 `--steps` steps under torchrun; per run the mean over the steps after the first of the step time and of the
 CP groups' link time and exposed time ("cp" for the ring alone; "cp_a2a" + "cp_ring" for the hybrid), from
-the trainer's metrics.jsonl. Beside each, tools/steptime.py's prediction on the `cpu` cluster
-(tools/steptime_cpu.py's fitted rates for one of 4 ranks on this machine) with its links set to the modelled
+the trainer's metrics.jsonl. Beside each, tools/step_time/model.py's prediction on the `cpu` cluster
+(tools/step_time/cpu.py's fitted rates for one of 4 ranks on this machine) with its links set to the modelled
 ones (NVLink = the intra bandwidth inside a node of 2, the network = the inter one, link efficiency 1;
 latency is not modelled there). Writes results.json and results.md (a --link other than the default:
 results-<inter GB/s>.json / .md).
@@ -73,9 +73,9 @@ def measured(run_dir: Path) -> dict:
 
 def predicted(sets: list[str], link: str) -> dict:
     from moe_lc.config import load_config
-    from ..clusters import resolve
-    from ..plan import plan
-    from ..steptime import predict
+    from ..step_time.clusters import resolve
+    from ..planner.plan import plan
+    from ..step_time.model import predict
 
     cfg = load_config(RECIPE, sets, world_size=4)
     cluster, eff = resolve("cpu", cluster_sets(link))
@@ -89,7 +89,7 @@ def render(rows: list[dict], seq_len: int, link: str) -> str:
     best_m = min(rows, key=lambda r: r["measured"]["step_s"])["a2a"]
     best_p = min(rows, key=lambda r: r["predicted"]["step_s"])["a2a"]
     out = [f"debug MoE model, cp 4 on 4 gloo ranks as 2 nodes x 2, link `{link}`, seq_len {seq_len}, "
-           "4 micro-batches of 1 per step; mean over the steps after the first. Predicted: tools/steptime.py on the `cpu` cluster "
+           "4 micro-batches of 1 per step; mean over the steps after the first. Predicted: tools/step_time/model.py on the `cpu` cluster "
            f"({', '.join(cluster_sets(link))}).", "",
            "| layout | step s measured | CP link s (exposed) measured | step s predicted | CP link s (exposed) predicted |",
            "| --- | --- | --- | --- | --- |"]

@@ -9,7 +9,7 @@ ep = 1), bf16 parameters and activations, the recipe's recompute policy, batch 1
 for the length. Measured with torch.cuda memory counters:
 
   saved      bytes allocated after the forward minus before it, less the output: what the block
-             keeps for backward. Planner: tools.activation_memory.estimate(...).layers[layer]
+             keeps for backward. Planner: tools.planner.activation_memory.estimate(...).layers[layer]
              (the formula tools/plan.py prints); `saved_vs_planner` = measured / planned.
   peak       the highest allocation during forward + backward above the inputs: saved activations
              plus the transients (the recomputed pieces, attention's backward buffers, the experts'
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..activation_memory import estimate
+from ..planner.activation_memory import estimate
 from moe_lc.config import load_config
 from moe_lc.parallel.layer_plan import apply_layer_plan
 from moe_lc.model.rope import RotaryEmbedding

@@ -5,7 +5,7 @@
     python -m tools.bench.offload_gpu --dry-run --out /tmp/offload     # tiny shapes on the CPU
 
 The block is the recipe's first MoE block as tools/bench/layer.py builds it (bf16, the recipe's recompute
-policy, whole on one GPU, batch 1), with moe_lc/parallel/offload.py's hooks installed on it for each
+policy, whole on one GPU, batch 1), with moe_lc/parallel/memory/offload.py's hooks installed on it for each
 choice in turn. Per choice and length:
 
   saved      device bytes allocated after the forward minus before it, less the output (what the block
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from moe_lc.config import load_config
-from moe_lc.parallel.offload import ActivationOffload
+from moe_lc.parallel.memory.offload import ActivationOffload
 
-from ..activation_memory import stage_estimate
+from ..planner.activation_memory import stage_estimate
 from .common import ROOT, sync
 from .layer import DRY_MODEL, first_moe_block
 

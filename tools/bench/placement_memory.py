@@ -85,7 +85,7 @@ def measure(world: int, steps: int, bucket_mb: float, placement: list[str], mmap
             startup: bool = False) -> dict:
     """Peak RSS of each rank (MiB) and the planner's rank-0 figures for one placement and malloc setting."""
     from moe_lc.config import load_config
-    from ..plan import plan
+    from ..planner.plan import plan
 
     sets = overrides(world, steps, bucket_mb, placement)
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # the spawned workers read it as they start

@@ -10,7 +10,7 @@ importable, else torch's fused flash kernel):
 
   full       the whole sequence on this GPU (moe_lc.ops.attention.attention_with_lse);
   ring_rank  the exact compute of cp rank r of the zig-zag ring at seq_len / cp local tokens
-             (moe_lc.parallel.context with a LoopbackRing: the same block calls, LSE merges and fp32
+             (moe_lc.parallel.cp.ring with a LoopbackRing: the same block calls, LSE merges and fp32
              accumulators, no network), for r = 0 and r = cp - 1 (equal work by construction).
 
 Reported per measurement: median seconds of forward and of forward + backward, achieved TFLOP/s
@@ -41,7 +41,7 @@ import torch
 
 from moe_lc.config import load_config
 from moe_lc.ops.attention import attention_with_lse, get_backend
-from moe_lc.parallel.context import LoopbackRing, ring_attention_with_lse
+from moe_lc.parallel.cp.ring import LoopbackRing, ring_attention_with_lse
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lc.out_path import out_dir
+from moe_lc.job.out_path import out_dir
 from .common import (
     RESULTS_DIR, Context, Recorder, Timing, device_facts, free_memory, slug, write_json, write_markdown)
 

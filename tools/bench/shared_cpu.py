@@ -3,7 +3,7 @@
     python -m tools.bench.shared_cpu --out docs/results/steptime      # N = 4 (overlap_cpu's gloo ranks)
     python -m tools.bench.shared_cpu --procs 1 --out docs/results/steptime   # one process alone: shared_cpu_1.json
 
-Why: tools/steptime_cpu.py predicts recipes/overlap_cpu.toml, whose 4 gloo ranks share this machine's 2
+Why: tools/step_time/cpu.py predicts recipes/overlap_cpu.toml, whose 4 gloo ranks share this machine's 2
 cores. Rates measured by one process alone and divided by ranks / cores leave out what sharing costs
 (caches, memory bandwidth and the scheduler split four ways); these are measured the way a rank runs.
 

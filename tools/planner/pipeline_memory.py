@@ -1,0 +1,117 @@
+"""A pipeline rank through its schedule: what the planner (tools/plan.py) adds to the per-stage figures
+of tools/planner/activation_memory.py and tools/planner/block_trace.py once stages run as the pipeline runtime runs
+them (moe_lc/parallel/pipeline/runtime.py, overlap.py). Memory: the phases each stage's forward is cut
+into, counted from its built model, and what a split backward keeps for its W, traced. Traffic: how
+many micro-batches the rank runs through each stage and how many tensors it sends, read off the
+schedule's actions (the schedule is data: schedule_ir.py). Held to traced steps by tools/dryrun.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from moe_lc.config import Config
+from moe_lc.parallel.build import pipeline_plan
+from moe_lc.parallel.pipeline.schedule_ir import FB, SEND_B, SEND_F, B, CommGroup, F, W, compute_parts
+from .block_trace import block_kind, trace_parts
+
+
+def pipeline_schedule(cfg: Config, deg):
+    """The recipe's schedule as the trainer builds it (None without PP)."""
+    return pipeline_plan(cfg, cfg.train.microbatches(deg.dp))[0]
+
+
+def stage_forwards(schedule, rank: int) -> Counter:
+    """{stage id: micro-batches `rank` runs through that stage per step} (F and the F of an F&B; each
+    one's backward runs on the same rank): under DualPipe each micro-batch meets one of the rank's two
+    stages."""
+    return Counter(schedule.stage_of(rank, part.chunk, part.mb) for a in schedule.actions[rank]
+                   if not isinstance(a, CommGroup) for part in compute_parts(a) if isinstance(part, F))
+
+
+def stage_sends(schedule, rank: int) -> int:
+    """Tensors `rank` sends per step: a stage's output for each SEND_F, an input gradient for each SEND_B
+    (a hand-over between two stages of the rank sends nothing)."""
+    return sum(op.op in (SEND_F, SEND_B) for a in schedule.actions[rank] if isinstance(a, CommGroup) for op in a.ops)
+
+
+def stage_sizes(stages: list[dict], per_stage: list) -> dict[int, float]:
+    """{stage id: saved bytes of one micro-batch through it}. The runtime runs a stage phase by phase
+    (overlap.py) but keeps a phase boundary's tensor only where a phase saves it anyway, so a pipeline
+    stage saves what the same layers save outside one (the experts' outputs, which only combine's
+    all-to-all reads, are freed once combine has run)."""
+    return {st["id"]: e.total for st, e in zip(stages, per_stage)}
+
+
+def phase_count(stage: dict) -> int:
+    """Phases of a stage's forward, as its model (the stage's chunk of the rank's built model) chains
+    them (`Transformer.phases`): the embedding, each block's (`Block.phases`), the head, within which the
+    MTP modules run."""
+    return len(stage["module"].phases(torch.arange(1, device="meta")))
+
+
+def rank_saved_peak(schedule, rank: int, stages: list[dict], per_stage: list) -> float:
+    """Most bytes of the estimates `per_stage` (one micro-batch through each of `rank`'s stages) the rank
+    holds at once: its micro-batches through its stages in the schedule's order (`schedule_peak`), or one
+    micro-batch's without a pipeline."""
+    if schedule is None:
+        return per_stage[0].total
+    return schedule_peak(schedule, rank, stage_sizes(stages, per_stage), {st["id"]: phase_count(st) for st in stages})[0]
+
+
+def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
+                  held: dict[int, float] | None = None, spikes: dict[int, float] | None = None) -> tuple[float, float]:
+    """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions
+    in order: F adds its stage's saved bytes, B frees them (a split B keeps them and the output
+    gradients `held` for its W, which frees both), and DualPipe's F&B alternates forward and backward
+    phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
+    the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
+    head's logits), on top of everything its forward saved."""
+    held, spikes = held or {}, spikes or {}
+    saved, waiting = {}, {}  # (stage, mb) -> bytes
+    now = extra = most = peak = 0.0
+    for a in schedule.actions[rank]:
+        if isinstance(a, F):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            saved[key] = sizes[key[0]]
+            now += saved[key]
+            peak = max(peak, now + extra + spikes.get(key[0], 0.0))
+        elif isinstance(a, B):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            if a.split:
+                waiting[key] = held.get(key[0], 0.0)
+                extra += waiting[key]
+            else:
+                now -= saved.pop(key)
+        elif isinstance(a, W):
+            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            now -= saved.pop(key)
+            extra -= waiting.pop(key)
+        elif isinstance(a, FB):
+            f_key = (schedule.stage_of(rank, a.f_chunk, a.f_mb), a.f_mb)
+            b_key = (schedule.stage_of(rank, a.b_chunk, a.b_mb), a.b_mb)
+            f, b = sizes[f_key[0]], 0.0 if a.split else saved[b_key]
+            n_f, n_b = phases[f_key[0]], phases[b_key[0]]
+            rise = max(j * f / n_f - min(j - 1, n_b) * b / n_b for j in range(1, n_f + 1))
+            end = now + f - (n_f - 1) * b / n_b + spikes.get(f_key[0], 0.0)
+            most, peak = max(most, now + rise), max(peak, now + rise + extra, end + extra)
+            saved[f_key] = f
+            now += f - b
+            if a.split:
+                waiting[b_key] = held.get(b_key[0], 0.0)
+                extra += waiting[b_key]
+            else:
+                saved.pop(b_key)
+        most, peak = max(most, now), max(peak, now + extra)
+    return most, peak
+
+
+def wgrad_held_bytes(cfg: Config, stage: dict) -> float:
+    """Bytes a split backward (B) of one micro-batch through `stage` keeps for its W, traced per block kind
+    and for the head (`TracedParts.held`: output gradients of the Linears that defer W, the inputs B
+    rebuilt or quantized for them), on one rank of cfg's layout under its policy and precision."""
+    traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
+    held = sum(traced.held[block_kind(cfg.model, i)] for i in stage["layers"])
+    return float(held + (traced.held["head"] if stage["last"] else 0))
