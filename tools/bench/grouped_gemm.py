@@ -151,6 +151,12 @@ def _measure_case(ctx: Context, rec: Recorder, base: dict, counts_cpu: torch.Ten
             return out
 
         results[impl] = rec.measure({**base, "impl": impl}, measure, _line)
+    _compare(rec, results, n_exp)
+    del x, dy, xg, layer, w_ENK, w_EKN, w_dense
+
+
+def _compare(rec: Recorder, results: dict, n_exp: int) -> None:
+    """The grouped kernel's entry gets its ratios to the dense GEMM and to the per-expert loop."""
     grouped, loop, dense = results["grouped"], results["loop"], results["dense"]
     if grouped["status"] == "ok" and dense["status"] == "ok":
         for key in ("fwd", "fwd_bwd"):
@@ -164,7 +170,6 @@ def _measure_case(ctx: Context, rec: Recorder, base: dict, counts_cpu: torch.Ten
             grouped["meets_2x"] = min(grouped["speedup_fwd"], grouped["speedup_fwd_bwd"]) >= 2.0
         rec.note(f"  grouped vs loop: fwd x{grouped['speedup_fwd']:.2f}, fwd+bwd x{grouped['speedup_fwd_bwd']:.2f}"
                  + (f" ({'meets' if grouped['meets_2x'] else 'MISSES'} 2x)" if "meets_2x" in grouped else ""))
-    del x, dy, xg, layer, w_ENK, w_EKN, w_dense
 
 
 def extra_markdown(entries: list[dict]) -> list[str]:
