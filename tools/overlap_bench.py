@@ -7,7 +7,7 @@ Runs the recipe (4 gloo ranks: pp 2 DualPipe x ep 2 x dp 2 with `parallel.link`)
 `parallel.overlap = false`, with 1F1B on the same layout, and a ring context-parallel layout (cp 2 x
 ep 2, no pipeline), each through torchrun. For every run it reads metrics.jsonl (steps after the
 first) and the traced step's timeline, and writes OUT/results.json, OUT/results.md (the table the
-README shows) and OUT/<run>.png (tools/timeline.py's drawing of the traced step).
+docs/guide/overlap.md shows) and OUT/<run>.png (tools/timeline.py's drawing of the traced step).
 
 hidden = 1 - exposed_s / time_s per mesh group and op (moe_lc/parallel/comm_timing.py): time_s runs
 from a collective's issue to its completion on the modelled link, exposed_s is the part the rank

@@ -2,8 +2,8 @@
 
 K2's rule (moe_lc/parallel/qk_clip.py) rescales a head's query / key weights after the step, from the
 logits that step's forward saw before its update; the update itself can then carry the head past tau in
-the next forward, until the clip after it trims it (one update's growth: the README measures 7.6-8.8 at
-tau 8 under Muon at a high learning rate). No rule that reads past batches' logits can promise the next
+the next forward, until the clip after it trims it (one update's growth: docs/guide/optimizer-and-zero.md
+measures 7.6-8.8 at tau 8 under Muon at a high learning rate). No rule that reads past batches' logits can promise the next
 batch's. The guard reads the batch's own: each attention call runs, and where a sample's head has a
 largest log-sum-exp (an upper bound of its largest logit, the statistic QK-clip already uses) above
 tau, the call runs again with that sample's queries of that head scaled by gamma = tau / bound. Scaling
