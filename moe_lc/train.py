@@ -3,14 +3,16 @@
 One optimizer step = `global_batch` sequences: each data-parallel rank runs its share as
 micro-batches (gradient accumulation), each micro-batch loss is the summed token loss divided by
 the step's token count, so losses and gradients are the same under any valid layout.
+
+Here: the trainer's build, its step and its loop, and main(). The job's pieces are in moe_lc/job/: the
+start of a run (data, resume or init_from, loggers: run_start.py), a step's reductions and metrics
+(step.py, metrics.py), checkpoints, stops and interrupts (checkpoint.py, stop_signal.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import sys
@@ -27,33 +29,25 @@ from moe_lc.job import checkpoint as ckpt
 from moe_lc import faults
 from moe_lc.job import run_dir
 from moe_lc.config import Config, ConfigError, load_config, to_toml
-from moe_lc.data import StepLoader, dataset_from_config, load_tokenizer
-from moe_lc.data.mixture_sources import drawn_tokens, format_report, mixture_report, source_names
+from moe_lc.data.mixture_sources import drawn_tokens, source_names
 from moe_lc.job.lr_schedule import lr_at
-from moe_lc.job.metrics import MetricsLogger, import_wandb, make_sinks, peak_flops
-from moe_lc.model.counting import param_counts, train_flops_per_token, train_flops_with_documents
-from moe_lc.ops import fp8_te
-from moe_lc.ops.fp8_linear import gemm_recipe
-from moe_lc.optim import build_rule
+from moe_lc.job.metrics import MetricsLogger, StepRow, import_wandb
 from moe_lc.parallel.qk_clip import QKClip
 from moe_lc.parallel import comm
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.zero.param_gather import install_holds
-from moe_lc.parallel.parallelize import (full_state_dict, no_weight_decay_names, param_lr_scale, prepare_batch,
-                                         zero_param_groups)
+from moe_lc.parallel.parallelize import full_state_dict, prepare_batch
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
 from moe_lc.parallel.zero.optimizer import ZeroOptimizer
-from moe_lc.job.preflight import init_from_checkpoint, preflight, resolve_device
+from moe_lc.parallel.zero.strategies import ZeroPlacement
+from moe_lc.job.preflight import preflight, refuse_unusable_fp8, resolve_device
 from moe_lc.job.recipe_error_exit import exit_on_recipe_error
+from moe_lc.job.run_start import build_data, start_run
 from moe_lc.job.timeline import traced_step
-from moe_lc.job.stop_signal import StopRequest, Stopped
-from moe_lc.job.step import (StepResult, balance_routers, document_attention_metrics, dsa_metrics, forward_backward,
-                             mtp_losses, source_losses, step_token_count)
-
-
-class Interrupted(Exception):
-    """Ctrl-C during training; the message is the one line for the user (main() exits with 130)."""
+from moe_lc.job.stop_signal import Interrupted, StopRequest, Stopped, interrupted_line
+from moe_lc.job.step import (KindTraining, StepResult, balance_routers, document_attention_metrics, forward_backward,
+                             mtp_losses, source_losses, step_token_count, tell_skipped)
 
 
 @dataclass
@@ -86,11 +80,9 @@ class Trainer:
         self.is_logger = rank == 0
         self.dp_rank = self.dims.coords()["dp"]
         self.tokenizer, self.loader = self.build_data()
-        if p.recipe == "fp8" and p.fp8_backend == "te":  # refuse before building anything
-            reason = fp8_te.unsupported_reason(self.device, gemm_recipe(p.fp8_scaling))
-            if reason is not None:
-                raise ConfigError([f"precision.fp8_backend='te': {reason}"])
-        zero3 = cfg.parallel.placement.params == "sharded_gather"  # no rank holds its whole local model, ever
+        refuse_unusable_fp8(p, self.device)  # before building anything
+        self.kind = KindTraining.of(cfg.model)  # the attention kind's part of each step (DSA's warm-up, metrics)
+        zero3 = ZeroPlacement.from_config(cfg.parallel.placement).params_gathered  # no rank holds its whole model
         self.parallel = build_rank_model(cfg, self.dims, self.device, pipeline=(self.schedule, self.stage_layers),
                                          route=self.route, defer_params=zero3)
         self.model = self.parallel.module.train()
@@ -102,13 +94,7 @@ class Trainer:
                                            self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
                                            p.compute_dtype, self.device, overlap=self.dims.overlap,
                                            store=self.parallel.wgrad_store)
-        self.optimizer = ZeroOptimizer(
-            zero_param_groups(self.parallel, self.dims, param_lr_scale(cfg)), self.dims["world"],
-            build_rule(t, p, cfg.model), grad_clip=t.grad_clip, bucket_mb=cfg.parallel.zero_bucket_mb,
-            no_decay=no_weight_decay_names(self.model), ema_decay=t.ema_decay, shard_groups=self.dims.groups,
-            grads=cfg.parallel.placement.grads, optimizer=cfg.parallel.placement.optimizer,
-            params=cfg.parallel.placement.params, optimizer_overlap=cfg.parallel.placement.optimizer_overlap,
-            initial_value=self.parallel.initial_value)
+        self.optimizer = ZeroOptimizer.from_config(cfg, self.parallel, self.dims)
         # ZeRO-3's unit gathers, or a deferring offloaded optimizer's updates, around each forward chain
         self.param_gather = install_holds(self.optimizer, self.parallel)
         self.qk_clip = None  # QK-clip (moe_lc/parallel/qk_clip.py): heads' logits bounded by train.qk_clip
@@ -120,24 +106,11 @@ class Trainer:
         self.stop, self.stop_signal = StopRequest(), 0  # SIGTERM / SIGUSR1: stop after the step (job/stop_signal.py)
         self.checkpointer = ckpt.Checkpointer(self.checkpoint_root(), self.dims, keep=cfg.checkpoint.keep,
                                               async_save=cfg.checkpoint.async_save)
-        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
-        self.peak = peak_flops(self.device, p.recipe, t.peak_tflops)
+        self.row = StepRow(cfg, self.device, self.dims.world)  # loss, lr, throughput, MFU of each step
 
     def build_data(self):
-        """(tokenizer, StepLoader of this dp rank) from [data]; ConfigError on a bad tokenizer or data."""
-        cfg, t = self.cfg, self.cfg.train
-        try:
-            tokenizer = load_tokenizer(cfg.data.tokenizer)
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            raise ConfigError([f"data.tokenizer={cfg.data.tokenizer!r}: {exc}"]) from None
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                               f"{tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"])
-        try:
-            dataset = dataset_from_config(cfg.data, split="train", seq_len=t.seq_len, seed=t.seed, tokenizer=tokenizer)
-        except (ValueError, FileNotFoundError) as exc:  # missing, short or mismatched data files
-            raise ConfigError([f"data: {exc}"]) from None
-        return tokenizer, StepLoader(dataset, t.global_batch, t.micro_batch, self.dp_rank, self.dims.dp)
+        """(tokenizer, StepLoader of this dp rank) from [data] (job/run_start.py; the dry run's replaces it)."""
+        return build_data(self.cfg, self.dp_rank, self.dims.dp)
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -174,10 +147,10 @@ class Trainer:
         row_scales, clip_metrics = self.qk_clip.row_scales() if self.qk_clip is not None else ({}, {})
         metrics.update(clip_metrics)
         grad_norm, applied = self.optimizer.step(lr_at(self.step, t), row_scales=row_scales)
-        metrics.update(balance_routers(self.model, stats, self.dims, frozen=m.dsa.enabled and m.dsa.stage == "warmup"))
+        metrics.update(balance_routers(self.model, stats, self.dims, frozen=self.kind.routers_frozen))
         metrics.update(document_attention_metrics(batches, self.dims, self.device))
         metrics.update(source_losses(stats, sources, self.dims, self.device))
-        metrics.update(dsa_metrics(stats, m.dsa.stage if m.dsa.enabled else None, self.dims, self.device))
+        metrics.update(self.kind.metrics(stats, self.dims, self.device))
         if self.is_logger:  # tokens per mixture source over the whole step: a pure function of the indices
             metrics.update(drawn_tokens(self.loader.dataset, first_sample, t.global_batch, t.seq_len))
         faults.maybe_signal(self.step + 1, self.dims.rank)
@@ -225,7 +198,7 @@ class Trainer:
         (computed here, on every rank alike, when absent). Ctrl-C raises `Interrupted` once an
         asynchronous save in flight is done, with metrics.jsonl closed; SIGTERM / SIGUSR1 raise `Stopped`
         after the step in progress and its checkpoint."""
-        logger = self._start(plan or run_dir.check(self.cfg))
+        logger = start_run(self, plan or run_dir.check(self.cfg))  # resume or init_from, the loggers, the banner
         result = TrainResult(optimizer_state_bytes=self.optimizer.state_bytes())
         self.stop.install()
         try:
@@ -234,7 +207,7 @@ class Trainer:
             if self.optimizer.ema is not None:
                 self.optimizer.ema.wait()
         except KeyboardInterrupt:
-            raise Interrupted(self._interrupted(logger)) from None
+            raise Interrupted(interrupted_line(self.checkpointer, self.checkpoint_root(), self.step, logger)) from None
         finally:
             self.stop.restore()
             logger.close()
@@ -245,71 +218,23 @@ class Trainer:
                 result.final_state = full_state_dict(self.parallel, self.dims)
         return result
 
-    def _start(self, plan: run_dir.RunPlan) -> MetricsLogger:
-        """Act on the run-directory plan: run.json (rank 0), resume or init_from, metrics truncated after
-        the resumed step, the loggers, config.toml and the banner."""
-        cfg, t = self.cfg, self.cfg.train
-        out, run_id, group = Path(t.output_dir), None, torch.distributed.is_initialized()
-        if group:
-            torch.distributed.barrier()  # every rank has made its decision (check) before rank 0 writes
-        if self.is_logger:
-            run_id = self.checkpointer.run_id = run_dir.prepare(plan)
-            self.checkpointer.on_commit = lambda step, path: run_dir.record_checkpoint(out, step, path)
-        if group:
-            torch.distributed.barrier()  # run.json and a cleared directory before anyone reads or saves
-        resumed = self.try_resume(plan.checkpoint) if plan.action == "resume" else None
-        continuing = plan.action in ("resume", "restart")
-        dropped = run_dir.truncate_metrics(out, self.step) if continuing and self.is_logger else 0
-        sinks = (make_sinks(t, out, dataclasses.asdict(cfg), run_id, self.step + 1 if continuing else None)
-                 if self.is_logger else None)  # TensorBoard hides what an interrupted run logged past the resume
-        logger = MetricsLogger(out, self.is_logger, t.steps, t.log_interval, resume=continuing, sinks=sinks)
-        if plan.note:
-            logger.event(plan.note)
-        if dropped:
-            logger.event(f"{run_dir.METRICS}: dropped {dropped} line(s) logged after step {self.step}, the step "
-                         "resumed (those steps run again)")
-        if resumed is None and cfg.checkpoint.init_from:
-            source = init_from_checkpoint(cfg)
-            self.checkpointer.load_weights(source, self.parallel, self.optimizer)
-            logger.event(f"weights from {source} (checkpoint.init_from); step 0, fresh optimizer and data")
-        if self.is_logger:
-            (out / "config.toml").write_text(to_toml(cfg))
-            self._banner(resumed)
-            self._mixture_report(out, logger)
-        return logger
-
-    def _mixture_report(self, out: Path, logger: MetricsLogger) -> None:
-        """A mixture's draw per source over this run's remaining samples: printed, and kept in
-        <output_dir>/data_mixture.json."""
-        t, first = self.cfg.train, self.loader.samples_consumed
-        report = mixture_report(self.loader.dataset, first, t.steps * t.global_batch - first, t.seq_len)
-        if report is not None and report["samples"]:
-            logger.event(format_report(report))
-            (out / "data_mixture.json").write_text(json.dumps(report, indent=1) + "\n")
-
     def _loop(self, logger: MetricsLogger, result: TrainResult) -> None:
         cfg, t = self.cfg, self.cfg.train
-        tokens_per_step, first, saved = t.global_batch * t.seq_len, self.step, None
+        first, saved = self.step, None
         while self.step < t.steps:
             self.dims.counter.reset()
             start = time.perf_counter()
             lr = lr_at(self.step, t)
             with traced_step(self, self.step + 1 == t.trace_step):
                 step = self.train_step()
-            loss, grad_norm = step.loss, step.grad_norm
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            if not step.applied:
-                self._skipped(loss, grad_norm, logger)
+            if not step.applied:  # the non-finite guard: stops past train.max_nonfinite_steps
+                self.nonfinite_skipped += 1
+                tell_skipped(self.step + 1, step, self.nonfinite_skipped, t.max_nonfinite_steps, logger)
             self.step += 1
-            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / elapsed,
-                       "step_time": elapsed, "skipped_steps": self.nonfinite_skipped}
-            if self.peak:
-                flops = (self.flops_per_token * tokens_per_step if "attn/doc_work" not in step.metrics else
-                         train_flops_with_documents(cfg.model, t.seq_len, tokens_per_step, step.metrics["attn/doc_work"]))
-                metrics["mfu"] = flops / elapsed / (self.peak * self.dims.world)
-            metrics.update(step.metrics)
+            metrics = self.row(step, lr, elapsed, self.nonfinite_skipped)
             if self.compile_watch is not None:  # at the first and last steps: the counts (and start-up line)
                 metrics.update(self.compile_watch.after_step(self.step == first + 1, self.step == t.steps,
                                                              self.dims["world"], logger.event))
@@ -318,8 +243,8 @@ class Trainer:
             metrics.update(comm_bytes)
             metrics.update(self.dims.counter.times())  # comm/<group>/time_s, exposed_s (comm_timing.py)
             logger.log(self.step, metrics)
-            result.losses.append(loss)
-            result.grad_norms.append(grad_norm)
+            result.losses.append(step.loss)
+            result.grad_norms.append(step.grad_norm)
             result.comm_per_step.append(comm_bytes)
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 saved = self._save(logger)
@@ -332,42 +257,6 @@ class Trainer:
     def _save(self, logger: MetricsLogger) -> int:
         logger.event(f"checkpoint {'started' if self.cfg.checkpoint.async_save else 'saved'}: {self.save()}")
         return self.step
-
-    def _skipped(self, loss: float, grad_norm: float, logger: MetricsLogger) -> None:
-        """The non-finite guard: count a skipped update, stop past train.max_nonfinite_steps."""
-        t = self.cfg.train
-        self.nonfinite_skipped += 1
-        logger.event(f"step {self.step + 1}: non-finite loss/grad norm ({loss}, {grad_norm}); update "
-                     f"skipped ({self.nonfinite_skipped}/{t.max_nonfinite_steps})")
-        if self.nonfinite_skipped > t.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"stopping: {self.nonfinite_skipped} steps with a non-finite loss or grad norm "
-                f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last checkpoint is intact")
-
-    def _interrupted(self, logger: MetricsLogger) -> str:
-        """Ctrl-C: wait for an asynchronous save in flight (a second Ctrl-C abandons it: its .tmp directory
-        is never read); the one line for the user."""
-        abandoned = ""
-        if self.checkpointer.saving:
-            logger.event("interrupted: waiting for the checkpoint being saved (Ctrl-C again to abandon it)")
-            try:
-                self.checkpointer.wait(barrier=False)
-            except (KeyboardInterrupt, ckpt.CheckpointError):
-                abandoned = "; the checkpoint being saved was abandoned"
-        latest = ckpt.latest_checkpoint(self.checkpoint_root())
-        where = (f"last checkpoint: {latest} (resume with --set checkpoint.resume=true)" if latest
-                 else "no checkpoint saved (set checkpoint.interval)")
-        return f"interrupted at step {self.step}; {where}{abandoned}"
-
-    def _banner(self, resumed: Path | None) -> None:
-        c = param_counts(self.cfg.model)
-        t = self.cfg.train
-        print(f"moe_lc | {c['total'] / 1e6:.2f}M params ({c['activated'] / 1e6:.2f}M activated) | "
-              f"{self.dims.describe()} | device {self.device} | precision {self.cfg.precision.recipe} | "
-              f"{self.threads.describe()}", flush=True)
-        print(f"moe_lc | {t.steps} steps x {t.global_batch} seqs x {t.seq_len} tokens, "
-              f"{self.microbatches} micro-batches of {t.micro_batch} per rank | output {t.output_dir}"
-              + (f" | resumed from {resumed}" if resumed else ""), flush=True)
 
 
 def run(cfg: Config, keep_final_state: bool = False, plan: run_dir.RunPlan | None = None) -> TrainResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -20,16 +21,18 @@ from moe_lc.model.counting import param_counts
 from moe_lc.model.mla import MLAttention
 from moe_lc.model.recompute import mla_up_replayed
 from moe_lc.model.transformer import build_model
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from tests.harness import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PARALLEL, CONVERT = ("moe_lc.model.",), ("moe_lc.model.", "moe_lc.parallel."), ("moe_lc.convert.",)
-# field -> the layers its references may sit in (qk_clip_rows: read by moe_lc/parallel/qk_clip.py, above the model)
+# field -> the layers its references may sit in (qk_clip_rows: read by moe_lc/parallel/qk_clip.py, above the model;
+# the training fields: lr_scales read by moe_lc/parallel/parallelize.py, the others by moe_lc/job/)
 READER = {"module": MODEL, "params": MODEL, "vector_params": MODEL, "saved_bytes": MODEL, "decode": MODEL,
           "tp_rule": PARALLEL, "tp_groups": PARALLEL, "local": PARALLEL, "ring": PARALLEL, "expanded_ring": PARALLEL,
           "hf_pieces": CONVERT, "hf_family": CONVERT, "core_flops": MODEL,
-          "extra_plan": PARALLEL, "qk_clip_rows": MODEL}
+          "extra_plan": PARALLEL, "qk_clip_rows": MODEL,
+          "lr_scales": MODEL, "routers_frozen": MODEL, "fresh_params": MODEL, "step_metrics": PARALLEL}
 
 
 def references(kind: AttentionSpec):
@@ -123,7 +126,8 @@ def test_a_variant_is_one_module_and_one_entry(monkeypatch):
     assert {type(b.attn) for b in model.layers.values()} == {ProbeMLA}
     assert param_counts(cfg)["total"] == sum(p.numel() for p in model.parameters())
     torch.testing.assert_close(model(tokens), base(tokens), rtol=0, atol=0)
-    plan = apply_layer_plan(model, recompute=RecomputeConfig(policy="selective", selective=["mla_up"]))
+    plan = apply_layer_plan(model, options=LayerPlanOptions(recompute=RecomputeConfig(policy="selective",
+                                                                               selective=["mla_up"])))
     assert {b.attn.attend for b in model.layers.values()} == {mla_up_replayed}
     assert "layers.0.attn.attend = mla_up_replayed" in plan.describe()
     model.eval()
@@ -134,3 +138,64 @@ def test_an_unknown_attention_is_one_choice_error():
     with pytest.raises(ValueError, match="model.attention='nsa' must be one of 'gqa', 'mla'") as info:
         load_config(RECIPES / "debug_cpu.toml", ["model.attention=nsa"])
     assert len(info.value.errors) == 1
+
+
+# --------------------------------------------------------------------------- a kind's training part: its entry
+
+
+def probe_lr_scales(m, lr: float):
+    """The probe's stage trains its attention only, at half the rate (DSA's warm-up trains its indexer only)."""
+    return lambda name: 0.5 if ".attn." in f".{name}" else 0.0
+
+
+def probe_routers_frozen(m) -> bool:
+    return True
+
+
+def probe_fresh_params(m) -> str:
+    return "mtp."  # the stage adds the MTP modules: a checkpoint.init_from without them is fine
+
+
+def probe_step_metrics(m, stats, dims, device) -> dict:
+    return {"probe/layers": float(m.n_layers)}
+
+
+TRAINING_PROBE = dataclasses.replace(
+    PROBE, lr_scales=f"{__name__}:probe_lr_scales", routers_frozen=f"{__name__}:probe_routers_frozen",
+    fresh_params=f"{__name__}:probe_fresh_params", step_metrics=f"{__name__}:probe_step_metrics",
+    step_reductions=(("world", 8, "the probe's sums (1 fp64)"),))
+SHORT = ["train.steps=2", "train.global_batch=4", "train.micro_batch=2", "train.seq_len=16", "train.warmup_steps=1",
+         "train.optimizer=sgd"]
+
+
+def test_a_kind_declares_its_training_part_in_its_entry(monkeypatch, tmp_path):
+    """The trainer, its preflight and the planner honour a kind's training fields with no edit outside its
+    entry: only what `lr_scales` lets train changes (the routers' biases stay: `routers_frozen`), its
+    `step_metrics` reach metrics.jsonl, checkpoint.init_from may lack its `fresh_params`, and the planner
+    counts its `step_reductions`."""
+    from moe_lc.config import ConfigError
+    from moe_lc.job.preflight import init_from_checkpoint
+    from moe_lc.train import run
+    from tests.harness import FAST
+    from tools.planner.layout import mesh, trainer_traffic
+
+    monkeypatch.setitem(ATTENTION_KINDS, "probe", TRAINING_PROBE)
+    cfg = load_config(RECIPES / "debug_cpu.toml", FAST + MLA + SHORT + [f"train.output_dir={tmp_path}/a"])
+    assert attention_kind(cfg.model) is TRAINING_PROBE
+    start = build_model(cfg.model, cfg.train.seed).state_dict()
+    result = run(cfg, keep_final_state=True)
+    changed = {n for n, v in start.items() if not torch.equal(result.final_state[n], v.float())}
+    assert changed <= {n for n in start if ".attn." in n}  # the routers' expert_bias buffers among the rest
+    assert {n for n in start if n.endswith(("attn.wkv_b.weight", "attn.wo.weight"))} <= changed
+    rows = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["probe/layers"] for row in rows] == [3.0, 3.0]
+
+    grown = FAST + MLA + SHORT + ["model.mtp.depth=1", f"checkpoint.init_from={tmp_path}/a/checkpoints",
+                                  f"train.output_dir={tmp_path}/b"]
+    assert run(load_config(RECIPES / "debug_cpu.toml", grown)).losses  # the MTP modules start fresh
+    monkeypatch.setitem(ATTENTION_KINDS, "probe", dataclasses.replace(TRAINING_PROBE, fresh_params=None))
+    with pytest.raises(ConfigError, match="lacks"):
+        init_from_checkpoint(load_config(RECIPES / "debug_cpu.toml", grown))
+
+    traffic = trainer_traffic(cfg, mesh(cfg, 2), [])
+    assert [(t.group, t.bytes) for t in traffic if t.what == "the probe's sums (1 fp64)"] == [("world", 8.0)]

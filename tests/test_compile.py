@@ -15,7 +15,7 @@ from moe_lc.model.ffn import swiglu
 from moe_lc.model.transformer import build_model
 from moe_lc.ops.regions import Region
 from moe_lc.parallel.compile import CompiledRegions, CompileWatch
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.train import run
 from tests.harness import FAST, RECIPES, LayoutResult, compare, reference, run_layout
 from tools.planner.activation_memory import measure_saved_bytes
@@ -210,7 +210,7 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
     saved, grads = {}, {}
     for on in (False, True):
         model = build_model(cfg.model, seed=0)
-        plan = apply_layer_plan(model, precision=precision, recompute=recompute, compiled=on)
+        plan = apply_layer_plan(model, options=LayerPlanOptions(precision=precision, recompute=recompute, compiled=on))
         assert isinstance(model.layers["0"].attn_norm.run_region, CompiledRegions) == on  # the plan decides it
         assert (plan.compile_watch is not None) == on
         loss = []
@@ -220,7 +220,7 @@ def test_recompute_and_fp8_caching_keep_what_they_keep(seams):
     bound = {}
     if rtol is None:  # each gradient's own FP8 error: eager FP8 against eager fp32 on the same tokens
         model = build_model(cfg.model, seed=0)
-        apply_layer_plan(model, precision=PrecisionConfig(), recompute=recompute, compiled=False)
+        apply_layer_plan(model, options=LayerPlanOptions(recompute=recompute))  # fp32, eager
         model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
         bound = {n: ((grads[False][n] - p.grad).norm() / p.grad.norm()).item() for n, p in model.named_parameters()}
     layers = [part for part in saved[False] if part.startswith("layer")]

@@ -13,7 +13,7 @@ from moe_lc.ops import fp8
 from moe_lc.ops.fp8_linear import Fp8Gemms, KeepFp8ForWgrad
 from moe_lc.ops.fp8_storage import Fp8Tiles
 from moe_lc.ops.linear import KEEP_AS_IS, GroupedLinear, Linear, WeightGradStore
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from tests.harness import RECIPES, TOLERANCE, assert_equivalent, reference, run_layout
 from tools.planner.activation_memory import estimate, measure_saved_bytes
 from tools.dry_run.trace import balanced_select
@@ -114,9 +114,10 @@ def test_saved_bytes_fall_by_what_the_planner_predicts(case):
     for items in ([], ["linear"], ["swiglu"], ["attn_out"], ["linear", "swiglu", "attn_out"]):
         torch.manual_seed(0)
         model = Transformer(cfg.model).to(torch.bfloat16).train()
-        apply_layer_plan(model, precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=items),
-                         recompute=RecomputeConfig(policy=policy, selective=list(selective)),
-                         route=balanced_select)  # the planner's routing: per-expert FP8 scale tiles follow it
+        options = LayerPlanOptions(precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=items),
+                                   recompute=RecomputeConfig(policy=policy, selective=list(selective)))
+        # the planner's routing: per-expert FP8 scale tiles follow it
+        apply_layer_plan(model, options=options, route=balanced_select)
         got = measure_saved_bytes(model, lambda: model(tokens[:, :-1], labels=tokens[:, 1:], mtp=mtp))
         est = estimate(cfg.model, B, S, 2, policy=policy, selective=tuple(selective), fp8_cache=tuple(items))
         for i, predicted in est.layers.items():  # (1%: the experts' wgrad scales, one per 128 rows of

@@ -10,7 +10,7 @@ from moe_lc.config import load_config
 from moe_lc.model.transformer import build_model
 from moe_lc.config import PrecisionConfig
 from moe_lc.ops.fp8_linear import Fp8Gemms
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.ops.linear import GroupedLinear, Linear
 from moe_lc.train import run
 
@@ -70,7 +70,8 @@ def test_delayed_scaling_keeps_history():
 
 def test_layer_plan_switches_only_eligible_layers_to_fp8():
     model = build_model(load_config(RECIPE).model)
-    plan = apply_layer_plan(model, precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate"))
+    fp8 = LayerPlanOptions(precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate"))
+    plan = apply_layer_plan(model, options=fp8)
     n = sum("gemms" in row for row in plan.settings.values())
     assert model.head.gemms.name == "plain"  # output head stays bf16
     moe = next(iter(model.moe_layers().values()))

@@ -16,7 +16,7 @@ from moe_lc.config import PrecisionConfig, RecomputeConfig, load_config
 from moe_lc.model.fp8_cache import swiglu_fp8_cached
 from moe_lc.model.transformer import build_model
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad
-from moe_lc.parallel.layer_plan import DECIDED, LayerPlan, apply_layer_plan
+from moe_lc.parallel.layer_plan import DECIDED, LayerPlan, LayerPlanOptions, apply_layer_plan
 from tests.harness import FAST, RECIPES, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +93,9 @@ def test_fp8_swiglu_cache_replaces_the_selective_swiglu_replay_and_keeps_linear_
     activation keeps gate|up in FP8 only; the down projection, whose input that rebuilds, holds its
     operands in FP8 only for a deferred W; attention's wo likewise (the core keeps its output)."""
     model = build_model(load_config(RECIPE).model, seed=0)
-    plan = apply_layer_plan(model, precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate",
-                                                             fp8_cache=["linear", "swiglu"]),
-                            recompute=RecomputeConfig(policy="selective", selective=["norm", "swiglu"]))
+    plan = apply_layer_plan(model, options=LayerPlanOptions(
+        precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=["linear", "swiglu"]),
+        recompute=RecomputeConfig(policy="selective", selective=["norm", "swiglu"])))
     moe = next(iter(model.moe_layers().values()))
     for ffn in (moe.experts, moe.shared):
         assert ffn.activation is swiglu_fp8_cached

@@ -16,7 +16,7 @@ from moe_lc.model.transformer import Transformer
 from moe_lc.optim import RULES, SGD, AdamW
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero.optimizer import ShardedParams, ZeroOptimizer
+from moe_lc.parallel.zero.optimizer import ShardedParams, ZeroOptimizer, ZeroOptions
 from moe_lc.parallel.zero.layout import bucket_elems, bucket_sizes
 from moe_lc.train import Trainer
 from tests.harness import (FAST, RECIPES, assert_equivalent, interrupted_and_resumed, reference,
@@ -83,7 +83,7 @@ def test_rules_match_torch_optim_bit_for_bit(rule_name):
         rule = SGD(momentum=0.9, whole_params=rule_name == "sgd-whole")
         ref = torch.optim.SGD(copies, lr=lr, momentum=0.9, foreach=False)
     named = [(f"p{i}", p, ParamPlacement()) for i, p in enumerate(params)]
-    opt = ZeroOptimizer([("dp_cp", named, _one_rank("dp_cp"))], _one_rank("world"), rule, bucket_mb=0.02,
+    opt = ZeroOptimizer([("dp_cp", named, _one_rank("dp_cp"))], _one_rank("world"), rule, ZeroOptions(bucket_mb=0.02),
                         no_decay={"p1"})
     assert len(opt.shards[0].buckets) > 1
     for _ in range(4):
@@ -166,7 +166,7 @@ def test_whole_parameters_sit_whole_on_one_balanced_owner(rule):
     elements = []
     for r in range(n):
         params = _debug_params()  # ShardedParams rewires the parameters into its buffers: a fresh copy per rank
-        shard = ShardedParams("dp_cp", params, Group("dp_cp", list(range(n)), r), bucket_elems(mb), set(), rule)
+        shard = ShardedParams("dp_cp", params, Group("dp_cp", list(range(n)), r), rule, ZeroOptions(bucket_mb=mb))
         for b in shard.buckets:
             kinds = {shard.names[id(p)] in wanted for p, _ in b.params}
             assert len(kinds) == 1
@@ -199,7 +199,7 @@ def _layouts_worker(rank, world):
         parallel = parallelize(build_model(model_config(attn_backend="reference"), seed=0), d)
         model = parallel.module
         opt = ZeroOptimizer(zero_param_groups(parallel, d), d["world"], SGD(0.9, 0.1, whole_params=whole),
-                            bucket_mb=0.05, no_decay=no_weight_decay_names(model))
+                            ZeroOptions(bucket_mb=0.05), no_decay=no_weight_decay_names(model))
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
             tokens = torch.randint(0, 259, (2, 33), generator=gen)

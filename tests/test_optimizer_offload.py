@@ -57,12 +57,12 @@ def test_the_deferred_updates_run_as_the_next_forward_reaches_each_bucket(tmp_pa
     in its own order (the buffer's last bucket, the embedding's, first) as each chain's parameters are needed, and
     ends with none pending; the parameters it computes with are the updated ones (the same logits as with every
     update done in the step)."""
-    from moe_lc.parallel.zero.optimizer import host_step as optimizer_offload
+    from moe_lc.parallel.zero import host_step
     from moe_lc.train import Trainer
 
     order = []
-    monkeypatch.setattr(optimizer_offload.HostOptimizer, "_update",
-                        lambda self, index, event, original=optimizer_offload.HostOptimizer._update:
+    monkeypatch.setattr(host_step.HostUpdate, "_update",
+                        lambda self, index, event, original=host_step.HostUpdate._update:
                         (order.append(index), original(self, index, event)))
     logits = []
     for overlap in ("true", "false"):
@@ -70,7 +70,7 @@ def test_the_deferred_updates_run_as_the_next_forward_reaches_each_bucket(tmp_pa
                                                               f"parallel.placement.optimizer_overlap={overlap}"])
         trainer = Trainer(cfg)
         trainer.train_step()
-        hosts = [s.host for s in trainer.optimizer.shards]
+        hosts = [s.update_site for s in trainer.optimizer.shards]
         pending = sum(len(h.pending) for h in hosts)
         assert pending == (sum(len(h.shard.buckets) for h in hosts) if overlap == "true" else 0)
         order.clear()
@@ -109,13 +109,13 @@ def test_the_state_lives_on_the_host_and_the_copies_are_the_planners(tmp_path):
     shards = trainer.optimizer.shards
     for s in shards:
         assert s.master.device.type == "cpu" and s.master.data_ptr() != s.grad_shard.data_ptr()
-        assert s.view.grad is s.host.grad_host and s.host.param_host.dtype == torch.bfloat16
+        assert s.view.grad is s.update_site.grad_host and s.update_site.param_host.dtype == torch.bfloat16
     rank = plan(cfg, 1).ranks[0]
-    sent = {k: sum(s.host.sent[k] for s in shards) for k in ("d2h", "h2d")}
+    sent = {k: sum(s.update_site.sent[k] for s in shards) for k in ("d2h", "h2d")}
     assert sent == {k: 3 * v for k, v in rank.host_transfers.items()}
     assert rank.host_transfers["h2d"] * 2 == rank.host_transfers["d2h"]  # bf16 up, fp32 down
     assert rank.memory["optimizer"] == 0
-    host = sum(s.state_bytes() + s.host.staging_bytes() for s in shards)
+    host = sum(s.state_bytes() + s.update_site.staging_bytes() for s in shards)
     assert rank.host_memory["optimizer"] + rank.host_memory["grads"] + rank.host_memory["params"] == host
     device = plan(load_config(RECIPE, overrides + ["precision.recipe=bf16"]), 1).ranks[0]
     assert device.memory["optimizer"] == rank.host_memory["optimizer"] == sum(s.state_bytes() for s in shards)

@@ -25,11 +25,11 @@ from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import Transformer
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
 from moe_lc.parallel.comm import Group
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.parallel.parallelize import prepare_batch
 from moe_lc.parallel.placement import ParamPlacement
 from moe_lc.optim import AdamW
-from moe_lc.parallel.zero.optimizer import ZeroOptimizer
+from moe_lc.parallel.zero.optimizer import ZeroOptimizer, ZeroOptions
 from tests.harness import FAST, RECIPES, ROOT, run_layout, run_workers
 from tools.planner.activation_memory import POLICIES, UNCHECKED, estimate, held_checkpoint_inputs, measure_saved_bytes
 from tools.planner.block_trace import block_kind, forget_traces, trace_parts
@@ -82,12 +82,12 @@ def test_zero_layout_matches_the_optimizer_built_in_process(n, bucket_mb, moment
         groups["edp" if ".experts." in name else "dp_cp"].append((name, p, ParamPlacement()))
     rule = AdamW(moments_dtype=torch.bfloat16 if moments == "bf16" else torch.float32)
     opt = ZeroOptimizer([(g, ps, _fake_group(g, n)) for g, ps in groups.items()], _fake_group("world", n), rule,
-                        bucket_mb=bucket_mb)
+                        ZeroOptions(bucket_mb=bucket_mb))
     rank = plan(cfg, n).ranks[0]
     assert {s.name: [b.size for b in s.buckets] for s in opt.shards} == rank.buckets
     assert opt.state_bytes() == rank.optimizer_state_bytes()
-    assert rank.memory["params"] == sum(s.param_buffer.numel() * 4 for s in opt.shards)
-    assert rank.memory["grads"] == sum((s.grad_buffer.numel() + s.grad_shard.numel()) * 4 for s in opt.shards)
+    assert rank.memory["params"] == sum(s.param_store.buffer.numel() * 4 for s in opt.shards)
+    assert rank.memory["grads"] == sum((s.grad_sync.buffer.numel() + s.grad_shard.numel()) * 4 for s in opt.shards)
 
 
 MLA = ["model.attention=mla", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
@@ -109,7 +109,7 @@ def _cpu_model(cfg, policy="none", selective=()):
     """The recipe's single-device model on the CPU, in its compute dtype, under a recompute policy."""
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(cfg.precision.compute_dtype).train()
-    apply_layer_plan(model, recompute=RecomputeConfig(policy, list(selective)))
+    apply_layer_plan(model, options=LayerPlanOptions(recompute=RecomputeConfig(policy, list(selective))))
     return model
 
 
@@ -183,8 +183,9 @@ def test_traced_fp8_cached_bytes_equal_a_measured_forward_routed_alike(items):
     selective = ("norm", "swiglu", "mla_up", "router")
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(torch.bfloat16).train()
-    apply_layer_plan(model, precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=items),
-                     recompute=RecomputeConfig("selective", list(selective)), route=balanced_select)
+    options = LayerPlanOptions(precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=items),
+                               recompute=RecomputeConfig("selective", list(selective)))
+    apply_layer_plan(model, options=options, route=balanced_select)
     batch = _cpu_step_inputs(cfg)
     measured = measure_saved_bytes(model, lambda: model(batch.pop("inputs"), **batch))
     traced = estimate(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, 2, policy="selective", selective=selective,

@@ -6,7 +6,7 @@ import torch
 from moe_lc.config import load_config
 from moe_lc.config import RecomputeConfig
 from moe_lc.model.forward_stats import ForwardStats
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.model.transformer import build_model
 from moe_lc.train import run
 from tests.harness import RECIPES, assert_equivalent, reference, run_layout
@@ -57,7 +57,7 @@ def test_recompute_policies_save_less_and_count_loads_once():
     for policy, items in [("none", ()), ("selective", ("norm",)), ("selective", ("norm", "swiglu")),
                           ("selective", ("norm", "swiglu", "attention")), ("full", ())]:
         model = build_model(cfg, seed=0)
-        apply_layer_plan(model, recompute=RecomputeConfig(policy=policy, selective=list(items)))
+        apply_layer_plan(model, options=LayerPlanOptions(recompute=RecomputeConfig(policy, list(items))))
         stats = ForwardStats()
         nbytes, loss = saved_bytes(model, tokens, stats)
         loss.backward()  # replays the routers under "full"
@@ -93,7 +93,7 @@ def test_deferred_weight_grads_survive_recomputation(policy, items):
 
     def grads(policy, items, split):
         model = build_model(cfg, seed=0)
-        apply_layer_plan(model, recompute=RecomputeConfig(policy=policy, selective=list(items)))
+        apply_layer_plan(model, options=LayerPlanOptions(recompute=RecomputeConfig(policy, list(items))))
         store = WeightGradStore()
         for module in model.modules():
             if isinstance(module, (Linear, GroupedLinear)):

@@ -13,7 +13,7 @@ from moe_lc.config import RecomputeConfig, load_config
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.transformer import build_model
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.job.step import forward_backward
 from tests.harness import RECIPES
 
@@ -74,7 +74,7 @@ def test_a_training_step_books_its_routing_in_the_stats_and_keeps_nothing_on_the
     cfg = load_config(RECIPES / "debug_cpu.toml", ["model.moe.aux_loss_weight=0.01", "model.moe.capacity_factor=1.0",
                                                    "model.mtp.depth=1", "model.attn_backend=reference"]).model
     model = build_model(cfg, seed=0).train()
-    apply_layer_plan(model, recompute=RecomputeConfig(policy="full"))
+    apply_layer_plan(model, options=LayerPlanOptions(recompute=RecomputeConfig(policy="full")))
     tokens = torch.randint(0, 259, (2, 33), generator=torch.Generator().manual_seed(0))
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": None, "positions": torch.arange(32),
              "mtp": mtp_targets(tokens, None, 1)}

@@ -86,13 +86,13 @@ def _overlap_worker(rank, world):
     from moe_lc.parallel import comm
     from moe_lc.parallel.mesh import ParallelDims
     from moe_lc.parallel.parallelize import parallelize, zero_param_groups
-    from moe_lc.parallel.zero.optimizer import ZeroOptimizer
+    from moe_lc.parallel.zero.optimizer import ZeroOptimizer, ZeroOptions
 
     d = ParallelDims.from_config(ParallelConfig(), world, rank)
     d.init_groups()
     parallel = parallelize(build_model(model_config(attn_backend="reference"), seed=0), d)
     model = parallel.module
-    opt = ZeroOptimizer(zero_param_groups(parallel, d), d["world"], bucket_mb=0.05)
+    opt = ZeroOptimizer(zero_param_groups(parallel, d), d["world"], options=ZeroOptions(bucket_mb=0.05))
     events = []
     real = comm.reduce_scatter
     comm.reduce_scatter = lambda *a, **k: (events.append("launch"), real(*a, **k))[1]

@@ -87,14 +87,15 @@ def test_a_checkpoint_resumes_across_zero1_and_zero3_exactly(tmp_path, saved, re
 
 def test_parameters_are_present_only_around_their_unit(tmp_path, monkeypatch):
     """One process, tied embedding and MTP (the head's chain reads the embedding), 2 micro-batches, 2 steps: after
-    each step no bucket storage is held; each unit is gathered as often as the planner counts
-    (`unit_gathers`: twice per micro-batch, the embedding once plus twice for the head); at most the running
+    each step no bucket storage is held; each unit is gathered as often as the planner counts (its run of ZeRO,
+    `trace_zero`: twice per micro-batch, the embedding once plus twice for the head); at most the running
     and the prefetched units (here three: the head's two and a prefetched block) are gathered at once, within
     the planner's "gathered units"; the kept shards are the planner's parameter bytes."""
-    from moe_lc.parallel.zero.optimizer import param_gather
+    from moe_lc.parallel.zero import param_gather
     from moe_lc.train import Trainer
     from tools.planner.plan import plan
-    from tools.planner.layout import rank_layouts, unit_gathers
+    from tools.planner.layout import rank_layouts
+    from tools.planner.zero_trace import trace_zero
 
     overrides = FAST + STEPS + ZERO3 + ["train.micro_batch=4", "train.steps=2", f"train.output_dir={tmp_path}",
                                         "model.tie_embeddings=true", "model.mtp.depth=1"]
@@ -119,14 +120,13 @@ def test_parameters_are_present_only_around_their_unit(tmp_path, monkeypatch):
         trainer.train_step()
         assert not held
         assert all(b.full.untyped_storage().nbytes() == 0 for s in trainer.optimizer.shards for b in s.buckets)
-    stage = rank_layouts(cfg)[0].stages[0]
-    per_micro_batch = unit_gathers(cfg, stage)
+    per_micro_batch = trace_zero(cfg, rank_layouts(cfg)[0], None).unit_gathers[0]
     assert per_micro_batch["embed"] == 3 and per_micro_batch["head"] == 2
     assert gather.gathers == 2 * 2 * sum(per_micro_batch.values())
     assert most[0] == 3
     rank = plan(cfg, 1).ranks[0]
     assert most[1] <= rank.transients["gathered units"]
-    assert rank.memory["params"] == sum(s.param_shard.numel() * 4 for s in trainer.optimizer.shards)
+    assert rank.memory["params"] == sum(s.param_store.shard.numel() * 4 for s in trainer.optimizer.shards)
     with trainer.params_present():  # what checkpoints and final-state gathering read
         assert all(p.untyped_storage().nbytes() > 0 for p in trainer.model.parameters())
     assert not held
@@ -136,7 +136,7 @@ def test_no_rank_ever_holds_its_whole_model(tmp_path, monkeypatch):
     """Start-up included: the build leaves every parameter without storage (nothing drawn), and ZeRO builds its
     buckets one at a time, each drawn through `initial_value`, its shard kept and the rest freed before the next;
     the shards hold the same values as a whole build's (tied embedding and MTP, 2 groups: dense and experts)."""
-    from moe_lc.parallel.zero.optimizer import optimizer as zero
+    from moe_lc.parallel.zero import optimizer as zero, param_store
     from moe_lc.parallel.build import build_rank_model
     from moe_lc.parallel.mesh import ParallelDims
     from moe_lc.train import Trainer
@@ -150,7 +150,7 @@ def test_no_rank_ever_holds_its_whole_model(tmp_path, monkeypatch):
     assert all(torch.equal(deferred.initial_value(n), p) for n, p in whole.items())
     others_held = []  # at each bucket's free during the build: how many other buckets hold storage
 
-    def free(self, b, original=zero.ShardedParams.free_bucket):
+    def free(self, b, original=param_store.GatheredParams.free):
         buckets = [x for group in {*made, self} for x in group.buckets if x is not b and x.full is not None]
         others_held.append(sum(x.full.untyped_storage().nbytes() > 0 for x in buckets))
         original(self, b)
@@ -162,7 +162,7 @@ def test_no_rank_ever_holds_its_whole_model(tmp_path, monkeypatch):
         init(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(zero.ShardedParams, "free_bucket", free)
+    monkeypatch.setattr(param_store.GatheredParams, "free", free)
     monkeypatch.setattr(zero.ShardedParams, "__init__", remember)
     trainer = Trainer(cfg)
     assert len(made) == 2 and len(others_held) == sum(len(group.buckets) for group in made) > 8

@@ -13,6 +13,9 @@ package, tools/ and eval/ for such comparisons). An entry names, per layer of th
               under recomputation (parallel/layer_plan.py)                          "module:name"
               QK-clip's rescaling of its query / key rows (parallel/qk_clip.py)     "module:name" (a model piece)
     convert   its Hugging Face weight pieces and the transformers family of a config  "module:name"
+    training  (optional) a stage's learning-rate scales per parameter and frozen router
+              biases, the tensors it adds to an init_from checkpoint, its per-step
+              metrics and their all-reduces (the trainer, job/preflight.py, the planner) "module:name"
 
 The table sits in config, the leaf every layer may import, because the recipe's rules and the config's
 head dims read it too. Pieces of higher layers are "package.module:name" strings, so that importing this
@@ -26,11 +29,12 @@ Adding a kind: its module in one new file of moe_lc/model/ (the module class wit
 layer plan sets: `core`, `replay`, `out_proj`, `wo`, and `attend` where it has one; its counts and
 decode cache beside it), plus one entry below. A kind that needs its own tensor-parallel rule, ring or
 HF names writes them in parallel/ and convert/ (the model never imports parallel) and names them in its
-entry; nothing else changes. A variant of a kind (DeepSeek Sparse Attention: `model.attention = "mla"`
-with `[model.dsa] enabled = true`) is an entry with the same `attention` and a `variant` test on the
-config; its module may subclass the base kind's, and its entry may reuse the base's pieces
-(`dataclasses.replace(ATTENTION_KINDS["mla"], ...)`). Initialization (model/init.py) goes by parameter
-name and module type and is the same for every kind today.
+entry; so does one whose training differs (a stage that freezes parameters, adds tensors, logs metrics:
+DSA's in model/dsa.py and parallel/dsa_plan.py); nothing else changes. A variant of a kind (DeepSeek
+Sparse Attention: `model.attention = "mla"` with `[model.dsa] enabled = true`) is an entry with the same
+`attention` and a `variant` test on the config; its module may subclass the base kind's, and its entry
+may reuse the base's pieces (`dataclasses.replace(ATTENTION_KINDS["mla"], ...)`). Initialization
+(model/init.py) goes by parameter name and module type and is the same for every kind today.
 """
 
 from __future__ import annotations
@@ -91,6 +95,21 @@ class AttentionSpec:
     #                                  (moe_lc/parallel/qk_clip.py); None: train.qk_clip is refused for the kind
     extra_plan: str | None = None  # (module, dims or None, plan, aux_loss_scale, selective recompute items) ->
     #                                decisions only this kind has, on every layout (parallel/layer_plan.py)
+    # optional config (this layer; None: no such rule)
+    attended_keys: Callable | None = None  # (m, seq_len) -> (keys a query attends at most, what bounds them, "" for
+    #                                        the sequence), where fewer than seq_len (rules: QK-clip's tau warning)
+    cp_a2a_errors: Callable | None = None  # (m, cp_a2a) -> what hybrid context parallelism cannot split (rules)
+    # optional training ("module:name"; None: the neutral default, every parameter trains at train.lr and the run
+    # adds nothing): what a kind's training stage changes in the trainer, its preflight and the planner
+    lr_scales: str | None = None   # (m, lr) -> (parameter name -> its learning-rate scale; 0 freezes), or None
+    #                                (parallel/parallelize.py `param_lr_scale`: the optimizer's, the planner's groups)
+    routers_frozen: str | None = None  # m -> True: the MoE routers' load-balancing biases stay (the trainer)
+    fresh_params: str | None = None  # m -> a part of the names of the tensors the run adds and initializes, which a
+    #                                  checkpoint.init_from may lack (job/preflight.py), or None
+    step_metrics: str | None = None  # (m, step's ForwardStats, dims, device) -> {metric: value}: the kind's own
+    #                                  metrics of each step (the trainer), reduced over the mesh
+    step_reductions: tuple[tuple[str, int, str], ...] = ()  # (mesh group, bytes, what): the all-reduces
+    #                                  `step_metrics` issues each step (tools/planner/layout.py's trainer traffic)
 
     def seams(self, cp: int, mla_ring: str = "latent") -> CoreSeams:
         """The seams for context-parallel degree `cp` and `parallel.mla_ring`."""
@@ -198,16 +217,34 @@ def _dsa_errors(m) -> list[str]:
     return _mla_errors(m) + m.dsa.errors(m.mla)
 
 
+def _dsa_attended_keys(m, seq_len: int) -> tuple[int, str]:
+    if m.dsa.stage == "sparse" and m.dsa.index_topk < seq_len:
+        return m.dsa.index_topk, "model.dsa.index_topk, the sparse stage's selection"
+    return seq_len, ""
+
+
+def _dsa_cp_a2a_errors(m, a2a: int) -> list[str]:
+    return [f"parallel.cp_a2a={a2a} with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its sparse "
+            "ring moves the latent, which the all-to-all cannot split by head"]
+
+
 # DeepSeek Sparse Attention (DeepSeek-V3.2): MLA with a lightning indexer, on when [model.dsa] enabled. Its
 # warm-up stage attends densely through MLA's own seams (core and attend, rings included); its own pieces
-# are the module, counts, cache, the indexer's TP placement and the sparse core (parallel/dsa_plan.py).
+# are the module, counts, cache, the indexer's TP placement and the sparse core (parallel/dsa_plan.py), and
+# its training part (model/dsa.py, parallel/dsa_plan.py): the indexer's learning rate and the warm-up that
+# freezes everything else (routers' biases included) and adds the indexer to a dense checkpoint, and the
+# indexer's KL metrics with their all-reduce of 3 fp64 sums.
 ATTENTION_KINDS["dsa"] = replace(
     ATTENTION_KINDS["mla"], name="dsa", label="DSA", variant=lambda m: m.dsa.enabled, errors=_dsa_errors,
     module="moe_lc.model.dsa:DSAttention", params="moe_lc.model.dsa:dsa_params",
     vector_params="moe_lc.model.dsa:dsa_vector_params", decode="moe_lc.model.dsa:DSADecode",
     tp_rule="moe_lc.parallel.dsa_plan:dsa_tp_rule", hf_pieces="moe_lc.convert.hf_names:dsa_pieces",
     hf_family="moe_lc.convert.hf_config:dsa_family", core_flops="moe_lc.model.dsa:dsa_core_flops",
-    extra_plan="moe_lc.parallel.dsa_plan:dsa_layer_plan")
+    extra_plan="moe_lc.parallel.dsa_plan:dsa_layer_plan",
+    attended_keys=_dsa_attended_keys, cp_a2a_errors=_dsa_cp_a2a_errors,
+    lr_scales="moe_lc.model.dsa:dsa_lr_scale", routers_frozen="moe_lc.model.dsa:dsa_warmup",
+    fresh_params="moe_lc.model.dsa:dsa_fresh_params", step_metrics="moe_lc.parallel.dsa_plan:dsa_step_metrics",
+    step_reductions=(("world", 24, "sparse attention's indexer-loss sums (3 fp64)"),))
 
 
 def dsa_warnings(cfg, given: set[str]) -> list[str]:

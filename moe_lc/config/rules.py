@@ -192,8 +192,8 @@ def tensor_parallel_errors(cfg: Config) -> list[str]:
 
 def hybrid_cp_errors(cfg: Config) -> list[str]:
     """What the all-to-all of hybrid context parallelism (parallel.cp_a2a > 1, parallel/cp/ulysses.py) cannot
-    split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), DSA's sparse
-    ring, and a per-micro-batch chunk placement."""
+    split: the tp-local query heads among the A ranks (GQA's kv heads are repeated when fewer), what the
+    attention kind says (`cp_a2a_errors`: DSA's sparse ring), and a per-micro-batch chunk placement."""
     m, p, e = cfg.model, cfg.parallel, []
     A = p.cp_a2a
     if A <= 1 or p.cp % A or m.n_heads % p.tp:
@@ -201,9 +201,9 @@ def hybrid_cp_errors(cfg: Config) -> list[str]:
     if (m.n_heads // p.tp) % A:
         e.append(f"parallel.cp_a2a={A} must divide the query heads per tp rank, model.n_heads / parallel.tp = "
                  f"{m.n_heads} / {p.tp} = {m.n_heads // p.tp} (the all-to-all splits heads)")
-    if m.dsa.enabled:
-        e.append(f"parallel.cp_a2a={A} with DeepSeek Sparse Attention (model.dsa.enabled) is not built: its "
-                 "sparse ring moves the latent, which the all-to-all cannot split by head")
+    kind = attention_kind(m) if m.attention in names(AttentionKind) else None  # else the choice rule names it
+    if kind is not None and kind.cp_a2a_errors is not None:  # DSA's sparse ring moves the latent
+        e += kind.cp_a2a_errors(m, A)
     if p.cp_layout != "zigzag":
         e.append(f"parallel.cp_layout={p.cp_layout!r} with parallel.cp_a2a={A} is not built: the hybrid placement "
                  "is fixed (parallel/cp/ulysses.py)")
@@ -320,11 +320,14 @@ def _qk_clip_warnings(cfg: Config) -> list[str]:
     """A tau that a fresh model's heads exceed already. QK-clip's statistic, a head's largest log-sum-exp
     (moe_lc/parallel/qk_clip.py), is ln(n) for a query attending evenly over n keys (logits near 0): every head
     is clipped from the first step, and the clip, scaling logits toward 0, keeps the statistic near ln(n)."""
-    t, d = cfg.train, cfg.model.dsa
-    n = min(t.seq_len, d.index_topk) if d.enabled and d.stage == "sparse" else t.seq_len
+    t = cfg.train
+    if t.qk_clip <= 0 or cfg.model.attention not in names(AttentionKind):
+        return []
+    kind = attention_kind(cfg.model)  # the keys a query attends (DSA's sparse stage: its selection)
+    n, bound = kind.attended_keys(cfg.model, t.seq_len) if kind.attended_keys is not None else (t.seq_len, "")
     if not 0 < t.qk_clip < math.log(n):
         return []
-    keys = f"{n} keys" + (" (model.dsa.index_topk, the sparse stage's selection)" if n < t.seq_len else "")
+    keys = f"{n} keys" + (f" ({bound})" if n < t.seq_len else "")
     return [f"train.qk_clip={t.qk_clip:g} is below ln({n}) = {math.log(n):.2f}: QK-clip bounds a head's largest "
             f"logit by its largest log-sum-exp, which is {math.log(n):.2f} already for a query attending evenly "
             f"over its {keys}, so every head is clipped every step and its attention flattened toward uniform; "

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from moe_lc.model.counting import train_flops_per_token, train_flops_with_documents
+
 # Dense (no sparsity) peak TFLOP/s per GPU and compute precision, from NVIDIA's datasheets (their
 # sparse figures halved); "fp32" is the TF32 tensor-core rate an fp32 run's matmuls get. Matched as
 # fragments of torch.cuda.get_device_name, most specific first: a PCIe or NVL H100 / H200 has lower
@@ -50,6 +52,30 @@ def peak_flops(device: torch.device, recipe: str, override_tflops: float = 0.0) 
         return None
     table = peak_tflops_of(torch.cuda.get_device_name(device))
     return None if table is None else table[recipe] * 1e12
+
+
+class StepRow:
+    """The trainer's own metrics of one optimizer step, before the step's (`StepResult.metrics`): loss, lr,
+    grad norm, throughput, the skipped-update count and, where the device's peak FLOPs are known, MFU over
+    the world (under packed documents with the attention work the step really did, "attn/doc_work")."""
+
+    def __init__(self, cfg, device: torch.device, world: int):
+        t = cfg.train
+        self.model_cfg, self.seq_len, self.tokens, self.world = cfg.model, t.seq_len, t.global_batch * t.seq_len, world
+        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
+        self.peak = peak_flops(device, cfg.precision.recipe, t.peak_tflops)
+
+    def __call__(self, step, lr: float, elapsed: float, skipped: int) -> dict:
+        """step: the StepResult (moe_lc/job/step.py); elapsed: its seconds; skipped: updates skipped so far."""
+        metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm, "tokens_per_s": self.tokens / elapsed,
+                   "step_time": elapsed, "skipped_steps": skipped}
+        if self.peak:
+            work = step.metrics.get("attn/doc_work")
+            flops = (self.flops_per_token * self.tokens if work is None else
+                     train_flops_with_documents(self.model_cfg, self.seq_len, self.tokens, work))
+            metrics["mfu"] = flops / elapsed / (self.peak * self.world)
+        metrics.update(step.metrics)
+        return metrics
 
 
 def _fmt_duration(seconds: float) -> str:

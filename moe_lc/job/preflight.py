@@ -16,10 +16,13 @@ import torch
 
 from moe_lc.job import checkpoint as ckpt
 from moe_lc.config import Config, ConfigError
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.counting import param_counts
 from moe_lc.model.memory_floor import activation_floor
 from moe_lc.model.transformer import state_shapes
+from moe_lc.ops import fp8_te
 from moe_lc.ops.attention import keeps_scores, resolved_backend, unusable_reason
+from moe_lc.ops.fp8_linear import gemm_recipe
 
 # kernel filesystems where no run directory can be made, whatever os.access says (root may "write" /proc)
 PSEUDO_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
@@ -32,14 +35,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def refuse_unusable_fp8(p, device: torch.device) -> None:
+    """ConfigError where precision.fp8_backend = 'te' cannot run [precision] `p`'s GEMMs on `device` (the
+    trainer asks once its device is known, before building anything)."""
+    if p.recipe == "fp8" and p.fp8_backend == "te":
+        reason = fp8_te.unsupported_reason(device, gemm_recipe(p.fp8_scaling))
+        if reason is not None:
+            raise ConfigError([f"precision.fp8_backend='te': {reason}"])
+
+
 def init_from_checkpoint(cfg: Config) -> Path:
     """The checkpoint `checkpoint.init_from` names, vetted against the recipe's model (ConfigError)."""
     try:
         path = ckpt.find_checkpoint(cfg.checkpoint.init_from)
     except (ckpt.CheckpointError, FileNotFoundError) as exc:
         raise ConfigError([f"checkpoint.init_from: {exc}"]) from None
-    dsa = cfg.model.dsa
-    fresh = ".indexer." if dsa.enabled and dsa.stage == "warmup" else None  # V3.2's warm-up adds the indexer
+    kind = attention_kind(cfg.model)  # tensors a training stage adds (DeepSeek-V3.2's warm-up: the indexer)
+    fresh = load(kind.fresh_params)(cfg.model) if kind.fresh_params is not None else None
     shapes = state_shapes(cfg.model)  # untie: a tied checkpoint's embedding starts an untied head (load_weights)
     errors = [f"checkpoint.init_from: {e}" for e in ckpt.weight_errors(path, shapes, fresh, untie=True)]
     if errors:

@@ -11,9 +11,12 @@ counter is read off a module (tests/test_step_counts.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 
+from moe_lc.config.attention_kinds import attention_kind, load as load_piece
 from moe_lc.model.balance_losses import LOSS_NAMES, enabled_losses
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.parallel import comm
@@ -28,6 +31,16 @@ class StepResult:
     grad_norm: float
     applied: bool  # False: a non-finite loss or norm skipped the update
     metrics: dict = field(default_factory=dict)  # MTP losses, MoE balance and EP dispatch, by metric name
+
+
+def tell_skipped(step: int, result: StepResult, skipped: int, limit: int, logger) -> None:
+    """The non-finite guard, after optimizer step `step` (1-based) whose update was skipped, the `skipped`-th
+    of the run: one event line; FloatingPointError past `limit` (train.max_nonfinite_steps)."""
+    logger.event(f"step {step}: non-finite loss/grad norm ({result.loss}, {result.grad_norm}); update "
+                 f"skipped ({skipped}/{limit})")
+    if skipped > limit:
+        raise FloatingPointError(f"stopping: {skipped} steps with a non-finite loss or grad norm "
+                                 f"(train.max_nonfinite_steps={limit}); last checkpoint is intact")
 
 
 def step_token_count(micro: list[dict], global_tokens: int, dims: ParallelDims, device: torch.device) -> float:
@@ -73,25 +86,25 @@ def source_losses(stats: ForwardStats, names: list[str], dims: ParallelDims, dev
     return {f"data/loss/{name}": s / n for name, s, n in zip(names, sums, counts) if n > 0}
 
 
-def dsa_metrics(stats: ForwardStats, stage: str | None, dims: ParallelDims, device: torch.device) -> dict:
-    """DeepSeek Sparse Attention's indexer this step ({} without it: stage None): dsa/indexer_kl, the KL of
-    the indexer's distribution from the attention's per query token and layer (over the selection in the
-    sparse stage, every visible key in the warm-up); in the warm-up also dsa/topk_mass, the share of the
-    dense attention's mass on the indexer's top-k (what the sparse stage would keep). From the step's
-    `ForwardStats.dsa` summed over the world (tp ranks booked 1/tp each)."""
-    if stage is None:
-        return {}
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    if stats.dsa is not None:
-        sums += stats.dsa.to(device)
-    comm.all_reduce(sums, dims["world"])
-    kl, mass, count = sums.tolist()
-    if count <= 0:
-        return {}
-    out = {"dsa/indexer_kl": kl / count}
-    if stage == "warmup":
-        out["dsa/topk_mass"] = mass / count
-    return out
+@dataclass(frozen=True)
+class KindTraining:
+    """The attention kind's part of every training step, from its registry entry (moe_lc/config/attention_kinds.py)
+    resolved once (`of`): whether the routers' biases stay (DSA's warm-up), and the kind's own metrics (DSA's
+    indexer KL). Neutral for a kind without either."""
+
+    routers_frozen: bool = False
+    step_metrics: Callable | None = None  # (step's ForwardStats, dims, device) -> {metric: value}
+
+    @classmethod
+    def of(cls, m) -> KindTraining:
+        """The part of the kind of [model] section `m`."""
+        kind = attention_kind(m)
+        frozen = kind.routers_frozen is not None and bool(load_piece(kind.routers_frozen)(m))
+        return cls(frozen, partial(load_piece(kind.step_metrics), m) if kind.step_metrics is not None else None)
+
+    def metrics(self, stats: ForwardStats, dims: ParallelDims, device: torch.device) -> dict:
+        """The kind's metrics of the step ({} for none), reduced over the mesh (a collective on every rank)."""
+        return self.step_metrics(stats, dims, device) if self.step_metrics is not None else {}
 
 
 @torch.no_grad()
@@ -127,7 +140,7 @@ def balance_routers(model, stats: ForwardStats, dims: ParallelDims, frozen: bool
     loss's moe/{aux_loss,z_loss,global_aux_loss}/layer{L} (weighted: the term the step's objective holds,
     its mean over the step's tokens or sequences), moe/dropped_fraction/layer{L} with a capacity, the
     `expert_parallel_metrics` under EP; and moe/imbalance_max (moe/dropped_fraction_max). frozen: the biases
-    stay (DeepSeek Sparse Attention's warm-up trains the indexers only)."""
+    stay (`KindTraining.routers_frozen`: DeepSeek Sparse Attention's warm-up trains the indexers only)."""
     moes = model.moe_layers()
     if not moes:
         return {}

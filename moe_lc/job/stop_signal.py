@@ -13,16 +13,19 @@ signal's number (143 for SIGTERM, 138 for SIGUSR1), the status a process killed 
 so nothing reads the stop as a finished run: torchrun restarts a job whose worker exits non-zero while
 restarts are left (with checkpoint.resume the restart continues from that checkpoint), and a torchrun
 that received the signal itself stops its workers and does not restart; SLURM requeues by the job's own
-policy (`scontrol requeue`, docs/launch/slurm.sbatch). Ctrl-C (SIGINT) stays KeyboardInterrupt.
+policy (`scontrol requeue`, docs/launch/slurm.sbatch). Ctrl-C (SIGINT) stays KeyboardInterrupt, which the
+trainer turns into `Interrupted` once a save in flight is done (`interrupted_line`).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 import torch
 
+from moe_lc.job import checkpoint as ckpt
 from moe_lc.parallel import comm
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -68,3 +71,23 @@ class Stopped(Exception):
     def __init__(self, signum: int, step: int, checkpoint):
         super().__init__(stop_line(signum, step, checkpoint))
         self.signum = signum
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training; the message is the one line for the user (`interrupted_line`; main() exits 130)."""
+
+
+def interrupted_line(checkpointer, root: Path, step: int, logger) -> str:
+    """Ctrl-C at `step`: wait for `checkpointer`'s asynchronous save in flight (a second Ctrl-C abandons it: its
+    .tmp directory is never read); the one line for the user, naming the newest checkpoint under `root`."""
+    abandoned = ""
+    if checkpointer.saving:
+        logger.event("interrupted: waiting for the checkpoint being saved (Ctrl-C again to abandon it)")
+        try:
+            checkpointer.wait(barrier=False)
+        except (KeyboardInterrupt, ckpt.CheckpointError):
+            abandoned = "; the checkpoint being saved was abandoned"
+    latest = ckpt.latest_checkpoint(root)
+    where = (f"last checkpoint: {latest} (resume with --set checkpoint.resume=true)" if latest
+             else "no checkpoint saved (set checkpoint.interval)")
+    return f"interrupted at step {step}; {where}{abandoned}"

@@ -21,13 +21,16 @@ E indexer head dim, k = model.dsa.index_topk.
                      out = attention @ W_UV^T; the indexer's loss is KL(p(t, S_t) || softmax(I(t, S_t))), p the
                      attention's probabilities summed over heads and L1-normalized.
     stage "warmup"   MLA's own dense attention (every seam as for MLA); the indexer's loss is the KL over
-                     every visible key. The rest of the model is frozen by the optimizer (train.py).
+                     every visible key. The rest of the model is frozen: learning-rate scale 0 in the
+                     optimizer, the routers' biases kept (the kind's training fields, below).
 
 The ring passes (selection, sparse attention, both losses) are moe_lc/ops/dsa_*.py; `sparse_core` is the
 seam where they run: one device here, the zig-zag "cp" ring and the tp head sums under a parallel layout
 (moe_lc/parallel/dsa_plan.py). Each layer's loss trains through `AttachLoss` on its output, scaled to this
 micro-batch's share of the step's mean over tokens; its sums reach the step's `ForwardStats` in backward,
-which runs once per micro-batch whatever is recomputed.
+which runs once per micro-batch whatever is recomputed. The kind's training part (its registry entry's
+`lr_scales`, `routers_frozen`, `fresh_params`) is `dsa_lr_scale`, `dsa_warmup` and `dsa_fresh_params` here;
+its step metrics, `dsa_step_metrics`, are in moe_lc/parallel/dsa_plan.py.
 """
 
 from __future__ import annotations
@@ -253,15 +256,28 @@ def _sparse_attention(attn: DSAttention, sel, q, kv):
     return attn.sparse_core(q, kv, attn.wkv_b.weight, sel, attn.softmax_scale, attn.nope_dim)
 
 
+# --------------------------------------------------------------------------- training (the kind's registry entry)
+
+
 def dsa_lr_scale(m: ModelConfig, lr: float):
     """name -> the learning-rate scale of that parameter under [model.dsa] (None when DSA is off): in the
     warm-up stage everything but the indexers is frozen (0); the indexers train at model.dsa.indexer_lr
-    (train.lr when 0) in both stages."""
+    (train.lr when 0) in both stages (the kind's `lr_scales`)."""
     if not m.dsa.enabled:
         return None
     indexer = m.dsa.indexer_lr / lr if m.dsa.indexer_lr and lr else 1.0
-    rest = 0.0 if m.dsa.stage == "warmup" else 1.0
+    rest = 0.0 if dsa_warmup(m) else 1.0
     return lambda name: indexer if ".indexer." in f".{name}" else rest
+
+
+def dsa_warmup(m: ModelConfig) -> bool:
+    """The warm-up stage, which trains the indexers only: the routers' biases stay too (`routers_frozen`)."""
+    return m.dsa.enabled and m.dsa.stage == "warmup"
+
+
+def dsa_fresh_params(m: ModelConfig) -> str | None:
+    """What the warm-up adds to a dense MLA checkpoint (`fresh_params`): the indexers, which init_from lacks."""
+    return ".indexer." if dsa_warmup(m) else None
 
 
 # --------------------------------------------------------------------------- counts from the config alone

@@ -10,7 +10,7 @@ import torch
 from moe_lc.config import Config, ConfigError
 from moe_lc.model.transformer import Transformer
 from moe_lc.parallel.mesh import ParallelDims
-from moe_lc.parallel.parallelize import materialize, parallelize
+from moe_lc.parallel.parallelize import ParallelizeOptions, materialize, parallelize
 from moe_lc.parallel.placement import Parallelized
 
 
@@ -36,22 +36,18 @@ def pipeline_plan(cfg: Config, microbatches: int):
 def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str = "cpu", *,
                      pipeline=None, materialized: bool = True, route=None,
                      defer_wgrad: bool | None = None, defer_params: bool = False) -> Parallelized:
-    """cfg's model for dims.rank: built on meta, parallelized (PP, TP, EP, CP, FP8, recompute), and with
-    `materialized` its local shards allocated on `device` and initialized (seed `train.seed`).
+    """cfg's model for dims.rank: built on meta, parallelized (PP, TP, EP, CP, FP8, recompute) as the recipe's
+    `ParallelizeOptions` (derived here, once) ask, and with `materialized` its local shards allocated on
+    `device` and initialized (seed `train.seed`).
     pipeline: (schedule, stage layers) from `pipeline_plan` (computed here when None); route: a router
     selection replacing the learned one (the dry run's balanced routing); defer_wgrad: see `parallelize`;
     defer_params: parameters left without storage for ZeRO-3 to draw bucket by bucket (`materialize`)."""
-    t, p = cfg.train, cfg.precision
-    microbatches = t.microbatches(dims.dp)
-    schedule, layers = pipeline if pipeline is not None else pipeline_plan(cfg, microbatches)
+    schedule, layers = pipeline if pipeline is not None else pipeline_plan(cfg, cfg.train.microbatches(dims.dp))
     with torch.device("meta"):  # no full model on any rank: each materializes only its shards
         model = Transformer(cfg.model)
-    result = parallelize(model, dims, expert_dispatch=cfg.parallel.expert_dispatch, mla_ring=cfg.parallel.mla_ring,
-                         schedule=schedule, stage_layers=layers, precision=p, recompute=cfg.recompute,
-                         aux_loss_scale=1.0 / (microbatches * dims.dp), device=torch.device(device),
-                         route=route, defer_wgrad=defer_wgrad, compiled=t.compile, offload=tuple(t.offload),
-                         qk_guard=t.qk_clip if t.qk_clip_guard else 0.0)
+    result = parallelize(model, dims, ParallelizeOptions.from_config(cfg, dims.dp), schedule=schedule,
+                         stage_layers=layers, device=torch.device(device), route=route, defer_wgrad=defer_wgrad)
     if materialized:
-        materialize(result, dims, t.seed, cfg.model.init_std, cfg.model.n_layers, device, p.compute_dtype,
-                    deferred=defer_params)
+        materialize(result, dims, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers, device,
+                    cfg.precision.compute_dtype, deferred=defer_params)
     return result

@@ -16,6 +16,8 @@
                       over tp (`reduce_heads`: S x k values per layer in the sparse stage; per (query,
                       key) tile of the dense warm-up), and each tp rank takes 1/tp of the loss, so the
                       replicated indexer's gradients sum over "dp_cp_tp" to the single-device ones.
+    each step         the indexer's KL (and the warm-up's top-k mass) over the world: `dsa_step_metrics`,
+                      the kind's `step_metrics` (moe_lc/config/attention_kinds.py)
 """
 
 from __future__ import annotations
@@ -73,3 +75,23 @@ def dsa_tp_rule(attn: nn.Module, tp) -> list:
 
     tp.placements.set_group(attn.indexer.parameters(), "dp_cp_tp")
     return mla_rule(attn, tp) + list(attn.indexer.parameters())
+
+
+def dsa_step_metrics(m, stats, dims: ParallelDims, device: torch.device) -> dict:
+    """The indexer this step (the kind's `step_metrics`; m: the [model] section): dsa/indexer_kl, the KL of the
+    indexer's distribution from the attention's per query token and layer (over the selection in the sparse
+    stage, every visible key in the warm-up); in the warm-up also dsa/topk_mass, the share of the dense
+    attention's mass on the indexer's top-k (what the sparse stage would keep). From the step's
+    `ForwardStats.dsa` summed over the world (tp ranks booked 1/tp each): one all-reduce of 3 fp64 (the kind's
+    `step_reductions`)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    if stats.dsa is not None:
+        sums += stats.dsa.to(device)
+    comm.all_reduce(sums, dims["world"])
+    kl, mass, count = sums.tolist()
+    if count <= 0:
+        return {}
+    out = {"dsa/indexer_kl": kl / count}
+    if m.dsa.stage == "warmup":
+        out["dsa/topk_mass"] = mass / count
+    return out

@@ -21,12 +21,12 @@ exception, said where it is: `LayerPlan.wrap`, which wraps the decision so far, 
       ForwardStats (once per micro-batch)                                          router again)
     how a Linear keeps its input for W         Linear.keep_input                 `_keep_inputs`
     deferred weight gradient (split backward)  Linear.wgrad_store                `resolve_layer_plan`
-    the step's share of the balance loss       MoE.aux_loss_scale                `resolve_layer_plan`
+    the step's share of the balance loss       MoE.aux_loss_scale                `_expert_plan`
     the MTP modules' embedding: the model's,   Transformer.mtp_embed             `resolve_layer_plan`
       borrowed (a pipeline stage with MTP
       and without the embedding calls it)
     the balance losses' sums over the mesh     Router.token_shards               parallel/ep/balance_plan.py
-    FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `resolve_layer_plan`
+    FP8-rounded token dispatch                 the dispatcher's fp8_tokens       `_expert_plan`
     compiling (train.compile): every module's  .run_region (and the dispatcher's) `_compiled` (runners and
       regions through torch.compile, booked                                        watch: parallel/compile.py)
       to its block in the rank's CompileWatch
@@ -133,49 +133,114 @@ def _short(value) -> str:
     return getattr(value, "__name__", None) or repr(value)
 
 
-def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, placements: Placements | None = None, *,
-                       expert_dispatch: str = "flat", mla_ring: str = "latent", precision: PrecisionConfig | None = None,
-                       recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                       device: torch.device | None = None, pipelined: bool = False, route=None,
-                       compiled: bool = False, qk_guard: float = 0.0) -> LayerPlan:
+@dataclass(frozen=True)
+class LayerPlanOptions:
+    """What the layer plan reads of a recipe, derived from it once (`from_config`) and handed down whole
+    (parallel/build.py -> `parallelize` -> `resolve_layer_plan`): a new knob is one field here and the rule
+    that reads it. The defaults: one fp32 device, nothing recomputed."""
+
+    expert_dispatch: str = "flat"  # parallel.expert_dispatch: the token dispatcher under expert parallelism
+    mla_ring: str = "latent"  # parallel.mla_ring: what MLA's ring moves under cp ("expanded": a kind's expanded_ring)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # GEMMs, FP8 caching, FP8 dispatch
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # the policy and its selective items
+    aux_loss_scale: float = 1.0  # each micro-batch's share of the step's loss, 1 / (micro-batches * dp)
+    compiled: bool = False  # train.compile: the regions run through torch.compile (not on the meta device)
+    qk_guard: float = 0.0  # tau of QK-clip's forward guard around every attention core (parallel/qk_guard.py), 0 = none
+
+    @classmethod
+    def from_config(cls, cfg, dp: int = 1) -> LayerPlanOptions:
+        """The options of recipe `cfg` (moe_lc.config.Config) on `dp` data-parallel ranks."""
+        t = cfg.train
+        return cls(expert_dispatch=cfg.parallel.expert_dispatch, mla_ring=cfg.parallel.mla_ring,
+                   precision=cfg.precision, recompute=cfg.recompute, aux_loss_scale=1.0 / (t.microbatches(dp) * dp),
+                   compiled=t.compile, qk_guard=t.qk_clip if t.qk_clip_guard else 0.0)
+
+
+def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, options: LayerPlanOptions | None = None,
+                       placements: Placements | None = None, *, device: torch.device | None = None,
+                       pipelined: bool = False, route=None) -> LayerPlan:
     """The plan for `model` (the whole single-device model, before any pipeline split) on this rank.
 
-    dims: the layout (None: one device); mla_ring: what MLA's ring moves under cp (parallel.mla_ring: "expanded"
-    takes an attention kind's `expanded_ring`); placements: where parameter shards are recorded (a fresh table
-    when None); pipelined: a pipeline schedule runs it (deferring Linears get `plan.wgrad_store`);
-    route: a router `select` replacing the learned one (the dry run's balanced routing); device: where
-    FP8 kernels will run (checked up front); compiled: the regions run through torch.compile (train.compile;
-    not on the meta device: the dry run's tensors have nothing to compile); qk_guard: tau of QK-clip's forward
-    guard around every attention core (moe_lc/parallel/qk_guard.py), 0 = none."""
+    dims: the layout (None: one device); options: what the plan reads of the recipe (None: the defaults);
+    placements: where parameter shards are recorded (a fresh table when None); pipelined: a pipeline schedule
+    runs it (deferring Linears get `plan.wgrad_store`); route: a router `select` replacing the learned one (the
+    dry run's balanced routing); device: where FP8 kernels will run (checked up front), and where nothing is
+    compiled when it is the meta device (the dry run's tensors have nothing to compile)."""
     plan, placements = LayerPlan(model), placements if placements is not None else Placements()
-    precision = precision or PrecisionConfig()
-    tp, ep, cp = (dims.tp, dims.ep, dims.cp) if dims is not None else (1, 1, 1)
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if tp > 1:
+    o = options if options is not None else LayerPlanOptions()
+    cp = dims.cp if dims is not None else 1
+    if dims is not None and dims.tp > 1:
         from moe_lc.parallel.tp.plan import tensor_parallel_plan
 
         tensor_parallel_plan(model, dims, placements, plan)
     if getattr(model, "mtp", None) is not None and model.embed is not None:  # the embedding TP decided, if it did
         plan.set(model, mtp_embed=Borrowed(plan.get(model, "embed", model.embed)))
+    _expert_plan(model, dims, placements, plan, o, route)
+    _context_plan(model, dims, plan, o.mla_ring)
+    items = set(o.recompute.selective) if o.recompute.policy == "selective" else set()
+    for module in model.modules():  # what only some attention kinds decide (DSA's sparse core, loss share, replays)
+        kind = module_kinds().get(type(module))
+        if kind is not None and kind.extra_plan is not None:
+            load(kind.extra_plan)(module, dims, plan, o.aux_loss_scale, items)
+    if o.qk_guard:
+        from moe_lc.parallel.qk_guard import qk_guard_plan
+
+        qk_guard_plan(model, dims, plan, o.qk_guard)
+    cache, gemms = set(o.precision.fp8_cache), _gemms(model, o.precision, device)
+    for linear, g in gemms.items():
+        plan.set(linear, gemms=g)
+    _seams(model, plan, o.recompute, cache, cp, o.mla_ring)
+    if "linear" in cache:
+        _keep_inputs(model, plan, gemms, o.recompute, cache)
+    if pipelined:
+        plan.wgrad_store = WeightGradStore()
+        for m in model.modules():
+            if isinstance(m, (Linear, GroupedLinear)) and m.defer_wgrad:
+                plan.set(m, wgrad_store=plan.wgrad_store)
+    if o.compiled and (device is None or device.type != "meta"):
+        plan.compile_watch = _compiled(model, plan)
+    return plan
+
+
+def apply_layer_plan(model: nn.Module, dims: ParallelDims | None = None, options: LayerPlanOptions | None = None,
+                     **kwargs) -> LayerPlan:
+    """Resolve `model`'s plan (`resolve_layer_plan`'s arguments) and apply it; returns the plan."""
+    plan = resolve_layer_plan(model, dims, options, **kwargs)
+    plan.apply(model)
+    return plan
+
+
+def _expert_plan(model: nn.Module, dims: ParallelDims | None, placements: Placements, plan: LayerPlan,
+                 o: LayerPlanOptions, route) -> None:
+    """Routed experts' gradients over "edp"; under ep > 1 the local experts and all-to-all dispatcher, else a
+    local dispatcher where FP8 dispatch needs one; each MoE layer's loss share and router `select`; the
+    balance losses' sums over the mesh."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
     for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
         placements.set_group(experts.parameters(), "edp")
-    if ep > 1 and moes:
+    if dims is not None and dims.ep > 1 and moes:
         from moe_lc.parallel.ep.dispatch import expert_parallel_plan
 
-        expert_parallel_plan(model, dims, expert_dispatch, placements, plan)
-    elif precision.fp8_dispatch:
+        expert_parallel_plan(model, dims, o.expert_dispatch, placements, plan)
+    elif o.precision.fp8_dispatch:
         for moe in moes:
             plan.set(moe, dispatcher=LocalDispatcher())
     for moe in moes:
-        if precision.fp8_dispatch:
+        if o.precision.fp8_dispatch:
             plan.get(moe, "dispatcher").fp8_tokens = True  # the plan's own, fresh dispatcher object
-        plan.set(moe, aux_loss_scale=aux_loss_scale)
+        plan.set(moe, aux_loss_scale=o.aux_loss_scale)
         if route is not None:
             plan.set(moe.router, select=route)
     if dims is not None and moes:
         from moe_lc.parallel.ep.balance_plan import balance_plan
 
         balance_plan(model, dims, plan)
+
+
+def _context_plan(model: nn.Module, dims: ParallelDims | None, plan: LayerPlan, mla_ring: str) -> None:
+    """Under cp > 1 each attention module's ring core: its kind's ring for `mla_ring`, with an all-to-all inside
+    under hybrid cp (parallel.cp_a2a > 1; a kind's latent ring keeps its own core)."""
+    cp = dims.cp if dims is not None else 1
     rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
     if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (a kind's latent ring: its own core)
         from moe_lc.parallel.cp.ulysses import hybrid_context_parallel_plan
@@ -187,37 +252,6 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, place
         from moe_lc.parallel.cp.ring import context_parallel_plan
 
         context_parallel_plan(model, dims, plan, {t: load(core) for t, core in rings.items() if core is not None})
-    recompute, cache = recompute or RecomputeConfig(policy="none"), set(precision.fp8_cache)
-    items = set(recompute.selective) if recompute.policy == "selective" else set()
-    for module in model.modules():  # what only some attention kinds decide (DSA's sparse core, loss share, replays)
-        kind = module_kinds().get(type(module))
-        if kind is not None and kind.extra_plan is not None:
-            load(kind.extra_plan)(module, dims, plan, aux_loss_scale, items)
-    if qk_guard:
-        from moe_lc.parallel.qk_guard import qk_guard_plan
-
-        qk_guard_plan(model, dims, plan, qk_guard)
-    gemms = _gemms(model, precision, device)
-    for linear, g in gemms.items():
-        plan.set(linear, gemms=g)
-    _seams(model, plan, recompute, cache, cp, mla_ring)
-    if "linear" in cache:
-        _keep_inputs(model, plan, gemms, recompute, cache)
-    if pipelined:
-        plan.wgrad_store = WeightGradStore()
-        for m in model.modules():
-            if isinstance(m, (Linear, GroupedLinear)) and m.defer_wgrad:
-                plan.set(m, wgrad_store=plan.wgrad_store)
-    if compiled and (device is None or device.type != "meta"):
-        plan.compile_watch = _compiled(model, plan)
-    return plan
-
-
-def apply_layer_plan(model: nn.Module, dims: ParallelDims | None = None, **options) -> LayerPlan:
-    """Resolve `model`'s plan (`resolve_layer_plan`'s options) and apply it; returns the plan."""
-    plan = resolve_layer_plan(model, dims, **options)
-    plan.apply(model)
-    return plan
 
 
 def _compiled(model: nn.Module, plan: LayerPlan) -> CompileWatch:

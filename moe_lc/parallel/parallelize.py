@@ -14,45 +14,55 @@ checkpoints, final-state gathering and the planner read. The model code never im
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from moe_lc.config import PrecisionConfig, RecomputeConfig
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.init import init_buffers, init_rules, normal_rows
 from moe_lc.model.mtp import mtp_targets
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.documents import Documents
 from moe_lc.parallel import comm
-from moe_lc.parallel.layer_plan import resolve_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, resolve_layer_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized, Placements, gather_full, install_grad_hooks
 from moe_lc.parallel.tie import tie_plan
 from moe_lc.parallel.memory.trace_hooks import tell
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = "flat", mla_ring: str = "latent",
-                schedule=None, stage_layers: list[list[int]] | None = None, precision: PrecisionConfig | None = None,
-                recompute: RecomputeConfig | None = None, aux_loss_scale: float = 1.0,
-                device: torch.device | None = None, route=None, defer_wgrad: bool | None = None,
-                compiled: bool = False, offload: tuple[str, ...] = (), qk_guard: float = 0.0) -> Parallelized:
-    """Shard `model` for this rank's coordinates (see the module docstring).
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What `parallelize` reads of a recipe, derived from it once (`from_config`, in parallel/build.py) and
+    handed down whole: the layer plan's options and what is applied after the pipeline split."""
+
+    plan: LayerPlanOptions = field(default_factory=LayerPlanOptions)  # the layer plan's (parallel/layer_plan.py)
+    offload: tuple[str, ...] = ()  # train.offload: whose saved tensors live on the host (parallel/memory/offload.py)
+
+    @classmethod
+    def from_config(cls, cfg, dp: int = 1) -> ParallelizeOptions:
+        """The options of recipe `cfg` (moe_lc.config.Config) on `dp` data-parallel ranks."""
+        return cls(LayerPlanOptions.from_config(cfg, dp), tuple(cfg.train.offload))
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOptions | None = None, *, schedule=None,
+                stage_layers: list[list[int]] | None = None, device: torch.device | None = None, route=None,
+                defer_wgrad: bool | None = None) -> Parallelized:
+    """Shard `model` for this rank's coordinates (see the module docstring), as `options` (the recipe's part;
+    None: the defaults, one plain fp32 device) asks.
 
     Under pipeline parallelism (`schedule` given, with `stage_layers` from pipeline.stage) the result's
     module holds only this rank's stages, and `chunks` lists the chunk modules the runtime executes.
-    `aux_loss_scale`: each micro-batch's share of the step's loss (1 / (micro-batches * dp)), by which
-    the MoE layers scale their sequence-wise balance loss. `device` is where FP8 kernels will run.
-    `route`: a router selection replacing the learned one (the dry run's balanced routing).
-    `defer_wgrad`: give the deferring Linears the rank's weight-gradient store (default: under a
-    pipeline schedule; the planner asks for it to measure what a split backward holds). `compiled`: the
-    model's regions run through torch.compile (train.compile; the result's `compile_watch` counts them).
-    `offload`: train.offload's items, whose saved tensors live on the host (moe_lc/parallel/memory/offload.py).
-    `qk_guard`: tau of QK-clip's forward guard (train.qk_clip_guard; moe_lc/parallel/qk_guard.py), 0 = none.
+    `device` is where FP8 kernels will run. `route`: a router selection replacing the learned one (the dry
+    run's balanced routing). `defer_wgrad`: give the deferring Linears the rank's weight-gradient store
+    (default: under a pipeline schedule; the planner asks for it to measure what a split backward holds).
+    Under train.compile the result's `compile_watch` counts the compiled regions.
     """
+    options = options if options is not None else ParallelizeOptions()
     single_device_order = [name for name, _ in model.named_parameters()]
     placements = Placements()
-    plan = resolve_layer_plan(model, dims, placements, expert_dispatch=expert_dispatch, mla_ring=mla_ring,
-                              precision=precision, recompute=recompute, aux_loss_scale=aux_loss_scale,
-                              device=device, route=route, compiled=compiled, qk_guard=qk_guard,
+    plan = resolve_layer_plan(model, dims, options.plan, placements, device=device, route=route,
                               pipelined=schedule is not None if defer_wgrad is None else defer_wgrad)
     model = plan.apply(model)
     if model.cfg.tie_embeddings:
@@ -66,10 +76,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, expert_dispatch: str = 
     named = [(name, local[name]) for name in single_device_order if name in local]
     result = Parallelized(model, placements.by_name(named), chunks, stage_ids, plan.wgrad_store, plan.describe(),
                           plan.compile_watch)
-    if offload:  # after the split: hooks on this rank's modules only
+    if options.offload:  # after the split: hooks on this rank's modules only
         from moe_lc.parallel.memory.offload import ActivationOffload
 
-        result.offload = ActivationOffload(model, offload, device if device is not None else "cpu")
+        result.offload = ActivationOffload(model, options.offload, device if device is not None else "cpu")
     if not any(p.is_meta for _, p in named):  # a built model: its parameters are the live ones
         install_grad_hooks(model, result.placements)
     return result
@@ -190,11 +200,10 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
 
 def param_lr_scale(cfg):
     """name -> the learning-rate scale of that parameter under the recipe (moe_lc.config.Config), or None
-    when every parameter takes train.lr: DeepSeek Sparse Attention's indexer rate and warm-up freeze
-    (moe_lc/model/dsa.py)."""
-    from moe_lc.model.dsa import dsa_lr_scale
-
-    return dsa_lr_scale(cfg.model, cfg.train.lr)
+    when every parameter takes train.lr: the attention kind's `lr_scales` (moe_lc/config/attention_kinds.py;
+    DeepSeek Sparse Attention's indexer rate and warm-up freeze)."""
+    kind = attention_kind(cfg.model)
+    return load(kind.lr_scales)(cfg.model, cfg.train.lr) if kind.lr_scales is not None else None
 
 
 def zero_group_of(name: str, grad_group: str, lr_scale=None, tie_group: str | None = None) -> tuple[str, float]:

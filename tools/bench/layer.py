@@ -24,7 +24,7 @@ import torch
 
 from ..planner.activation_memory import estimate
 from moe_lc.config import load_config
-from moe_lc.parallel.layer_plan import apply_layer_plan
+from moe_lc.parallel.layer_plan import LayerPlanOptions, apply_layer_plan
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.model.block import Block
 from moe_lc.model.init import init_weights
@@ -51,7 +51,7 @@ def first_moe_block(cfg, device: torch.device, dtype: torch.dtype = torch.bfloat
     with torch.no_grad():
         init_weights(block, 0, 0.02, m.n_layers)
     block = block.to(device=device, dtype=dtype)
-    apply_layer_plan(block, recompute=cfg.recompute)
+    apply_layer_plan(block, options=LayerPlanOptions(recompute=cfg.recompute))
     return block, RotaryEmbedding.from_config(m.rope, m.rope_dim).to(device)
 
 

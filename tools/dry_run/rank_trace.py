@@ -122,23 +122,21 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
 
 
 def _label_states(trainer, tracer: StepTracer) -> dict:
-    """Label the ZeRO-1 buffers, call whatever else lives after the build `buffers`; -> bytes by state."""
+    """Label ZeRO's buffers as each group's strategies name them (`ShardedParams.tensors`: parameters,
+    gradients, the optimizer's master and state, or host memory when offloaded), call whatever else lives
+    after the build `buffers`; -> bytes by state."""
     mem = tracer.memory
     out = dict.fromkeys(EXACT + ("host",), 0)
     for s in trainer.optimizer.shards:
-        optimizer = [s.master, *s.state.values()]  # the rule's declared state
-        params = [s.param_shard if s.params_sharded else s.param_buffer]
-        for category, tensors in (("params", params), ("grads", [t for t in (s.grad_buffer, s.grad_shard) if t is not None]),
-                                  ("optimizer", optimizer if s.host is None else []),
-                                  ("host", optimizer + [s.host.grad_host, s.host.param_host] if s.host else [])):
+        for category, tensors in s.tensors().items():
             for t in tensors:
                 mem.label(t, category)
                 out[category] += t.untyped_storage().nbytes()
     mem.label_all_live("buffers")
     out["buffers"] = mem.now["buffers"]
     for s in trainer.optimizer.shards:  # ZeRO-3: each bucket's gathered storage comes and goes within the step
-        for b in s.buckets if s.params_sharded else ():
-            mem.label(b.full, "transients", only_from="buffers")
+        for t in s.param_store.transient():
+            mem.label(t, "transients", only_from="buffers")
     return out
 
 

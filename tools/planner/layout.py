@@ -5,19 +5,21 @@ it (`moe_lc.parallel.build.build_rank_model`: the Transformer on the meta device
 TP (its plan table), EP, CP, FP8 and recomputation) on virtual groups of the recipe's mesh, and its
 placements give every local shape and gradient group. ZeRO-1 buckets come from
 `moe_lc.parallel.zero.layout.bucket_units`, the mesh from `ParallelDims`, the dispatcher's counters from
-`moe_lc.parallel.ep.dispatch.counter_elems`. Exact for what the trainer runs (tests/test_plan.py compares
-the counted bytes and optimizer state of real runs):
+`moe_lc.parallel.ep.dispatch.counter_elems`, the ZeRO placement from `ZeroPlacement` (moe_lc/parallel/zero/
+strategies.py). Exact for what the trainer runs (tests/test_plan.py compares the counted bytes and optimizer
+state of real runs):
 
   parameters   compute dtype, one flat buffer per ZeRO group ("dp_cp" dense, "edp" experts, and
                "dp_cp_tp" for tp-replicated ones), padded per bucket to a multiple of the group size
   gradients    fp32, a full-size padded buffer per group (main grads, accumulated over micro-batches)
   optimizer    fp32 master + the state the update rule declares (moe_lc/optim; AdamW: two moments, fp32 or
                bf16 with precision.adam_moments = "bf16"), 1/N
-  per step     reduce-scatter of each bucket's fp32 gradients, all-gather of each bucket's parameters,
-               a tied embedding's reduced fp32 shard all-reduced over pp_tie (moe_lc/parallel/tie.py), once
-               in the parameter count however many stages hold a copy, and the trainer's small fp64/fp32 all-reduces (`trainer_traffic`): token count over dp
-               (masked data only), loss, grad norm (and MTP loss sums) over world, expert loads (and
-               the dispatchers' counters) over dp_cp_tp
+  per step     what ZeRO sends is counted while ZeRO runs one step on this layout (tools/planner/zero_trace.py:
+               reduce-scatters or rounds of the gradients, the grad norm, a tied embedding's shard over
+               pp_tie, Muon's tp gathers, the parameters' all-gathers or ZeRO-3's unit gathers); the trainer's
+               other small fp64/fp32 all-reduces are `trainer_traffic`: token count over dp (masked data
+               only), loss (and MTP loss sums) over world, expert loads (and the dispatchers' counters) over
+               dp_cp_tp
 
 Nor is what the model sends (`traced_traffic`): tools/planner/block_trace.py runs the embedding, one block of
 each kind and the head (loss and MTP modules included) forward, backward and W on the recipe's mesh (fake
@@ -40,17 +42,18 @@ from collections import Counter
 from dataclasses import dataclass
 
 from moe_lc.config import Config
+from moe_lc.config.attention_kinds import attention_kind
 from moe_lc.model.balance_losses import stat_columns
 from moe_lc.parallel.build import build_rank_model, pipeline_plan
 from moe_lc.optim import recipe_rule
 from moe_lc.parallel.qk_clip import attention_sites, statistic_elems
 from moe_lc.parallel.zero.host_step import transfer_bytes
-from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, param_lr_scale, tie_group_of_zero, zero_group_of
+from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, param_lr_scale, zero_group_of
 from moe_lc.parallel.ep.dispatch import counter_elems
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Parallelized
-from moe_lc.parallel.zero.param_gather import unit_of
-from moe_lc.parallel.zero.layout import bucket_elems, bucket_units, matrix_shards, whole_owners
+from moe_lc.parallel.zero.layout import bucket_elems, bucket_units
+from moe_lc.parallel.zero.strategies import ZeroPlacement
 from .block_trace import TracedParts, block_kind
 from .pipeline_memory import stage_forwards, stage_sends
 from .placement_semantics import Traffic, ring_bytes
@@ -58,14 +61,9 @@ from .placement_semantics import Traffic, ring_bytes
 ESTIMATE = "estimate: balanced routing"
 
 
-def params_sharded(cfg: Config) -> bool:
-    """ZeRO-3: `parallel.placement.params = "sharded_gather"` (moe_lc/parallel/zero/param_gather.py)."""
-    return cfg.parallel.placement.params == "sharded_gather"
-
-
-def grads_sharded(cfg: Config) -> bool:
-    """ZeRO-2's gradients: `parallel.placement.grads = "sharded"`, or implied by ZeRO-3."""
-    return cfg.parallel.placement.grads == "sharded" or params_sharded(cfg)
+def zero_placement(cfg: Config) -> ZeroPlacement:
+    """The recipe's ZeRO strategies (`[parallel.placement]`), as the trainer chooses them."""
+    return ZeroPlacement.from_config(cfg.parallel.placement)
 
 
 def mesh(cfg: Config, world: int | None = None, rank: int = 0) -> ParallelDims:
@@ -81,7 +79,8 @@ def mesh(cfg: Config, world: int | None = None, rank: int = 0) -> ParallelDims:
 @dataclass
 class RankLayout:
     """One pipeline rank: its mesh coordinates (dp = cp = tp = ep index 0: the rest are symmetric), its
-    model as the trainer builds it (on the meta device) and its stages as {"layers", "first", "last"}."""
+    model as the trainer builds it (on the meta device; tools/planner/zero_trace.py builds ZeRO into it, as the
+    trainer does) and its stages as {"layers", "first", "last"}."""
 
     dims: ParallelDims
     model: Parallelized
@@ -105,13 +104,14 @@ class RankLayout:
     def zero_bucket_units(self, cfg: Config) -> dict[str, list[tuple[int, str | None]]]:
         """{ZeRO group: (padded bucket size, ZeRO-3 gather unit or None)} in buffer order (`zero_buckets`)."""
         rule, whole, units = recipe_rule(cfg), {}, {}
+        unit_of = zero_placement(cfg).params.unit_of  # ZeRO-3's buckets end where a gather unit does
         for name, p, place in self.model.named_parameters():
             group = zero_group_of(name, place.grad_group, param_lr_scale(cfg), place.tie_group)[0]
             whole.setdefault(group, []).append(rule.whole(name, p.shape))
-            units.setdefault(group, []).append(unit_of(name))
+            units.setdefault(group, []).append(unit_of(name) if unit_of is not None else None)
         return {g: bucket_units([k for _, k in params], bucket_elems(cfg.parallel.zero_bucket_mb),
                                 self.dims[grad_group_of_zero(g)].size, whole[g],
-                                units[g] if params_sharded(cfg) else None)
+                                units[g] if unit_of is not None else None)
                 for g, params in sorted(self.local_params(cfg).items())}
 
 
@@ -136,20 +136,20 @@ def rank_layouts(cfg: Config, world: int | None = None) -> list[RankLayout]:
 
 
 # ---------------------------------------------------------------------------------------------
-# per-step traffic beyond the ZeRO collectives
+# per-step traffic beyond ZeRO's (tools/planner/zero_trace.py)
 
 
 def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list[Traffic]:
-    """The small all-reduces `moe_lc.train` issues once a step (exact; none on a group of one rank)."""
+    """The small all-reduces `moe_lc.train` issues once a step beside ZeRO's (exact; none on a group of one rank)."""
     m, n_moe = cfg.model, sum(len(st["module"].moe_layers()) for st in stages)
     E, extra = m.moe.n_routed_experts, stat_columns(m.moe)  # per MoE layer: its loads and balance columns,
     ep = dims.ep > 1  # under EP in fp64 with the dispatcher's counters
     per_moe = 8 * (counter_elems(E, dims["ep"].n_nodes()) + extra) if ep else 4 * (E + extra)
     rows = [("dp", 8 if cfg.data.has_loss_mask else 0, "step token count (fp64)"),
             ("world", 8 * m.mtp.depth, f"MTP loss sums ({m.mtp.depth} fp64)"),
-            ("world", 8, "loss sum (fp64)"), ("world", 8, "grad-norm square sum (fp64)"),
+            ("world", 8, "loss sum (fp64)"),
             ("world", 4, "stop-signal flag (int32)"),
-            ("world", 24 if m.dsa.enabled else 0, "sparse attention's indexer-loss sums (3 fp64)"),
+            *attention_kind(m).step_reductions,  # the attention kind's step metrics (DSA's indexer-loss sums)
             ("dp_cp_tp", n_moe * per_moe, f"expert loads{' and counters' if ep else ''} of {n_moe} MoE layers")]
     if cfg.train.qk_clip:  # moe_lc/parallel/qk_clip.py: per local head of each attention module, then per layer
         n_attn = sum(len(attention_sites(st["module"])) for st in stages)
@@ -158,28 +158,6 @@ def trainer_traffic(cfg: Config, dims: ParallelDims, stages: list[dict]) -> list
                  ("world", 4 * (m.n_layers + m.mtp.depth), "QK-clip: max lse per layer (the metric)")]
     out = [Traffic(g, "all_reduce", ring_bytes("all_reduce", n, dims[g].size), what) for g, n, what in rows]
     return [t for t in out if t.bytes]
-
-
-def muon_traffic(cfg: Config, layout: RankLayout) -> list[Traffic]:
-    """Muon's all-gather over tp of each tensor-parallel matrix slice this rank owns (moe_lc/optim/muon.py:
-    the slices of a matrix whose Shard cuts one of its last two dims, fp32). Owners are ZeRO's bins, so
-    the figure is this layout's rank (index 0 of its data-parallel groups); other ranks own other matrices."""
-    dims = layout.dims
-    if cfg.train.optimizer != "muon" or dims.tp == 1:
-        return []
-    rule, scale, groups = recipe_rule(cfg), param_lr_scale(cfg), {}
-    for name, p, place in layout.model.named_parameters():
-        groups.setdefault(zero_group_of(name, place.grad_group, scale)[0], []).append((name, p, place))
-    sliced = 0
-    for g, params in groups.items():
-        group = dims[grad_group_of_zero(g)]
-        owners = whole_owners([p.numel() for _, p, _ in params], bucket_elems(cfg.parallel.zero_bucket_mb),
-                              group.size, [rule.whole(name, p.shape) for name, p, _ in params],
-                              [unit_of(name) for name, _, _ in params] if params_sharded(cfg) else None)
-        sliced += sum(p.numel() for (name, p, place), owner in zip(params, owners) if owner == group.rank
-                      and any(s.group == "tp" for s in matrix_shards(place.shards, len(p.shape))))
-    return [Traffic("tp", "all_gather", (dims.tp - 1) * 4 * sliced, "muon: the owned matrices' tp slices (fp32)")
-            ] if sliced else []
 
 
 def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedule) -> list[Traffic]:
@@ -205,7 +183,7 @@ def traced_traffic(cfg: Config, layout: RankLayout, traced: TracedParts, schedul
 def host_transfers(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], compute_bytes: int) -> dict[str, int]:
     """The offloaded optimizer's PCIe bytes per step (optimizer_offload.transfer_bytes): each moving group's
     gradient shard down, its parameters up in `compute_bytes` per element; {} with the optimizer on the device."""
-    if cfg.parallel.placement.optimizer != "offloaded":
+    if not zero_placement(cfg).offloaded:
         return {}
     out = {"d2h": 0, "h2d": 0}
     for g, sizes in buckets.items():
@@ -213,66 +191,6 @@ def host_transfers(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]
             for way, n in transfer_bytes(sum(sizes) // layout.dims[grad_group_of_zero(g)].size,
                                          compute_bytes).items():
                 out[way] += n
-    return out
-
-
-def grad_round_traffic(cfg: Config, layout: RankLayout, buckets: dict[str, list[int]], schedule) -> list[Traffic]:
-    """ZeRO-2 (parallel.placement.grads = "sharded", moe_lc/parallel/zero/grad_rounds.py): each bucket is
-    reduce-scattered once per micro-batch this rank runs through its stages, not once a step: the rounds
-    beyond the first (the placement table's `traffic` counts one)."""
-    if not grads_sharded(cfg):
-        return []
-    runs = set(stage_forwards(schedule, layout.dims.coords()["pp"]).values()) if schedule else \
-        {cfg.train.microbatches(layout.dims.dp)}
-    if len(runs) != 1:
-        raise NotImplementedError(f"ZeRO-2 rounds when this rank's stages run different micro-batch counts {runs}")
-    extra = runs.pop() - 1
-    out = []
-    for g, sizes in buckets.items():
-        group = layout.dims[grad_group_of_zero(g)]
-        if not frozen_zero_group(g) and extra:  # a frozen group reduces nothing
-            out.append(Traffic(group.name, "reduce_scatter", extra * ring_bytes("reduce_scatter", 4 * sum(sizes),
-                                                                                 group.size),
-                               f"ZeRO-2: {extra} more rounds of the gradients (one per micro-batch)"))
-    return [t for t in out if t.bytes]
-
-
-def _stage_runs(cfg: Config, layout: RankLayout, schedule) -> dict[int, int]:
-    """Micro-batches this rank runs through each of its stages in a step."""
-    return stage_forwards(schedule, layout.dims.coords()["pp"]) if schedule else \
-        {0: cfg.train.microbatches(layout.dims.dp)}
-
-
-def unit_gathers(cfg: Config, stage: dict) -> Counter:
-    """{ZeRO-3 unit: all-gathers per micro-batch through `stage`} (moe_lc/parallel/zero/param_gather.py): a block's
-    and the head's twice (forward, and again for backward); the embedding's once for its forward, twice
-    more where the head's chain reads it (a tied head, MTP's embedding)."""
-    out = Counter({f"layers.{i}": 2 for i in stage["layers"]})
-    if stage["first"]:
-        out["embed"] += 1
-    if stage["last"]:
-        out["head"] += 2
-        if cfg.model.tie_embeddings or cfg.model.mtp.depth:
-            out["embed"] += 2
-    return out
-
-
-def param_gather_traffic(cfg: Config, layout: RankLayout, schedule, c: int) -> list[Traffic]:
-    """ZeRO-3's all-gathers per step: each unit's buckets (c bytes per element, ring bytes over the group) as
-    often as `unit_gathers` says, times the micro-batches through its stage; nothing after the update."""
-    if not params_sharded(cfg):
-        return []
-    runs, gathers = _stage_runs(cfg, layout, schedule), Counter()
-    for st in layout.stages:
-        for unit, k in unit_gathers(cfg, st).items():
-            gathers[unit] += k * runs[st["id"]]
-    out = []
-    for g, buckets in layout.zero_bucket_units(cfg).items():
-        group = layout.dims[grad_group_of_zero(g)]
-        sent = sum(gathers[unit] * ring_bytes("all_gather", c * size, group.size) for size, unit in buckets)
-        if sent:
-            out.append(Traffic(group.name, "all_gather", sent, "ZeRO-3: each unit's parameters, gathered for "
-                                                                 "forward and again for backward, per micro-batch"))
     return out
 
 
@@ -290,16 +208,3 @@ def gathered_unit_bytes(cfg: Config, schedule, buckets_by_unit: dict, c: int) ->
         sizes["head"] += sizes["embed"]
     held = 4 if schedule is not None and cfg.parallel.pp_schedule in ("dualpipe", "dualpipev") else 2
     return c * sum(sorted(sizes.values(), reverse=True)[:held])
-
-
-def tie_traffic(layout: RankLayout, buckets: dict[str, list[int]]) -> list[Traffic]:
-    """A tied embedding held on two pipeline stages: each rank all-reduces its reduced fp32 gradient shard
-    of it over pp_tie once a step (moe_lc/parallel/tie.py; none where one rank holds both ends)."""
-    out = []
-    for g, sizes in buckets.items():
-        if (tie_name := tie_group_of_zero(g)) is not None:
-            tie = layout.dims[tie_name]
-            shard = sum(sizes) // layout.dims[grad_group_of_zero(g)].size
-            out.append(Traffic(tie.name, "all_reduce", ring_bytes("all_reduce", 4 * shard, tie.size),
-                               "tied embedding's reduced gradient shard (fp32)"))
-    return [t for t in out if t.bytes]

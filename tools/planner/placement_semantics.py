@@ -25,7 +25,9 @@ gradients of the same elements from different data):
 `grad bytes` / `param bytes` are the full buffers on the dims being reduced (as the params are
 placed everywhere else). This reproduces the ZeRO paper: DDP, ZeRO-1 and ZeRO-2 move 2 psi elements
 per step, ZeRO-3 3 psi (`zero_comm`); not 4 psi for ZeRO-1 as one blog (seed 004) claims: the
-counted bytes of our ZeRO-1 agree with 2 psi (tests/test_plan.py).
+counted bytes of our ZeRO-1 agree with 2 psi (tests/test_plan.py). These rules are the paper's reference
+figures: the planner's own traffic is what ZeRO sends when it runs a step on the layout
+(tools/planner/zero_trace.py), held to them by that test.
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ embedding, one block of each kind and the head, forward and backward on the meta
 process groups of the recipe's mesh (tools/planner/block_trace.py), give the bytes each keeps for backward
 (tools/planner/activation_memory.py) and the bytes comm.py counts it sending, recompute replays included; the
 rank's pipeline schedule gives how often each runs, what is in flight at once and the stage sends
-(tools/planner/pipeline_memory.py). ZeRO-1's collectives come from its bucket sizes, the trainer's own
-all-reduces once a step from `plan_layout.trainer_traffic`. The tool prints the placement table (where
-each state lives on each dim), memory per rank by state, the transient working sets and the peak, saved
-activations under each recompute policy and the bytes this rank sends per optimizer step, keyed like
-the trainer's metrics ("comm/<group>/<op>_bytes"). tools/dryrun.py holds all of it to one traced
-training step at the recipe's real size. With --cluster, also the predicted step time, tokens/s/GPU
+(tools/planner/pipeline_memory.py). ZeRO's collectives come from running ZeRO's own step on the layout
+(tools/planner/zero_trace.py), the trainer's other all-reduces once a step from `layout.trainer_traffic`. The
+tool prints the placement table (where each state lives on each dim), memory per rank by state, the transient
+working sets and the peak, saved activations under each recompute policy and the bytes this rank sends per
+optimizer step, keyed like the trainer's metrics ("comm/<group>/<op>_bytes"). tools/dryrun.py holds all of it
+to one traced training step at the recipe's real size. With --cluster, also the predicted step time, tokens/s/GPU
 and MFU on that cluster (tools/step_time/model.py; `--set cluster.KEY=V` / `eff.KEY=V` override its figures);
 with --search, the layouts of the world size that fit, ranked by it (tools/step_time/search.py).
 Runs from the repo root without installing.
@@ -34,16 +34,14 @@ from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT
-from .placement_semantics import (
-    MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, traffic, zero_comm, zero_memory,
-)
+from .placement_semantics import MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, zero_memory
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
                               stage_sizes, wgrad_held_bytes)
-from .layout import (RankLayout, grad_round_traffic, grads_sharded, host_transfers, muon_traffic,
-                     gathered_unit_bytes, param_gather_traffic, params_sharded,
-                     rank_layouts, tie_traffic, traced_traffic, trainer_traffic)
+from .layout import (RankLayout, gathered_unit_bytes, host_transfers, rank_layouts, traced_traffic, trainer_traffic,
+                     zero_placement)
+from .zero_trace import zero_traffic
 
-__all__ = ["Plan", "RankPlan", "plan", "zero_comm", "zero_memory"]
+__all__ = ["Plan", "RankPlan", "plan", "zero_memory"]
 
 PARTS = {"dp_cp": "dense", "dp_cp_tp": "tp-replicated", "edp": "experts"}
 FROZEN = " (frozen)"  # a ZeRO group of learning-rate scale 0 (zero/optimizer.py: no reduce-scatter, no all-gather)
@@ -144,7 +142,8 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
     c, dims = compute_bytes(cfg), layout.dims
     opt_bytes, opt_dtype, opt_note = _optimizer_row(build_rule(cfg.train, cfg.precision, cfg.model))
     pdtype = "fp32" if c == 4 else "bf16"
-    offloaded = cfg.parallel.placement.optimizer == "offloaded"
+    z = zero_placement(cfg)
+    offloaded = z.offloaded
     rows, buckets = [], layout.zero_buckets(cfg)
     for zero_group, params in sorted(layout.local_params(cfg).items()):
         _, _, lr_scale = zero_group.partition("*")  # a group of its own learning rate: "<group>*<scale>"
@@ -164,12 +163,12 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         numel = local * scale
         pad = local - sum(k for _, k in params)
         note = f"{len(buckets[zero_group])} bucket(s) padded to a multiple of {n} (+{pad} elements)"
-        if params_sharded(cfg):  # ZeRO-3: 1/N kept, each unit gathered around its use (param_gather.py)
+        if z.params_gathered:  # ZeRO-3: 1/N kept, each unit gathered around its use (param_gather.py)
             rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "SG")},
                                        note + "; ZeRO-3: 1/N kept, units gathered around their use"))
         else:
             rows.append(StatePlacement("params", part, numel, c, pdtype, {**model_dims, group: (n, "R")}, note))
-        if grads_sharded(cfg):  # ZeRO-2: the shard alone (its rounds' staging: transients)
+        if z.grads_sharded:  # ZeRO-2: the shard alone (its rounds' staging: transients)
             rows.append(StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "S")},
                                        "ZeRO-2: this rank's reduced 1/N, reduce-scattered each micro-batch"))
         else:
@@ -259,12 +258,12 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] = peak - most + out["recompute replay"]
     else:
         out["step"] = max(out["recompute replay"], head)
-    if params_sharded(cfg):  # ZeRO-3: the units gathered at once (param_gather.py)
+    z = zero_placement(cfg)
+    if z.params_gathered:  # ZeRO-3: the units gathered at once (param_gather.py)
         out["gathered units"] = gathered_unit_bytes(cfg, schedule, buckets_by_unit, compute_bytes(cfg))
         out["step"] += out["gathered units"]
-    if grads_sharded(cfg):  # ZeRO-2's staging (grad_rounds.py): per group, the round
-        # being filled (a bucket) and a reduced output; at backward's start, where the peak is, nothing of this
-        # micro-batch is in flight yet (the last bucket's launch folded the previous one's rounds)
+    if z.grads_sharded:  # ZeRO-2's staging (grad_rounds.py): per group, the round being filled (a bucket) and a
+        # reduced output; at backward's start, the peak, none is in flight (the last bucket's launch folded them)
         out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
                                      for g, b in buckets.items() if b and not frozen_zero_group(g))
         out["step"] += out["gradient rounds"]
@@ -273,8 +272,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] += out["offload fetch"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     # the rule's temporaries are host memory when the optimizer is offloaded (per bucket, on the CPU)
-    offloaded = cfg.parallel.placement.optimizer == "offloaded"
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if offloaded else rule.update_bytes_per_element)
+    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if z.offloaded else rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
 
@@ -303,12 +301,8 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLIC
         rows.append(StatePlacement("activations", "saved", int(numel) if float(numel).is_integer() else numel, 1,
                                    f"bytes, recompute {policy}", act_dims,
                                    "batch over dp, sequence over cp, SP/heads over tp; in-flight micro-batches on pp"))
-        moving = [r for r in rows if not r.part.endswith(FROZEN)]  # a frozen group reduces and gathers nothing
-        # ZeRO-3's parameter gathers are counted per unit (param_gather_traffic), not by the table
-        table = [t for t in traffic(moving) if not (params_sharded(cfg) and t.op == "all_gather")]
-        sends = (table + param_gather_traffic(cfg, layout, schedule, compute_bytes(cfg))
-                 + trainer_traffic(cfg, deg, stages) + traced_traffic(cfg, layout, traced, schedule) + tie_traffic(layout, buckets) + muon_traffic(cfg, layout)
-                 + grad_round_traffic(cfg, layout, buckets, schedule))
+        sends = (zero_traffic(cfg, layout, schedule) + trainer_traffic(cfg, deg, stages)
+                 + traced_traffic(cfg, layout, traced, schedule))
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy],

@@ -58,17 +58,8 @@ class PipelineRuntime:
         self.timeline: list[tuple] | None = None
 
     def grad_arrivals(self) -> dict[int, int]:
-        """{id(param): backward passes that deliver a gradient to it per step}: one per micro-batch
-        through each chunk using it (the MTP modules of the last stage also use the embedding)."""
-        arrivals: dict[int, int] = {}
-        for c, chunk in enumerate(self.chunks):
-            n = sum(1 for route in self.schedule.routes if (self.rank, c) in route)
-            params = {id(p) for p in chunk.parameters()}
-            if chunk.mtp_embed is not None:
-                params |= {id(p) for p in chunk.mtp_embed.module.parameters()}
-            for pid in params:
-                arrivals[pid] = arrivals.get(pid, 0) + n
-        return arrivals
+        """{id(param): backward passes that deliver a gradient to it per step} (`grad_arrivals`)."""
+        return grad_arrivals(self.schedule, self.rank, self.chunks)
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, batches: list[dict], loss_scale: float, stats: ForwardStats | None = None) -> torch.Tensor:
@@ -229,3 +220,18 @@ def _arrived(t):
         t.handle.wait()
         return t.buf
     return t
+
+
+def grad_arrivals(schedule: Schedule, rank: int, chunks: list[nn.Module]) -> dict[int, int]:
+    """{id(param): backward passes that deliver a gradient to it per step} on pipeline rank `rank` holding
+    `chunks`: one per micro-batch through each chunk using it (the MTP modules of the last stage also use the
+    embedding). What ZeroOptimizer.begin_step expects (the trainer; the planner's ZeRO trace)."""
+    arrivals: dict[int, int] = {}
+    for c, chunk in enumerate(chunks):
+        n = sum(1 for route in schedule.routes if (rank, c) in route)
+        params = {id(p) for p in chunk.parameters()}
+        if chunk.mtp_embed is not None:
+            params |= {id(p) for p in chunk.mtp_embed.module.parameters()}
+        for pid in params:
+            arrivals[pid] = arrivals.get(pid, 0) + n
+    return arrivals

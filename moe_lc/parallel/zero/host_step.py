@@ -1,5 +1,6 @@
 """Optimizer offloading (`parallel.placement.optimizer = "offloaded"`): ZeRO's fp32 master and the update
-rule's state live in host memory and the update runs on the CPU.
+rule's state live in host memory and the update runs on the CPU: `HostUpdate`, the `UpdateSite` variant
+(zero/update_site.py) that placement chooses (zero/strategies.py).
 
 Per ZeRO group of a rank (zero/optimizer.py's ShardedParams, n = its shard's elements), in host memory (pinned on
 a GPU machine, so the copies are asynchronous DMA):
@@ -39,7 +40,10 @@ from collections import deque
 
 import torch
 
+from moe_lc.optim.rule import UpdateRule
 from moe_lc.parallel.memory.trace_hooks import on_host
+from moe_lc.parallel.zero.update_site import UpdateSite
+
 
 def host_device(device: torch.device) -> torch.device:
     """Where host-memory state of parameters on `device` lives: the CPU, or meta in a trace."""
@@ -52,24 +56,36 @@ def host_empty(n: int, dtype: torch.dtype, device: torch.device, fill: float | N
     return out if fill is None else out.fill_(fill)
 
 
-class HostOptimizer:
-    """One ShardedParams group's host staging and its bucket-by-bucket step (module docstring). deferred:
-    `step_` only queues the gradients' copies; each bucket's update runs when `ready` asks for it (the next
-    forward, `ParamReady` or ZeRO-3's gathers) or at `flush`."""
+class HostUpdate(UpdateSite):
+    """One ShardedParams group's master, state and staging in host memory and its bucket-by-bucket step (module
+    docstring). deferred: `step_` only queues the gradients' copies; each bucket's update runs when `ready`
+    asks for it (the next forward, `ParamReady` or ZeRO-3's gathers) or at `flush`."""
 
-    def __init__(self, shard, compute_dtype: torch.dtype, deferred: bool = False):
+    on_host = True
+
+    def __init__(self, shard, rule: UpdateRule, deferred: bool = False):
+        super().__init__(shard, rule, deferred)
         self.shard, self.deferred = shard, deferred
-        device = shard.device
-        n = shard.grad_shard.numel()
+        device, n = shard.device, shard.grad_shard.numel()
+        self.master = host_empty(n, torch.float32, device)
+        self.state = {spec.name: host_empty(n, spec.dtype, device, fill=spec.init) for spec in rule.states()}
         self.grad_host = host_empty(n, torch.float32, device, fill=0.0)
-        self.param_host = host_empty(n, compute_dtype, device)
+        self.param_host = host_empty(n, shard.param_dtype, device)
         self.sent = {"d2h": 0, "h2d": 0}  # bytes copied each way since construction (tests, the planner)
         self.pending: deque = deque()  # (bucket index, its copy's event), in forward order, not yet updated
         self.works: dict[int, object] = {}  # bucket index -> its publish's all-gather, not yet waited for
         self.update = None  # (rule, lr, step, row_scales) of the step in progress
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """What the rule reads: the clipped gradient shard's host copy."""
+        return self.grad_host
+
     def staging_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.grad_host, self.param_host))
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"host": [self.master, *self.state.values(), self.grad_host, self.param_host]}
 
     @torch.no_grad()
     def step_(self, rule, lr: float, step: int, row_scales: dict | None) -> None:
@@ -101,13 +117,14 @@ class HostOptimizer:
             if row_scales:
                 s.scale_bucket_rows_(b, row_scales)
             self.param_host[lo:hi].copy_(s.master[lo:hi])
-        self.works[index] = s.publish(b, self.param_host[lo:hi])
+        self.works[index] = s.param_store.publish(b, self.param_host[lo:hi])
         self.sent["h2d"] += b.shard_size * self.param_host.element_size()
 
     @torch.no_grad()
-    def ready(self, index: int) -> None:
-        """Bucket `index` updated and its parameters in place: the pending updates up to it run (in forward
-        order, so a forward's early units wait for no later bucket) and its all-gather is waited for."""
+    def ready(self, b) -> None:
+        """Bucket b updated and its parameters in place: the pending updates up to it run (in forward order,
+        so a forward's early units wait for no later bucket) and its all-gather is waited for."""
+        index = b.index
         if any(i == index for i, _ in self.pending):
             while index not in self.works:
                 self._update(*self.pending.popleft())
@@ -129,7 +146,7 @@ class HostOptimizer:
 class ParamReady:
     """The `hold` seam (moe_lc/model/seams.py) of a model whose offloaded optimizer defers its updates
     (`parallel.placement.optimizer_overlap`) and whose parameters stay whole (ZeRO-1, 2): before a chain's
-    forward, the buckets holding its parameters are updated and gathered (`ShardedParams.ready`); their
+    forward, the buckets holding its parameters are updated and gathered (`HostUpdate.ready`); their
     all-gathers and the CPU's updates of later buckets overlap the device's work on earlier units. ZeRO-3's
     gathers ask for the same before each unit (param_gather.py)."""
 
@@ -144,7 +161,7 @@ class ParamReady:
 
         def first(*state, phase=chain[0]):
             for s, b in needed:
-                s.ready(b)
+                s.update_site.ready(b)
             return phase(*state)
 
         first.__name__ = chain[0].__name__

@@ -1,14 +1,54 @@
 """ZeRO's flat layout: which parameters share a bucket, each bucket's padded size and where each parameter
-sits in it (moe_lc/parallel/zero/optimizer.py allocates it; the planner, tools/planner/layout.py, reads the same
-functions). Buckets run over the parameters in reverse registration order, the order backward produces
-gradients; see zero/optimizer.py's docstring for the rules (cut buckets, whole parameters packed per rank, ZeRO-3's
-unit boundaries)."""
+sits in it (`Bucket`, `build_buckets`: what moe_lc/parallel/zero/optimizer.py's groups and their strategies
+index; the planner, tools/planner/layout.py, reads the same functions), which parameters a rank's shard holds
+and their grad-norm weights. Buckets run over the parameters in reverse registration order, the order backward
+produces gradients; see zero/optimizer.py's docstring for the rules (cut buckets, whole parameters packed per
+rank, ZeRO-3's unit boundaries)."""
 
 from __future__ import annotations
 
 import itertools
 
+import torch
+
+from moe_lc.optim.rule import OwnedParam
 from moe_lc.parallel.placement import Shard
+
+
+class Bucket:
+    """One bucket of a ZeRO group's flat layout: elements [start, start + size) of the group's (P,) buffers,
+    padded to a multiple of N; rank r owns [r * size/N, (r+1) * size/N) of it, elements [shard_start,
+    shard_start + size/N) of the rank's (P/N,) shard tensors."""
+
+    def __init__(self, index: int, start: int, size: int, params: list, shard_start: int, n: int,
+                 unit: str | None = None):
+        self.index, self.start, self.size = index, start, size  # index: in its group's buckets
+        self.params = params  # [(param, offset in the group's buffer)]
+        self.shard_start, self.shard_size = shard_start, size // n
+        self.unit = unit  # ZeRO-3: the gather unit its parameters belong to (param_gather.py)
+        # (size,) compute dtype, where its parameters' views point: the flat param buffer's slice, or (ZeRO-3) a
+        # storage of its own, holding them only while its unit is gathered (zero/param_store.py)
+        self.full: torch.Tensor | None = None
+
+    def part(self, shard: torch.Tensor) -> torch.Tensor:
+        """This bucket's slice of a (P/N,) shard tensor (master, state, reduced gradients)."""
+        return shard[self.shard_start:self.shard_start + self.shard_size]
+
+    def own(self, flat: torch.Tensor, rank: int, start: int | None = None) -> torch.Tensor:
+        """Rank `rank`'s 1/N of this bucket inside a (P,) buffer (start = 0: inside the bucket's own (size,))."""
+        lo = (self.start if start is None else start) + rank * self.shard_size
+        return flat[lo:lo + self.shard_size]
+
+
+def build_buckets(params: list, bucket_elems: int, n: int, whole: list[bool],
+                  units: list[str] | None = None) -> list[Bucket]:
+    """The buckets of parameters in buffer order (`bucket_layout`'s rules; `units`: ZeRO-3's gather units)."""
+    out, start, shard_start, i = [], 0, 0, 0
+    for size, offsets in bucket_layout([p.numel() for p in params], bucket_elems, n, whole, units):
+        mine = [(p, start + off) for p, off in zip(params[i:i + len(offsets)], offsets)]
+        out.append(Bucket(len(out), start, size, mine, shard_start, n, units[i] if units is not None else None))
+        start, shard_start, i = start + size, shard_start + size // n, i + len(offsets)
+    return out
 
 
 def _runs(numels: list[int], whole: list[bool], bucket_elems: int,
@@ -76,6 +116,35 @@ def bucket_units(numels: list[int], bucket_elems: int, n: int, whole: list[bool]
         out.append((size, rev_units[first] if rev_units is not None else None))
         first += len(offsets)
     return out
+
+
+def owned_params(buckets: list[Bucket], rank: int, names: dict[int, str]) -> list[OwnedParam]:
+    """The parameters with elements in rank `rank`'s shard, bucket by bucket, where in the (P/N,) shard they lie
+    (`names`: id(param) -> name)."""
+    out = []
+    for b in buckets:
+        own_lo = b.start + rank * b.shard_size
+        for p, off in b.params:
+            lo, hi = max(off, own_lo), min(off + p.numel(), own_lo + b.shard_size)
+            if lo < hi:
+                out.append(OwnedParam(names[id(p)], p.shape, b.shard_start + lo - own_lo, b.shard_start + hi - own_lo,
+                                      lo - off))
+    return out
+
+
+def norm_weight_shard(buckets: list[Bucket], rank: int, weights: dict[int, torch.Tensor],
+                      device: torch.device) -> torch.Tensor | None:
+    """(P/N,) fp64 weights of rank `rank`'s squared grad norm from the parameters' norm weights (id(param) ->
+    a tensor broadcastable to it; e.g. 1/copies for rows that several ranks outside the group hold, such as
+    replicated kv heads under tensor parallelism); None when every element counts once."""
+    if not weights:
+        return None
+    full = torch.ones(sum(b.size for b in buckets), device=device, dtype=torch.float64)
+    for b in buckets:
+        for p, off in b.params:
+            if id(p) in weights:
+                full[off:off + p.numel()] = weights[id(p)].to(full.device).expand_as(p).reshape(-1)
+    return torch.cat([b.own(full, rank) for b in buckets])
 
 
 def matrix_shards(shards: tuple[Shard, ...], ndim: int) -> tuple[Shard, ...]:

@@ -4,7 +4,8 @@ parameters are all-gathered before its forward and again before its backward, on
 Rajbhandari et al. 2020, ZeRO stage 3 (P_os+g+p); PyTorch FSDP (Zhao et al. 2023) gathers the same way. A
 unit is a set of ZeRO buckets: the embedding, each block ("layers.<i>"), and the output side (final norm,
 head, MTP modules) together, by `unit_of`. ZeroOptimizer lays its buckets so that none spans two units and
-gives each bucket a storage of its own (zero/optimizer.py); this file decides when those storages hold parameters.
+gives each bucket a storage of its own (zero/param_store.py's `GatheredParams`); this file decides when those
+storages hold parameters.
 
 When: the model marks, through its `hold` seam (moe_lc/model/seams.py), each chain of phases that reads a
 module's parameters (the embedding's phase, a block's phases, the head's). `ParamGather.hold` wraps it:
@@ -23,36 +24,30 @@ after B. A gather first settles what an offloaded optimizer still owes those sha
 zero/host_step.py). Traffic per step: each unit's buckets x (N-1)/N, twice per micro-batch (forward,
 backward; the embedding once, and twice more where the head's chain reads it: a tied head, MTP), plus ZeRO-2's
 reduce-scatter rounds, and no all-gather after the update: for one
-micro-batch the ZeRO paper's 3 psi against ZeRO-1's 2 psi (tools/plan.py counts it).
+micro-batch the ZeRO paper's 3 psi against ZeRO-1's 2 psi (the planner counts it by running this on the model's
+chains: tools/planner/zero_trace.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import torch
 
 from moe_lc.model.block import named
-from moe_lc.parallel.zero.host_step import ParamReady
-from moe_lc.parallel.memory.trace_hooks import tell
-
-
-def resize_storage(t: torch.Tensor, nbytes: int) -> None:
-    """t's storage resized to nbytes in place (0 frees it; its views stay, sized 0, until it grows back)."""
-    t.untyped_storage().resize_(nbytes)
-    tell("resized", t)  # the dry run's trace: no tensor was allocated
 
 
 def install_holds(optimizer, parallel):
-    """The model's `hold` seam for the placement: ZeRO-3's `ParamGather` (returned), or where the parameters
-    stay whole and an offloaded optimizer defers its updates, `ParamReady` (zero/host_step.py); None."""
-    holder = ParamGather(optimizer, parallel) if optimizer.params_sharded else \
-        ParamReady(optimizer) if optimizer.deferred else None
+    """The model's `hold` seam for the optimizer's placement (`ZeroPlacement.holder`): ZeRO-3's `ParamGather`
+    (returned), or where the parameters stay whole and an offloaded optimizer defers its updates, `ParamReady`
+    (zero/host_step.py); None."""
+    holder = optimizer.placement.holder(optimizer, parallel)
     for chunk in parallel.chunks if holder is not None else ():
         for module in chunk.modules():
             if hasattr(module, "hold"):
                 module.hold = holder.hold
-    return holder if optimizer.params_sharded else None
+    return holder if isinstance(holder, ParamGather) else None
 
 
 def unit_of(name: str) -> str:
@@ -79,8 +74,9 @@ class _Unit:
 
 class ParamGather:
     """When each unit of a ZeRO-3 optimizer's parameters is gathered (module docstring). optimizer: a
-    ZeroOptimizer built with params="sharded_gather"; parallel: its model (`Parallelized`), whose chunks give
-    the forward order prefetching follows. Its `hold` is the seam of the chunks and their blocks (`install_holds`)."""
+    ZeroOptimizer whose parameters are gathered (`GatheredParams`); parallel: its model (`Parallelized`), whose
+    chunks give the forward order prefetching follows. Its `hold` is the seam of the chunks and their blocks
+    (`install_holds`)."""
 
     def __init__(self, optimizer, parallel):
         self.units: dict[str, _Unit] = {}
@@ -96,16 +92,21 @@ class ParamGather:
             self.next.update(zip(keys, keys[1:]))
             self.prev.update(zip(keys[1:], keys))
         self.regathered: set[str] = set()  # units whose own chain gathers them again for its backward
-        self.gathers = 0  # units gathered (0 -> 1 holder) since construction (tests)
+        self.by_unit: Counter = Counter()  # unit key -> gathers (0 -> 1 holder) since construction (the planner)
+
+    @property
+    def gathers(self) -> int:
+        """Units gathered since construction (tests)."""
+        return sum(self.by_unit.values())
 
     # -- counting holders -------------------------------------------------------------------------------
     def _ref(self, u: _Unit) -> None:
         if u.refs == 0 and not u.gathered:
             for s, b in u.buckets:  # an offloaded optimizer's deferred update of these shards, first
-                s.ready(b)
-            u.works = [s.gather_bucket(b) for s, b in u.buckets]
+                s.update_site.ready(b)
+            u.works = [s.param_store.gather(b) for s, b in u.buckets]
             u.gathered = True
-            self.gathers += 1
+            self.by_unit[u.key] += 1
         u.refs += 1
 
     def acquire(self, units) -> None:
@@ -141,7 +142,7 @@ class ParamGather:
     def _free(self, u: _Unit) -> None:
         self._wait(u)
         for s, b in u.buckets:
-            s.free_bucket(b)
+            s.param_store.free(b)
         u.gathered = False
 
     def sweep(self) -> int:
