@@ -402,10 +402,16 @@ class Checkpointer:
 
 def _reraise_interrupt(exc: BaseException) -> None:
     """DCP reports a Ctrl-C (or a SIGTERM a caller turned into one) as one of its failures: keep it that
-    KeyboardInterrupt, not a failed save or load."""
+    KeyboardInterrupt, not a failed save or load. The interrupt may sit under the failure it caused: a
+    Ctrl-C inside torch.save's zip writer surfaces as the writer's "unexpected pos" RuntimeError, whose
+    context is the KeyboardInterrupt."""
     for e, _ in getattr(exc, "failures", {}).values():
-        if isinstance(e, KeyboardInterrupt):
-            raise e.with_traceback(None) from None
+        seen = set()
+        while e is not None and id(e) not in seen:
+            if isinstance(e, KeyboardInterrupt):
+                raise e.with_traceback(None) from None
+            seen.add(id(e))
+            e = e.__cause__ or e.__context__
 
 
 def _first_line(exc: BaseException) -> str:
