@@ -39,8 +39,6 @@ from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 
 import torch
-from torch._dynamo import callback as dynamo_callback
-from torch._dynamo import utils as dynamo_utils
 
 from moe_lc.ops.regions import Region
 from moe_lc.parallel import comm
@@ -58,6 +56,14 @@ RECOMPILE_LIMIT = 64
 PARALLEL_GRAIN = 32768
 
 
+def _dynamo_utils():
+    """torch._dynamo's counters, imported when a run compiles: importing dynamo costs every process ~0.4 s
+    (each `moe-train`, each rank), most of which never compile."""
+    from torch._dynamo import utils
+
+    return utils
+
+
 class CompileWatch:
     """Compile seconds per scope (a block, "head", or "other") and dynamo's counts, for one rank.
 
@@ -67,17 +73,17 @@ class CompileWatch:
     scope is entered, and only then: a step inside `watching()` turns them on once for all its calls."""
 
     def __init__(self):
-        dynamo_utils.set_compilation_metrics_limit(COMPILATION_RECORDS)
+        _dynamo_utils().set_compilation_metrics_limit(COMPILATION_RECORDS)
         self.seconds: dict[str, float] = defaultdict(float)
         self.order: list[str] = []  # scopes in the order their compile time was first booked
         self._stack: list[str] = []
         self._settings: ExitStack | None = None
         self._started: float | None = None
         self._scope_at_start = "other"
-        self._first_record = len(dynamo_utils.get_compilation_metrics())
+        self._first_record = len(_dynamo_utils().get_compilation_metrics())
         self._first_step_records: int | None = None  # records made by the end of the first step
         self._breaks0 = self._graph_breaks_total()
-        self._graphs0 = dynamo_utils.counters["stats"]["unique_graphs"]
+        self._graphs0 = _dynamo_utils().counters["stats"]["unique_graphs"]
 
     # -- scopes -----------------------------------------------------------------------------------
     def enter(self, scope: str) -> None:
@@ -108,7 +114,7 @@ class CompileWatch:
         on.enter_context(torch._inductor.config.patch({"cpp.min_chunk_size": PARALLEL_GRAIN}))
         # backward graphs compiled with their forward, in the region's scope
         on.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=True))
-        handler = dynamo_callback.callback_handler
+        from torch._dynamo.callback import callback_handler as handler
         handler.register_start_callback(self.on_start)
         handler.register_end_callback(self.on_end)
         on.callback(_remove_callbacks, handler, self.on_start, self.on_end)
@@ -129,18 +135,18 @@ class CompileWatch:
     # -- counts -----------------------------------------------------------------------------------
     @staticmethod
     def _graph_breaks_total() -> int:
-        return sum(dynamo_utils.counters["graph_break"].values())
+        return sum(_dynamo_utils().counters["graph_break"].values())
 
     def records(self) -> list:
         """dynamo's compilation records since this watch began (one per frame it compiled)."""
-        return list(dynamo_utils.get_compilation_metrics())[self._first_record:]
+        return list(_dynamo_utils().get_compilation_metrics())[self._first_record:]
 
     def counts(self) -> dict[str, float]:
         """{"compile/graph_breaks", "compile/recompiles", "compile/graphs", "compile/time_s"} so far."""
         recompiles = sum(r.recompile_reason is not None for r in self.records())
         return {"compile/graph_breaks": self._graph_breaks_total() - self._breaks0,
                 "compile/recompiles": recompiles,
-                "compile/graphs": dynamo_utils.counters["stats"]["unique_graphs"] - self._graphs0,
+                "compile/graphs": _dynamo_utils().counters["stats"]["unique_graphs"] - self._graphs0,
                 "compile/time_s": sum(self.seconds.values())}
 
     def after_step(self, first: bool, last: bool, world: Group, log) -> dict[str, float]:
