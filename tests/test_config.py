@@ -21,7 +21,7 @@ def errors_of(path, overrides=(), world_size=None):
     return info.value.errors
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", sorted(RECIPES.rglob("*.toml")), ids=lambda p: str(p.relative_to(RECIPES)))
 def test_every_shipped_recipe_validates(recipe):
     assert isinstance(load_config(recipe), Config)
 

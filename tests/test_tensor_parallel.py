@@ -162,8 +162,9 @@ def test_every_gradient_matches_one_device_in_fp64(unit):
 
 
 def test_counted_traffic_matches_formula(unit):
-    """Per block with SP: 2 all-gathers + 2 reduce-scatters of (B, S, D) forward, the same backward;
-    plus the embedding (reduce-scatter fwd / all-gather bwd), the head (all-gather fwd /
+    """Per block with SP: 2 all-gathers + 2 reduce-scatters of (B, S, D) forward, the same backward plus
+    one all-gather per column-parallel Linear (its input kept as the sequence shard and gathered again for
+    the weight gradient); plus the embedding (reduce-scatter fwd / all-gather bwd), the head (all-gather fwd /
     reduce-scatter bwd), the loss (2 all-reduces: max of B*S, sum of 2*B*S fp32) and, with the
     kv head replicated, one all-reduce of the kv rows' gradient per block in "tp_kv"."""
     cfg, N = model_config(**SMALL), 2
@@ -176,7 +177,7 @@ def test_counted_traffic_matches_formula(unit):
     fwd = {("tp", "all_gather"): (pairs + 1, (pairs + 1) * act),  # + head
            ("tp", "reduce_scatter"): (pairs + 1, (pairs + 1) * act),  # + embedding
            ("tp", "all_reduce"): (2, loss_stats)}
-    bwd = {("tp", "all_gather"): (pairs + 1, (pairs + 1) * act),  # + embedding
+    bwd = {("tp", "all_gather"): (2 * (pairs + 1), 2 * (pairs + 1) * act),  # + embedding, + every column's input
            ("tp", "reduce_scatter"): (pairs + 1, (pairs + 1) * act),  # + head
            ("tp_kv", "all_reduce"): (cfg.n_layers, cfg.n_layers * kv_rows)}
     assert pairs == 2 * cfg.n_layers  # every block here has two pairs: 2 AG + 2 RS each way
@@ -254,10 +255,13 @@ DENSE, MOE = RECIPES / "dense_cpu.toml", RECIPES / "debug_cpu.toml"
     # compositions: zero-bubble pipeline (deferred weight gradients fire the kv hook), CP, EP
     pytest.param(MOE, ["model.n_kv_heads=1"], ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zbh1"], 4,
                  marks=pytest.mark.slow),
+    # DualPipe defers W: the kept sequence shards are gathered again in B and held to W
+    pytest.param(MOE, ["train.micro_batch=1"], ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipe"], 4,
+                 marks=pytest.mark.slow),
     pytest.param(MOE, [], ["parallel.tp=2", "parallel.cp=2"], 4, marks=pytest.mark.slow),
     pytest.param(MOE, [], ["parallel.tp=2", "parallel.ep=2"], 2, marks=pytest.mark.slow),
 ], ids=["dense-tp2", "moe-tp2", "moe-kv1-tp2-dp2", "dense-tp4", "moe-tp4", "moe-tp2-dp2", "moe-kv1-tp2-pp2-zbh1",
-        "moe-tp2-cp2", "moe-tp2-ep2"])
+        "moe-tp2-pp2-dualpipe", "moe-tp2-cp2", "moe-tp2-ep2"])
 def test_tp_trains_like_one_device(recipe, model, layout, world):
     got = _assert_tp_equivalent(recipe, model, layout, world)
     # sequence-parallel traffic is on the tp group and ZeRO-1's reduce-scatter covers dense shards

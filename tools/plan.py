@@ -1,7 +1,7 @@
 """Memory and communication planner: per-rank bytes of every training state and traffic per mesh dim.
 
     python tools/plan.py RECIPE [--set KEY=VALUE ...] [--world N] [--policy none|selective|full]
-                         [--terms] [--json] [--cluster NAME [--bench FILE] [--search]]
+                         [--terms] [--saved] [--json] [--cluster NAME [--bench FILE] [--search]]
 
 Parameters come from each pipeline rank's model built as the trainer builds it, on the meta device
 (no memory; tools/planner/layout.py). Activations and traffic come from running the model code: the
@@ -38,6 +38,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (before torch) the trac
 from moe_lc.config import Config, ConfigError, load_config
 from .planner.activation_memory import POLICIES
 from .planner.layout import mesh
+from .planner import saved_table
 from .planner.plan import plan, render
 from .step_time import model as steptime, search as steptime_search
 from .step_time.clusters import CLUSTERS, ClusterError, resolve, split_sets
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=None, help="world size (default: the recipe's degrees, dp=0 -> 1)")
     ap.add_argument("--policy", choices=POLICIES, help="recompute policy to plan for (default: the recipe's)")
     ap.add_argument("--terms", action="store_true", help="list every saved tensor of each block kind, as traced")
+    ap.add_argument("--saved", action="store_true", help="only what each block kind keeps for backward, per token, "
+                                                         "against Megatron-LM's 34 h / t, term by term")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--cluster", help=f"predict step time and MFU on this cluster ({', '.join(CLUSTERS)})")
     ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured "
@@ -71,6 +74,11 @@ def main(argv=None) -> int:
         return 2
     if args.search:
         return _search(args, sets, cfg, cluster)
+    if args.saved:
+        tables = saved_table.saved_tables(cfg)
+        print(json.dumps(saved_table.to_json(tables), indent=1) if args.json else
+              "\n".join(saved_table.render(tables, cfg)))
+        return 0
     p = plan(cfg, args.world, args.recipe)
     predicted = steptime.predict(cfg, p, *cluster) if cluster else None
     if args.json:

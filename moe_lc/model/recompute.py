@@ -3,11 +3,16 @@
 Policies (`[recompute] policy`), plugged into the model's seams (moe_lc/model/seams.py: `replay`,
 `activation`, `logits`, `attend`) by the layer plan (moe_lc/parallel/layer_plan.py, which holds the
 rules; this file holds the pieces, and the model never imports it):
-    none       every activation autograd wants is kept
+    none       every activation autograd wants is kept, but for what a fused kernel would not keep
+               either: an RMSNorm keeps its compute-dtype input (not its fp32 intermediates) and a SwiGLU
+               its gate|up (not silu(gate)), their elementwise math replayed in backward (bit-identical)
     full       each block keeps only its input; its forward is replayed in backward (a pipeline that
                runs blocks phase by phase keeps each phase's inputs instead)
     selective  only cheap, memory-heavy pieces are replayed (`[recompute] selective`):
-                 norm       RMSNorm's fp32 intermediates
+                 norm       RMSNorm's fp32 intermediates: every policy keeps only a norm's
+                            compute-dtype input and replay its fp32 math in backward (a fused norm kernel
+                            keeps that input and the per-row rstd); the item changes nothing and stays so
+                            that recipes naming it (Megatron-LM's `layernorm` module) run unchanged
                  swiglu     the SwiGLU output: kept neither by the activation nor by the down
                             projection, recomputed from the cached gate|up (DeepSeek-V3's trick)
                  attention  RoPE and the attention core: GQA keeps the fused q|k|v projection output;
@@ -56,6 +61,42 @@ def first_forward(ctx: dict) -> bool:
     first = "counted" not in ctx
     ctx["counted"] = True
     return first
+
+
+class _KeepingInputs(torch.autograd.Function):
+    """fn(*tensors) keeping only its input tensors, through autograd's saved tensors (so offload, FP8
+    caching, recomputation and the memory tools see them as they see any saved tensor), and running fn
+    again in backward for its gradients: the same ops on the same values, so the same bits. fn takes no
+    parameter (their gradients would not reach them)."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        ctx.save_for_backward(*tensors)
+        return fn(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = [t.detach().requires_grad_(need) if t is not None else None
+                   for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
+        wanted = [t for t in tensors if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.fn(*tensors)
+        found = iter(torch.autograd.grad(out, wanted, grad))
+        return (None, *(next(found) if t is not None and t.requires_grad else None for t in tensors))
+
+
+def swiglu_keeping_input(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,
+                         run_region=run_now) -> torch.Tensor:
+    """The `activation` seam without recomputation: down(swiglu(gate_up, weight), *args) where the
+    activation keeps only gate_up (and the gate weights), as a fused SwiGLU kernel does: silu(gate) is
+    made again in backward instead of kept beside gate and up (1/3 of the activation's bytes). The down
+    projection keeps its input as ever. A compiled region (train.compile) keeps what its compiler's
+    partition keeps, which is gate_up too."""
+    if not torch.is_grad_enabled() or run_region is not run_now:
+        return swiglu_then(down, gate_up, *args, weight=weight, run_region=run_region)
+    h = _KeepingInputs.apply(lambda g, w: run_region(swiglu, g, w), gate_up, weight)
+    return down(h, *args)
 
 
 def swiglu_replayed(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None = None,

@@ -4,7 +4,9 @@ Parallel and precision features plug in here instead of wrapping modules again a
 - `tp`     : a tensor-parallel role object (set by `moe_lc.parallel.tp.mappings`), whose `enter(x)` runs
              before the GEMM (e.g. all-gather of the sequence shards for a column-parallel layer) and
              `exit(y)` after it (e.g. reduce-scatter for a row-parallel layer); both are autograd
-             functions with their collectives in the open. None = not tensor parallel.
+             functions with their collectives in the open; `keep(x, keep)` may change how the input is
+             kept (a column-parallel layer under SP keeps the sequence shard and gathers it again in
+             backward). None = not tensor parallel.
 - `gemms`  : the three GEMMs of a linear layer (forward, input-grad, weight-grad); `PlainGemms`
              runs them in the compute dtype, an FP8 recipe (`moe_lc.ops.fp8`) quantizes their inputs.
 - `wgrad_store`: when it is deferring, the weight-gradient GEMM is queued instead of run, for a
@@ -139,6 +141,11 @@ class KeepInput:
     def hold_input(self, saved, counts, gemms):
         return self.restore(saved, counts, gemms)
 
+    def begin_restore(self, saved, counts, gemms) -> Callable[[], torch.Tensor]:
+        """`restore` started before the input-gradient GEMM and finished after it: a keep whose restore
+        communicates (a sequence shard's all-gather) overlaps it with that GEMM. Returns the finisher."""
+        return lambda: self.restore(saved, counts, gemms)
+
 
 KEEP_AS_IS = KeepInput()
 
@@ -171,20 +178,21 @@ class _LinearFn(torch.autograd.Function):
         gemms, keep, dtype = ctx.gemms, ctx.keep, ctx.dtype
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
         w = weight.to(dtype)
-        dx = gemms.dgrad(dy2, w) if counts is None else gemms.grouped_dgrad(dy2, w, counts)
         deferring = ctx.store is not None and ctx.store.is_deferring
+        wgrad_now = ctx.needs_input_grad[1] and not deferring
+        x_w = keep.begin_restore(kept, counts, gemms) if wgrad_now else None  # beside the dgrad GEMM
+        dx = gemms.dgrad(dy2, w) if counts is None else gemms.grouped_dgrad(dy2, w, counts)
 
         def weight_grad(dy_w, x_w):
             g = gemms.wgrad(dy_w, x_w) if counts is None else gemms.grouped_wgrad(dy_w, x_w, counts)
             return g.to(weight.dtype)
 
         dw = None
-        if ctx.needs_input_grad[1]:
-            if deferring:  # W later: hold dy and x in the form `keep` asks (FP8 caching: quantized now)
-                held = keep.hold_dy(dy2, counts, gemms), keep.hold_input(kept, counts, gemms)
-                ctx.store.push(ctx.param, lambda: weight_grad(*held))
-            else:
-                dw = weight_grad(dy2, keep.restore(kept, counts, gemms))
+        if wgrad_now:
+            dw = weight_grad(dy2, x_w())
+        elif ctx.needs_input_grad[1]:  # W later: hold dy and x in the form `keep` asks (FP8 caching: quantized now)
+            held = keep.hold_dy(dy2, counts, gemms), keep.hold_input(kept, counts, gemms)
+            ctx.store.push(ctx.param, lambda: weight_grad(*held))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx.view(ctx.x_shape), dw, db, None, None, None, None, None
 
@@ -207,14 +215,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, keep: KeepInput | None = None) -> torch.Tensor:
         """x (..., in) -> (..., out). `keep`: how to keep x for the weight gradient, if not `keep_input`
         (it must describe x as the GEMM sees it: the TP role's `enter` may not change it)."""
+        keep = keep or self.keep_input
         if self.tp is not None:
             entered = self.tp.enter(x)
-            assert keep is None or entered is x, "a kept input must be the GEMM's input"
+            assert keep is self.keep_input or entered is x, "a kept input must be the GEMM's input"
+            keep = self.tp.keep(x, keep)  # sequence parallelism: the shard, gathered again in backward
             x = entered
         # a role that sums the ranks' outputs (row-parallel) adds the replicated bias once, after the sum
         bias_after = self.bias is not None and getattr(self.tp, "sums_outputs", False)
         y = _LinearFn.apply(x, self.weight, None if bias_after else self.bias, None, self.gemms, self.wgrad_store,
-                            self.weight, keep or self.keep_input)
+                            self.weight, keep)
         y = self.tp.exit(y) if self.tp is not None else y
         return y + self.bias.to(y.dtype) if bias_after else y
 

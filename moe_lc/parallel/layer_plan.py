@@ -55,7 +55,7 @@ from moe_lc.model.fp8_cache import attn_out_fp8_cached, swiglu_fp8_cached
 from moe_lc.model.moe import LocalDispatcher, MoE, RoutedExperts, Router, each_forward, fp32_logits
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.recompute import (POLICIES, SELECTIVE_ITEMS, checkpointed, first_forward, fp32_logits_replayed,
-                                    swiglu_replayed)
+                                    swiglu_keeping_input, swiglu_replayed)
 from moe_lc.model.seams import Borrowed, run_now
 from moe_lc.ops.fp8_linear import HoldFp8ForWgrad, KeepFp8ForWgrad, SharedFp8ForWgrad, fp8_gemms
 from moe_lc.ops.linear import GroupedLinear, Linear, WeightGradStore
@@ -294,14 +294,14 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
         kind = kinds.get(type(module))
         if isinstance(module, Block):
             plan.set(module, replay=checkpointed if policy == "full" else run_now)
-        elif isinstance(module, RMSNorm):
-            plan.set(module, replay=checkpointed if "norm" in items else run_now)
+        elif isinstance(module, RMSNorm):  # keeps its compute-dtype input only, under every policy
+            plan.set(module, replay=checkpointed)
         elif isinstance(module, Router):  # a block's replay runs its router again: the first run books
             plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits,
                      count_loads=first_forward if policy == "full" else each_forward)
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
-                     swiglu_replayed if "swiglu" in items else swiglu_then)
+                     swiglu_replayed if "swiglu" in items else swiglu_then if policy == "full" else swiglu_keeping_input)
         elif kind is not None:
             up = kind.up_item is not None and kind.up_item in items  # keeps the latents, no core replay
             plan.set(module, replay=checkpointed if "attention" in items and not up else run_now)

@@ -7,7 +7,9 @@ sequence shard, N tp size, D model dim, V vocabulary (V/N per rank), H/K query/k
 Layout of one block under TP+SP (activations between blocks are (B, s, D), sharded on dim 1 over tp):
 
     x (B, s, D) -> attn_norm (on the shard; weight replicated, grad group "dp_cp_tp")
-      -> wqkv  column-parallel: all-gather S (bwd: reduce-scatter dx) -> (B, S, (H/N + 2 K_loc) Dh)
+      -> wqkv  column-parallel: all-gather S (bwd: reduce-scatter dx) -> (B, S, (H/N + 2 K_loc) Dh);
+               keeps the (B, s, D) shard for its weight gradient, all-gathered again in backward
+               beside the input-gradient GEMM (`KeepSequenceShard`)
       -> attention over the local heads (full sequence)
       -> wo    row-parallel: GEMM -> (B, S, D) partial sums -> reduce-scatter S (bwd: all-gather) -> (B, s, D)
     + residual on the shard, ffn_norm on the shard
@@ -37,8 +39,9 @@ norms and wa are "dp_cp_tp". MTP: the input projection eh_proj is replicated on 
 
 Gradient groups: tp-sharded weights "dp_cp" (each tp rank holds distinct values); norm weights and
 router gates "dp_cp_tp" (replicated over tp, each rank's gradient covers only its sequence shard).
-Per block, forward: 2 all-gathers + 2 reduce-scatters of (B, S, D); backward the same. Plus the
-embedding (1 reduce-scatter fwd, 1 all-gather bwd), the head (1 all-gather fwd, 1 reduce-scatter bwd)
+Per block, forward: 2 all-gathers + 2 reduce-scatters of (B, S, D); backward the same plus the 2
+re-gathers of the kept shards. Plus the embedding (1 reduce-scatter fwd, 1 all-gather bwd), the head (1
+all-gather fwd, 1 all-gather of its kept shard and 1 reduce-scatter bwd)
 and the loss (2 all-reduces of B*S and 2*B*S fp32). All collectives go through `comm`.
 """
 
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.model.transformer import masked_sum
+from moe_lc.ops.linear import KeepInput
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
@@ -144,6 +148,43 @@ class ReduceFromTP(torch.autograd.Function):
         return dy, None
 
 
+class KeepSequenceShard(KeepInput):
+    """A column-parallel Linear's input kept for its weight gradient as this rank's (B, s, D) sequence
+    shard, all-gathered again in backward: started before the input-gradient GEMM, waited after it
+    (`begin_restore`). One use: made per forward call for that call's shard, which `save` hands to
+    autograd (so saved-tensor hooks, offload and recomputation see it) and forgets. `inner`, a keep that
+    keeps the input as is, decides what a deferred W holds (HoldFp8ForWgrad: FP8 operands)."""
+
+    def __init__(self, shard_BsD: torch.Tensor, group: Group, inner: KeepInput):
+        self._shard, self.group, self.inner = shard_BsD, group, inner
+
+    def save(self, x2, counts, gemms) -> tuple:
+        shard, self._shard = self._shard, None
+        return (shard,)
+
+    def begin_restore(self, saved, counts, gemms):
+        (shard_BsD,) = saved
+        _check_seq(shard_BsD, self.group, divisible=False)
+        shard_sBD = shard_BsD.transpose(0, SEQ_DIM).contiguous()
+        full_SBD = shard_sBD.new_empty((self.group.size * shard_sBD.shape[0], *shard_sBD.shape[1:]))
+        work = comm.all_gather(full_SBD.view(-1), shard_sBD.view(-1), self.group, async_op=True)
+
+        def finish():
+            work.wait()
+            return full_SBD.transpose(0, SEQ_DIM).reshape(-1, full_SBD.shape[-1])  # x2's (B S, D) rows
+
+        return finish
+
+    def restore(self, saved, counts, gemms):
+        return self.begin_restore(saved, counts, gemms)()
+
+    def hold_dy(self, dy2, counts, gemms):
+        return self.inner.hold_dy(dy2, counts, gemms)
+
+    def hold_input(self, saved, counts, gemms):
+        return self.inner.hold_input((self.restore(saved, counts, gemms),), counts, gemms)
+
+
 # -- TP roles of the one Linear (`linear.tp`) -------------------------------------------------------
 class ColumnParallel:
     """Weight rows (output features) split over tp; output (B, S, out/N). With SP the input is the
@@ -154,6 +195,14 @@ class ColumnParallel:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return (GatherSequence if self.sequence_parallel else CopyToTP).apply(x, self.group)
+
+    def keep(self, x_BsD: torch.Tensor, keep: KeepInput) -> KeepInput:
+        """How the Linear keeps its input for the weight gradient: under SP the (B, s, D) shard, not the
+        gathered (B, S, D) (1/N of the bytes; Megatron-LM does the same), where `keep` keeps the input as
+        is; an FP8 cached copy is kept as it is made."""
+        if self.sequence_parallel and type(keep).save is KeepInput.save:
+            return KeepSequenceShard(x_BsD, self.group, keep)
+        return keep
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         return y
@@ -174,6 +223,9 @@ class RowParallel:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def keep(self, x: torch.Tensor, keep: KeepInput) -> KeepInput:
+        return keep
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         return (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(y, self.group)
