@@ -91,7 +91,8 @@ def test_one_decision_per_attribute():
 def test_fp8_swiglu_cache_replaces_the_selective_swiglu_replay_and_keeps_linear_inputs_once():
     """One rule per seam: with FP8 caching of SwiGLU and selective "swiglu" recomputation both asked, the
     activation keeps gate|up in FP8 only; the down projection, whose input that rebuilds, holds its
-    operands in FP8 only for a deferred W; attention's wo likewise (the core keeps its output)."""
+    operands in FP8 only for a deferred W; attention's wo likewise (the core keeps its output), and the
+    shared experts' up projection (the router's replay keeps their common input in the compute dtype)."""
     model = build_model(load_config(RECIPE).model, seed=0)
     plan = apply_layer_plan(model, options=LayerPlanOptions(
         precision=PrecisionConfig(recipe="fp8", fp8_backend="emulate", fp8_cache=["linear", "swiglu"]),
@@ -99,7 +100,8 @@ def test_fp8_swiglu_cache_replaces_the_selective_swiglu_replay_and_keeps_linear_
     moe = next(iter(model.moe_layers().values()))
     for ffn in (moe.experts, moe.shared):
         assert ffn.activation is swiglu_fp8_cached
-        assert isinstance(ffn.w2.keep_input, HoldFp8ForWgrad) and isinstance(ffn.w13.keep_input, KeepFp8ForWgrad)
+        assert isinstance(ffn.w2.keep_input, HoldFp8ForWgrad)
+    assert type(moe.experts.w13.keep_input) is KeepFp8ForWgrad and type(moe.shared.w13.keep_input) is HoldFp8ForWgrad
     attn = model.layers["0"].attn
     assert isinstance(attn.wo.keep_input, HoldFp8ForWgrad) and type(attn.wqkv.keep_input) is KeepFp8ForWgrad
     assert model.head.gemms.name == "plain" and "head" not in plan.settings  # the head stays out of FP8

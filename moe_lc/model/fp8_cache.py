@@ -8,7 +8,7 @@ the rules, this file the pieces; the model never imports it). Items:
               copy would only add): wo (the attention core keeps its output; "attn_out" shares one FP8
               copy), a down projection whose input is recomputed (selective "swiglu", or "swiglu" here),
               the shared experts' up projection while the router's replay keeps their common input
-              (selective "router"). Every FP8 Linear's deferred W (ZB-H1, DualPipe) holds dy and x in
+              (every policy but full). Every FP8 Linear's deferred W (ZB-H1, DualPipe) holds dy and x in
               that form from B until W (`HoldFp8ForWgrad`).
     swiglu    every SwiGLU (dense FFN, shared and routed experts) keeps only gate|up, in FP8 (1 x 128
               tiles); the SwiGLU's backward and the down projection's weight gradient read its output

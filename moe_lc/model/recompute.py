@@ -4,8 +4,9 @@ Policies (`[recompute] policy`), plugged into the model's seams (moe_lc/model/se
 `activation`, `logits`, `attend`) by the layer plan (moe_lc/parallel/layer_plan.py, which holds the
 rules; this file holds the pieces, and the model never imports it):
     none       every activation autograd wants is kept, but for what a fused kernel would not keep
-               either: an RMSNorm keeps its compute-dtype input (not its fp32 intermediates) and a SwiGLU
-               its gate|up (not silu(gate)), their elementwise math replayed in backward (bit-identical)
+               either: an RMSNorm keeps its compute-dtype input (not its fp32 intermediates), a SwiGLU
+               its gate|up (not silu(gate)) and the router its compute-dtype input (not the fp32 copy its
+               gate reads), their elementwise math replayed in backward (bit-identical)
     full       each block keeps only its input; its forward is replayed in backward (a pipeline that
                runs blocks phase by phase keeps each phase's inputs instead)
     selective  only cheap, memory-heavy pieces are replayed (`[recompute] selective`):
@@ -21,7 +22,8 @@ rules; this file holds the pieces, and the model never imports it):
                             core's q, k, v are rebuilt from them (the core itself is not replayed;
                             with "attention" too, MLA takes this path)
                  router     the fp32 copy of the router's input (its gate runs in fp32), rebuilt
-                            from the compute-dtype input, which the experts keep anyway
+                            from the compute-dtype input, which the experts keep anyway: done under
+                            none and selective alike (an exact upcast), so the item changes nothing
 
 Recomputed forwards must not count expert loads twice: under "full" a block's replay runs its router
 again in backward, with the phase state (`ctx`) of the forward it replays; the router's `count_loads`
@@ -133,7 +135,7 @@ def mla_up_replayed(mla: nn.Module, q_src, c_kv, k_r, cos, sin, docs=None) -> to
 
 
 def fp32_logits_replayed(gate, x_TD: torch.Tensor) -> torch.Tensor:
-    """The router's `logits` seam under selective "router": gate(x.float()) whose saved fp32 copy of x is
+    """The router's `logits` seam but under full recomputation: gate(x.float()) whose saved fp32 copy of x is
     dropped and rebuilt from x (an exact upcast) when the gate's backward needs it."""
     if not torch.is_grad_enabled() or x_TD.dtype == torch.float32:
         return fp32_logits(gate, x_TD)

@@ -297,7 +297,7 @@ def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache:
         elif isinstance(module, RMSNorm):  # keeps its compute-dtype input only, under every policy
             plan.set(module, replay=checkpointed)
         elif isinstance(module, Router):  # a block's replay runs its router again: the first run books
-            plan.set(module, logits=fp32_logits_replayed if "router" in items else fp32_logits,
+            plan.set(module, logits=fp32_logits if policy == "full" else fp32_logits_replayed,
                      count_loads=first_forward if policy == "full" else each_forward)
         elif isinstance(module, (SwiGLU, RoutedExperts)):
             plan.set(module, activation=swiglu_fp8_cached if "swiglu" in cache else
@@ -329,7 +329,7 @@ def _keep_inputs(model: nn.Module, plan: LayerPlan, fp8_linears: dict, recompute
             elsewhere.add(module.wo)
         elif isinstance(module, (SwiGLU, RoutedExperts)) and swiglu_rebuilt:
             elsewhere.add(module.w2)
-        elif isinstance(module, MoE) and module.shared is not None and "router" in items:
+        elif isinstance(module, MoE) and module.shared is not None and recompute.policy != "full":  # router replay
             elsewhere.add(module.shared.w13)
     shared = {}  # Linears an attention module says read one input (`same_input_linears`): one FP8 copy
     for module in model.modules():
