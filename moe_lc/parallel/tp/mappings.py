@@ -70,13 +70,23 @@ def _check_seq(x: torch.Tensor, group: Group, divisible: bool) -> None:
                          "(sequence parallelism shards dim 1 over tp)")
 
 
-def gather_sequence(x_BsD: torch.Tensor, group: Group) -> torch.Tensor:
-    """(B, s, ...) sharded on dim 1 -> (B, N*s, ...) replicated (shards concatenated in group order)."""
+def start_gather_sequence(x_BsD: torch.Tensor, group: Group):
+    """gather_sequence issued asynchronously: returns finish(), which waits and gives (B, N*s, ...)."""
     _check_seq(x_BsD, group, divisible=False)
     x_sBD = x_BsD.transpose(0, SEQ_DIM).contiguous()  # comm gathers along dim 0
     out = x_sBD.new_empty((group.size * x_sBD.shape[0], *x_sBD.shape[1:]))
-    comm.all_gather(out.view(-1), x_sBD.view(-1), group)
-    return out.transpose(0, SEQ_DIM)
+    work = comm.all_gather(out.view(-1), x_sBD.view(-1), group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.transpose(0, SEQ_DIM)
+
+    return finish
+
+
+def gather_sequence(x_BsD: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, s, ...) sharded on dim 1 -> (B, N*s, ...) replicated (shards concatenated in group order)."""
+    return start_gather_sequence(x_BsD, group)()
 
 
 def reduce_scatter_sequence(y_BSD: torch.Tensor, group: Group) -> torch.Tensor:
@@ -164,16 +174,8 @@ class KeepSequenceShard(KeepInput):
 
     def begin_restore(self, saved, counts, gemms):
         (shard_BsD,) = saved
-        _check_seq(shard_BsD, self.group, divisible=False)
-        shard_sBD = shard_BsD.transpose(0, SEQ_DIM).contiguous()
-        full_SBD = shard_sBD.new_empty((self.group.size * shard_sBD.shape[0], *shard_sBD.shape[1:]))
-        work = comm.all_gather(full_SBD.view(-1), shard_sBD.view(-1), self.group, async_op=True)
-
-        def finish():
-            work.wait()
-            return full_SBD.transpose(0, SEQ_DIM).reshape(-1, full_SBD.shape[-1])  # x2's (B S, D) rows
-
-        return finish
+        gathered = start_gather_sequence(shard_BsD, self.group)
+        return lambda: gathered().reshape(-1, shard_BsD.shape[-1])  # x2's (B S, D) rows
 
     def restore(self, saved, counts, gemms):
         return self.begin_restore(saved, counts, gemms)()
