@@ -31,6 +31,18 @@ from moe_lc.parallel.mesh import exit_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+# Workers fork from one server process that imported torch and moe_lc once per test session: a spawned
+# worker spends 3-6 s of this 2-core machine importing them again, for every rank of every layout test.
+# The server's environment is the one at its start: workers get theirs through arguments, not os.environ.
+# It also imports what a training run imports lazily (its sys.modules after a 1-step run: the TensorBoard
+# writer, dynamo, the meta-device init's reference ops, DSA, the pipeline stage, checkpoint state; 580
+# modules): 0.7 s that every worker process paid again.
+START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed", "moe_lc.train", "moe_lc.config", "tests.harness", "torch.utils.tensorboard",
+    "torch._dynamo", "torch._refs", "moe_lc.job.checkpoint_state", "moe_lc.model.dsa", "moe_lc.parallel.ep.balance_plan",
+    "moe_lc.parallel.pipeline.stage"])
+
 # small, fast defaults for every multi-rank test (one thread per process: W processes share 2 cores).
 # Seed 1: with seed 0 the debug MoE model has a top-k routing near-tie (layer 1, step 3 at the test
 # shapes) that flips under any reordering of fp32 sums -- even on one device when only the attention
@@ -40,13 +52,10 @@ RECIPES = ROOT / "recipes"
 # when eps = 1e-8, which turns any reordering of fp32 sums (TP, CP, EP, PP all reorder) into ~1e-5
 # parameter differences after a few steps while every gradient agrees to ~1e-7. With eps 1e-6 the
 # comparison measures the layout, not that amplification (tensor parallelism: 1.2e-5 -> 1.2-4.7e-6).
-# Workers fork from one server process that imported torch and moe_lc once per test session: a spawned
-# worker spends 3-6 s of this 2-core machine importing them again, for every rank of every layout test.
-# The server's environment is the one at its start: workers get theirs through arguments, not os.environ.
-START_METHOD = "forkserver"
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "moe_lc.train", "moe_lc.config", "tests.harness"])
-
-FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120", "train.seed=1", "train.eps=1e-6"]
+# No TensorBoard writer and no save after the last step: a layout's result comes back in memory (a test
+# that checkpoints sets checkpoint.interval, or save_final again).
+FAST = ["train.threads=1", "train.log_interval=1000", "parallel.timeout_s=120", "train.seed=1", "train.eps=1e-6",
+        "train.loggers=[]", "checkpoint.save_final=false"]
 
 # Tolerances: fp32 layouts reorder sums (reduce-scatter, split attention, ...) -> 1e-5 relative.
 # bf16 rounds every activation; different reduction orders move the loss by up to ~1e-2 relative.

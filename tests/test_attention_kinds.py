@@ -180,7 +180,8 @@ def test_a_kind_declares_its_training_part_in_its_entry(monkeypatch, tmp_path):
     from tools.planner.layout import mesh, trainer_traffic
 
     monkeypatch.setitem(ATTENTION_KINDS, "probe", TRAINING_PROBE)
-    cfg = load_config(RECIPES / "debug_cpu.toml", FAST + MLA + SHORT + [f"train.output_dir={tmp_path}/a"])
+    cfg = load_config(RECIPES / "debug_cpu.toml", FAST + MLA + SHORT + [f"train.output_dir={tmp_path}/a",
+                                                                   "checkpoint.save_final=true"])
     assert attention_kind(cfg.model) is TRAINING_PROBE
     start = build_model(cfg.model, cfg.train.seed).state_dict()
     result = run(cfg, keep_final_state=True)

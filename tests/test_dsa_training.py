@@ -91,7 +91,8 @@ def test_the_warmup_starts_from_a_dense_mla_checkpoint_and_the_sparse_stage_does
     from moe_lc.job.preflight import init_from_checkpoint
 
     ckpt = tmp_path / "dense" / "checkpoints"
-    dense = run_layout(RECIPE, TRAIN + DSA[:6] + ["train.steps=1", f"checkpoint.dir={ckpt}"], world=1)
+    dense = run_layout(RECIPE, TRAIN + DSA[:6] + ["train.steps=1", f"checkpoint.dir={ckpt}",
+                                                "checkpoint.save_final=true"], world=1)
     warm = run_layout(RECIPE, TRAIN + WARMUP + ["train.steps=1", f"checkpoint.init_from={ckpt}"], world=1)
     assert {k for k in warm.final_state if k not in dense.final_state} == \
         {k for k in warm.final_state if ".indexer." in k} != set()
