@@ -11,19 +11,6 @@ from moe_lc.train import run
 from tests.harness import RECIPES
 
 
-# The modules that start processes (gloo layouts, torchrun, the CLIs), longest first as measured on 2 cores
-# (2026-12-07, `--durations`). xdist hands whole modules to whichever worker is free, in collection order:
-# starting with these leaves the many short modules to even out the two workers' ends. A stale order
-# costs only balance, never a test.
-LONGEST_FIRST = ["test_reliability", "test_qk_clip", "test_muon", "test_stop_signal", "test_hybrid_cp", "test_plan",
-                 "test_train", "test_qk_guard", "test_mla", "test_ablate", "test_dryrun", "test_pipeline_runtime",
-                 "test_dsa_training", "test_model_features", "test_zero2", "test_compile", "test_context_parallel",
-                 "test_zero3", "test_convert", "test_tied_embeddings", "test_offload", "test_overlap",
-                 "test_optimizer_offload", "test_expert_parallel", "test_eval", "test_preflight", "test_run_dir",
-                 "test_steptime", "test_fp8_dispatch", "test_eval_ruler", "test_dsa_offload", "test_zero",
-                 "test_tool_inputs", "test_weighted_swiglu", "test_fp8_cache", "test_console_scripts"]
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker per core, at most 4 (each layout test starts up to 8 gloo processes of its own)."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))
@@ -36,8 +23,6 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module's order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch sees none here): run `python -m pytest -m gpu` "
