@@ -163,3 +163,33 @@ def test_reduced_128k_mla_ring_layout_matches_the_planners_states_saved_bytes_an
 def test_reduced_128k_peak_within_3_percent_of_the_planner(reduced_128k):
     traced, planned = reduced_128k["comparison"]["memory"]["peak"]
     assert traced == pytest.approx(planned, rel=0.03)
+
+
+# Every shipped recipe sized for a CPU (fp32; `block_trace.runs_on_gpu` is False): traced as it runs there,
+# with the CPU's fused attention kernel (an H100 would fall back to the O(S^2) reference math in fp32).
+CPU_RECIPES = ["debug_cpu.toml", "dense_cpu.toml", "overlap_cpu.toml", "longctx/base.toml", "longctx/extend_2k.toml",
+               "longctx/extend_2k_mix.toml", "longctx/extend_4k.toml", "longctx/dsa_warmup.toml",
+               "longctx/dsa_sparse.toml"]
+
+
+def test_cpu_recipe_list_is_every_fp32_recipe():
+    from tools.planner.block_trace import runs_on_gpu
+
+    shipped = {str(p.relative_to(ROOT / "recipes")) for p in (ROOT / "recipes").rglob("*.toml")}
+    assert {r for r in shipped if not runs_on_gpu(load_config(str(ROOT / "recipes" / r)))} == set(CPU_RECIPES)
+
+
+def test_every_cpu_recipe_peaks_within_5_percent_of_the_planner():
+    """The DSA stages' indexer score tiles and the warm-up's KL tiles are planned (the parts' working sets,
+    `block_trace.TracedParts.working`): they traced 41% and 288% above the planner before."""
+    script = ("import json, sys\nfrom tools.dryrun import main\n"
+              "for r in sys.argv[1:]:\n    main([r, '--json'])\n")
+    out = subprocess.run([sys.executable, "-c", script, *[str(ROOT / "recipes" / r) for r in CPU_RECIPES]],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = json.loads("[" + out.stdout.replace("}\n{", "},\n{") + "]")
+    assert len(reports) == len(CPU_RECIPES)
+    for recipe, report in zip(CPU_RECIPES, reports):
+        for rank in report["ranks"]:
+            traced, planned = rank["comparison"]["memory"]["peak"]
+            assert traced == pytest.approx(planned, rel=0.05), (recipe, rank["rank"], traced, planned)

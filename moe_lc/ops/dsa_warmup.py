@@ -123,8 +123,9 @@ class IndexerKLDense(torch.autograd.Function):
 
         ring_visit(ring, [k_idx.contiguous(), ctx.kv], visit)
         kl = plogp - pI + lse_idx.double()
-        ctx.lse_idx = lse_idx
-        ctx.save_for_backward(q_idx, w, k_idx)
+        # all through save_for_backward, so saved-tensor hooks (the planner's count, train.offload) see them
+        ctx.save_for_backward(q_idx, w, k_idx, q_main, ctx.kv, w_uk, lse, lse_idx)
+        del ctx.q_main, ctx.kv, ctx.w_uk, ctx.lse
         stats = torch.stack([kl.sum(), mass.sum()])
         ctx.mark_non_differentiable(stats)
         ctx.stats, ctx.sink = stats, sink
@@ -133,7 +134,7 @@ class IndexerKLDense(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, _dstats):
-        q_idx, w, k_idx = ctx.saved_tensors
+        q_idx, w, k_idx, ctx.q_main, ctx.kv, ctx.w_uk, ctx.lse, ctx.lse_idx = ctx.saved_tensors
         ctx.inputs = (q_idx, w)
         layout, scale = ctx.layout, ctx.scale_index
         meta = q_idx.is_meta

@@ -9,7 +9,8 @@ Dry run: one training step of a recipe at its real world size, traced rank by ra
 "Will this layout fit, and what will it send?" For each traced rank, in this one process: torch's
 fake process-group backend at the recipe's world size and that rank, the trainer built exactly as
 `python -m moe_lc.train` builds it (parallelize, materialize, ZeRO-1) but on the meta device standing
-for an H100 (no data, no memory; see moe_lc/ops/device.py), then one `Trainer.train_step`: every
+for an H100, or for a CPU where the recipe runs there (fp32 recipes: tools/planner/block_trace.py
+`on_traced_device`, as the planner traces them) (no data, no memory; see moe_lc/ops/device.py), then one `Trainer.train_step`: every
 micro-batch through the recipe's pipeline schedule, its recompute policy and precision recipe,
 the ZeRO-1 update. tools/dry_run/trace.py watches every op: memory by category and its peak, the
 collectives (counted by comm.py as in a real run), host syncs and dtypes NCCL lacks. Each figure
@@ -37,9 +38,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend warns 
 import torch
 import torch.distributed as dist
 
-from moe_lc.ops.device import GpuSpec, meta_as_gpu
+from moe_lc.ops.device import GpuSpec
 from moe_lc.parallel.memory.trace_hooks import watch
 from moe_lc.train import Trainer
+from ..planner.block_trace import on_traced_device
 from .microbatches import input_bytes
 from .trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
 
@@ -81,7 +83,7 @@ class DryTrainer(Trainer):
 
 def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     """Build and step global rank `rank` of `world` under the tracer -> its report (bytes, counts)."""
-    cfg = position_priority(cfg)
+    cfg, device = on_traced_device(position_priority(cfg), spec)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
@@ -90,7 +92,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
     tracer = StepTracer()
     start = time.perf_counter()
     try:
-        with meta_as_gpu(spec), tracer, HostLiterals(), watch("host_work", tracer.memory.on_host), \
+        with device, tracer, HostLiterals(), watch("host_work", tracer.memory.on_host), \
                 watch("resized", tracer.memory.resized):
             trainer = DryTrainer(cfg, device=META)
             built = time.perf_counter()

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from moe_lc.config import Config, ModelConfig, ParallelConfig
 from moe_lc.model.block import run_phases
 from moe_lc.ops.attention import resolved_backend
-from moe_lc.ops.device import meta_as_gpu
+from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
 from moe_lc.parallel.comm import CommCounter
@@ -74,6 +74,10 @@ class TracedParts:
               stage sends the next one (its gradient comes back alike)
     host      bytes train.offload keeps in host memory from the forward to the backward, by part (not in
               `saved`: moe_lc/parallel/memory/offload.py)
+    working   {"F" | "B": {part: bytes}}: the most a part's forward holds at once above what was live when it
+              began and all it saves, and its backward (B) above what was live when it began (it frees the
+              part's saved tensors as it goes): score tiles, dispatch buffers, recomputed pieces
+              (`_working`); B only with `backward`
     """
 
     saved: dict[str, int]
@@ -84,6 +88,7 @@ class TracedParts:
     calls: dict[str, dict[tuple[str, str], int]] = field(default_factory=dict)
     ops: dict[str, dict[str, int]] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
+    working: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def block(self, kind: str) -> int:
         return self.saved.get(kind, 0)
@@ -118,6 +123,16 @@ def runs_on_gpu(cfg: Config) -> bool:
     under "auto" its precision: 16-bit recipes are the GPU ones, fp32 the CPU ones (a GPU's fused
     attention takes no fp32 and would fall back to the reference math)."""
     return cfg.train.device == "cuda" or (cfg.train.device == "auto" and cfg.precision.recipe != "fp32")
+
+
+def on_traced_device(cfg: Config, spec: GpuSpec = GpuSpec()) -> tuple[Config, contextlib.AbstractContextManager]:
+    """(cfg, context) to trace `cfg`'s step on the meta device as the device it runs on: inside the context
+    meta stands for an H100 (`meta_as_gpu`) where `runs_on_gpu`; else for a CPU, with the attention kernel
+    "auto" takes there (the meta device alone has none, and would trace the O(S^2) reference math)."""
+    if runs_on_gpu(cfg):
+        return cfg, meta_as_gpu(spec)
+    m = replace(cfg.model, attn_backend=resolved_backend(cfg.model.attn_backend, "cpu"))
+    return cfg.replace(model=m), contextlib.nullcontext()
 
 
 def block_kind(m: ModelConfig, layer_id: int) -> str:
@@ -215,12 +230,9 @@ class _SavedCounter:
 
 def _trace(cfg: Config, loss_mask: bool, backward: bool, head: bool) -> TracedParts:
     cfg = position_priority(cfg)
+    cfg, device = on_traced_device(cfg)
     m = one_block_of_each_kind(cfg.model)
-    gpu = runs_on_gpu(cfg)
-    if not gpu:  # the kernel "auto" takes on a CPU, run on meta tensors (the meta device alone has none)
-        m = replace(m, attn_backend=resolved_backend(m.attn_backend, "cpu"))
-    with _trace_mesh(cfg.parallel) as (parallel, dims), warnings.catch_warnings(), \
-            meta_as_gpu() if gpu else contextlib.nullcontext():
+    with _trace_mesh(cfg.parallel) as (parallel, dims), warnings.catch_warnings(), device:
         warnings.simplefilter("ignore")  # the build's and kernels' notes are the trainer's to give
         small = cfg.replace(model=m, parallel=parallel)
         # (built outside the tracer: no shadows of parameters)
@@ -252,33 +264,47 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     def sent(part: str):
         return _sent(dims.counter, comm.setdefault(part, {}), calls.setdefault(part, {}))
 
+    working: dict[str, dict[str, int]] = {"F": {}, "B": {}}
     with counter.counting():
-        with sent("embed"), _ops(tracer, ops, "embed", "F"):
+        with sent("embed"), _ops(tracer, ops, "embed", "F"), _working(tracer, working, "embed", "F"):
             h = chain[0](batch["inputs"])[0]
         outputs = [("embed", batch["inputs"], h)]
         for i, block in model.layers.items():
             kind = counter.part = block_kind(m, int(i))
             x = torch.empty_like(h).requires_grad_()
-            with sent(kind), _ops(tracer, ops, kind, "F"):
+            with sent(kind), _ops(tracer, ops, kind, "F"), _working(tracer, working, kind, "F"):
                 outputs.append((kind, x, run_phases(block.phases(*tables), x)))
         if head:
             counter.part = "head"
             x = torch.empty_like(h).requires_grad_()
-            with sent("head"), _ops(tracer, ops, "head", "F"):
+            with sent("head"), _ops(tracer, ops, "head", "F"), _working(tracer, working, "head", "F"):
                 outputs.append(("head", x, chain[-1](x)[0]))
     held = {}
+    counter.held.clear()  # counted: each backward may now free what its forward saved, as in a step
     if store is not None:
         for part, x, y in outputs:
             with sent(part):
-                held[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}))
+                held[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}), working, part)
     saved, tensors = counter.by_part()
+    working["F"] = {part: max(0, n - saved.get(part, 0)) for part, n in working["F"].items()}
     rope = {x.untyped_storage()._cdata: (x.untyped_storage().nbytes(), f"rope: {str(x.dtype)[6:]}{list(x.shape)}")
             for x in tables}
     saved["rope"], tensors["rope"] = sum(n for n, _ in rope.values()), sorted(rope.values(), reverse=True)
     backward = store is not None
     return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if backward else {},
                        h.numel() * h.element_size(), calls if backward else {}, ops,
-                       dict(counter.host))
+                       dict(counter.host), working)
+
+
+@contextlib.contextmanager
+def _working(tracer: StepTracer, into: dict[str, dict[str, int]], part: str, phase: str):
+    """Raise into[phase][part] to the most live bytes inside above the level before it (a forward's, "F",
+    includes what it has saved by then: `_trace_pieces` takes the part's saved bytes off)."""
+    mem = tracer.memory
+    start = mem.total
+    mem.reset_peak()
+    yield
+    into[phase][part] = max(into[phase].get(part, 0), mem.peak - start)
 
 
 @contextlib.contextmanager
@@ -302,7 +328,7 @@ def _ops(tracer: StepTracer, into: dict[str, dict[str, int]], part: str, phase: 
 
 
 def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore, x: torch.Tensor,
-              y: torch.Tensor, ops: dict[str, int]) -> int:
+              y: torch.Tensor, ops: dict[str, int], working: dict[str, dict[str, int]], part: str) -> int:
     """y's backward as a split schedule runs it, B (`store` deferring) then W -> the bytes B leaves for W:
     what B created that is still alive after it, other than parameters and the gradients of them and of
     x, is what the queued W closures hold (output gradients, inputs B rebuilt or re-quantized for the
@@ -310,7 +336,7 @@ def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore
     before = list(tracer.memory.live.values())  # held, so that no entry's id is reused
     known = {id(e) for e in before}
     start = tracer.ops
-    with store.deferring():
+    with store.deferring(), _working(tracer, working, part, "B"):
         y.backward(torch.empty_like(y))
     ops["B"] = tracer.ops - start
     params = list(model.parameters())  # (their storages, first seen by the tracer when an op aliases one)

@@ -62,14 +62,16 @@ def rank_saved_peak(schedule, rank: int, stages: list[dict], per_stage: list) ->
 
 
 def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int, int],
-                  held: dict[int, float] | None = None, spikes: dict[int, float] | None = None) -> tuple[float, float]:
+                  held: dict[int, float] | None = None, spikes: dict[int, float] | None = None,
+                  b_spikes: dict[int, float] | None = None) -> tuple[float, float]:
     """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions
     in order: F adds its stage's saved bytes, B frees them (a split B keeps them and the output
     gradients `held` for its W, which frees both), and DualPipe's F&B alternates forward and backward
     phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
     the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
-    head's logits), on top of everything its forward saved."""
-    held, spikes = held or {}, spikes or {}
+    head's logits), on top of everything its forward saved; `b_spikes`: one its backward has at its start,
+    on top of everything the micro-batch saved there (`working_spikes`)."""
+    held, spikes, b_spikes = held or {}, spikes or {}, b_spikes or {}
     saved, waiting = {}, {}  # (stage, mb) -> bytes
     now = extra = most = peak = 0.0
     for a in schedule.actions[rank]:
@@ -80,6 +82,7 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
             peak = max(peak, now + extra + spikes.get(key[0], 0.0))
         elif isinstance(a, B):
             key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
+            peak = max(peak, now + extra + b_spikes.get(key[0], 0.0))
             if a.split:
                 waiting[key] = held.get(key[0], 0.0)
                 extra += waiting[key]
@@ -95,6 +98,7 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
             f, b = sizes[f_key[0]], 0.0 if a.split else saved[b_key]
             n_f, n_b = phases[f_key[0]], phases[b_key[0]]
             rise = max(j * f / n_f - min(j - 1, n_b) * b / n_b for j in range(1, n_f + 1))
+            peak = max(peak, now + extra + b_spikes.get(b_key[0], 0.0))  # the backward's first phase
             end = now + f - (n_f - 1) * b / n_b + spikes.get(f_key[0], 0.0)
             most, peak = max(most, now + rise), max(peak, now + rise + extra, end + extra)
             saved[f_key] = f
@@ -115,3 +119,23 @@ def wgrad_held_bytes(cfg: Config, stage: dict) -> float:
     traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
     held = sum(traced.held[block_kind(cfg.model, i)] for i in stage["layers"])
     return float(held + (traced.held["head"] if stage["last"] else 0))
+
+
+def working_spikes(cfg: Config, stage: dict) -> tuple[float, float]:
+    """(forward, backward) working sets of one micro-batch through `stage`, on top of what it has saved when
+    they occur, as `schedule_peak` adds them: the most any of its parts (embedding, blocks, head: their traced
+    `TracedParts.working`) holds at once while running, less what the parts after it will still save (forward;
+    relative to the stage's end) or what the parts before it in backward order have already freed (backward;
+    relative to its start)."""
+    traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
+    parts = ((["embed"] if stage["first"] else []) + [block_kind(cfg.model, i) for i in stage["layers"]]
+             + (["head"] if stage["last"] else []))
+    later = still = 0.0
+    fwd = bwd = 0.0
+    for part in reversed(parts):  # forward: saved by the parts after this one is not saved yet
+        fwd = max(fwd, traced.working["F"].get(part, 0) - later)
+        later += traced.saved[part]
+    for part in reversed(parts):  # backward runs the parts in reverse, each freeing what it saved
+        bwd = max(bwd, traced.working.get("B", {}).get(part, 0) - still)
+        still += traced.saved[part]
+    return fwd, bwd

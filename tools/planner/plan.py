@@ -36,7 +36,7 @@ from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, t
 from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, zero_memory
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
-                              stage_sizes, wgrad_held_bytes)
+                              stage_sizes, wgrad_held_bytes, working_spikes)
 from .layout import (RankLayout, gathered_unit_bytes, host_transfers, rank_layouts, traced_traffic, trainer_traffic,
                      zero_placement)
 from .zero_trace import zero_traffic
@@ -217,11 +217,15 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          compute dtype for the main head and each MTP head, and the loss's fp32 copy and
                          fp32 log-softmax of one of them; with 16-bit logits and no TP (the loss keeps
                          the logits, CrossEntropy16) one head's logits gradient and fp32 row chunks
-      step               at the forward/backward peak, above the most saved activations: one replay,
-                         plus without a pipeline the loss head (which runs when its own saved terms
-                         are not saved yet), under one what `schedule_peak` finds with the head at the
-                         end of each last-stage forward and the output gradients a split backward
-                         leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
+      parts' working     the most one part (embedding, block, head) holds at once while it runs, above
+                         what it saves, where it occurs in its stage (`working_spikes`: traced; the
+                         indexer's score tiles, a reference attention's scores, dispatch buffers)
+      step               at the forward/backward peak, above the most saved activations: without a
+                         pipeline the largest of one replay, the loss head (which runs when its own
+                         saved terms are not saved yet) and the parts' working sets; under one what
+                         `schedule_peak` finds with these at the end of each forward (the head's) and
+                         the start of each backward (a replay), and the output gradients a split
+                         backward leaves for its W (`wgrad_held_bytes`; ZB-H1, DualPipe)
       gradient rounds    ZeRO-2 (parallel.placement.grads = "sharded"): each group's round being filled (a
                          bucket, fp32) and a reduced output (1/N of one); added to "step"
       gathered units     ZeRO-3 (parallel.placement.params = "sharded_gather"): the units whose parameters are
@@ -248,16 +252,21 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["loss head"] = head
         if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
             head -= max(e.head for e in per_stage)
+    # each part's own working set, traced (score tiles, dispatch buffers), where it occurs in its stage
+    walks = {st["id"]: working_spikes(cfg, st) for st in stages}
+    out["parts' working"] = max(max(w) for w in walks.values())
     if schedule is not None:
         sizes = stage_sizes(stages, per_stage)
         phases = {st["id"]: phase_count(st) for st in stages}
         held = {st["id"]: wgrad_held_bytes(cfg, st) if schedule.split_backward else 0.0 for st in stages}
         # the head's working set comes before its own saved terms are saved
-        spikes = {st["id"]: out["loss head"] - e.head for st, e in zip(stages, per_stage) if st["last"]}
-        most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes)
-        out["step"] = peak - most + out["recompute replay"]
+        spikes = {st["id"]: max(walks[st["id"]][0], out["loss head"] - e.head if st["last"] else 0.0)
+                  for st, e in zip(stages, per_stage)}
+        b_spikes = {i: max(w[1], out["recompute replay"]) for i, w in walks.items()}
+        most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes, b_spikes)
+        out["step"] = peak - most
     else:
-        out["step"] = max(out["recompute replay"], head)
+        out["step"] = max(out["recompute replay"], head, *walks[stages[0]["id"]])
     z = zero_placement(cfg)
     if z.params_gathered:  # ZeRO-3: the units gathered at once (param_gather.py)
         out["gathered units"] = gathered_unit_bytes(cfg, schedule, buckets_by_unit, compute_bytes(cfg))
