@@ -136,6 +136,6 @@ def working_spikes(cfg: Config, stage: dict) -> tuple[float, float]:
         fwd = max(fwd, traced.working["F"].get(part, 0) - later)
         later += traced.saved[part]
     for part in reversed(parts):  # backward runs the parts in reverse, each freeing what it saved
-        bwd = max(bwd, traced.working.get("B", {}).get(part, 0) - still)
+        bwd = max(bwd, traced.working["B"].get(part, 0) - still)
         still += traced.saved[part]
     return fwd, bwd

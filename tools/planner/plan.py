@@ -256,15 +256,7 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     walks = {st["id"]: working_spikes(cfg, st) for st in stages}
     out["parts' working"] = max(max(w) for w in walks.values())
     if schedule is not None:
-        sizes = stage_sizes(stages, per_stage)
-        phases = {st["id"]: phase_count(st) for st in stages}
-        held = {st["id"]: wgrad_held_bytes(cfg, st) if schedule.split_backward else 0.0 for st in stages}
-        # the head's working set comes before its own saved terms are saved
-        spikes = {st["id"]: max(walks[st["id"]][0], out["loss head"] - e.head if st["last"] else 0.0)
-                  for st, e in zip(stages, per_stage)}
-        b_spikes = {i: max(w[1], out["recompute replay"]) for i, w in walks.items()}
-        most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes, b_spikes)
-        out["step"] = peak - most
+        out["step"] = _pipeline_step(cfg, stages, per_stage, pp_rank, schedule, walks, out)
     else:
         out["step"] = max(out["recompute replay"], head, *walks[stages[0]["id"]])
     z = zero_placement(cfg)
@@ -284,6 +276,22 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if z.offloaded else rule.update_bytes_per_element)
     out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
     return out
+
+
+def _pipeline_step(cfg: Config, stages: list[dict], per_stage: list, pp_rank: int, schedule, walks: dict,
+                   out: dict[str, float]) -> float:
+    """The "step" transient under a pipeline: what `schedule_peak` finds above the most saved bytes, with the
+    forward spikes (a part's working set, the loss head's) at each forward's end, the backward spikes (a part's
+    working set or a replay) at each backward's start, and what a split backward holds for its W."""
+    sizes = stage_sizes(stages, per_stage)
+    phases = {st["id"]: phase_count(st) for st in stages}
+    held = {st["id"]: wgrad_held_bytes(cfg, st) if schedule.split_backward else 0.0 for st in stages}
+    # the head's working set comes before its own saved terms are saved
+    spikes = {st["id"]: max(walks[st["id"]][0], out["loss head"] - e.head if st["last"] else 0.0)
+              for st, e in zip(stages, per_stage)}
+    b_spikes = {i: max(w[1], out["recompute replay"]) for i, w in walks.items()}
+    most, peak = schedule_peak(schedule, pp_rank, sizes, phases, held, spikes, b_spikes)
+    return peak - most
 
 
 def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLICIES) -> Plan:
