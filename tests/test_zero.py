@@ -80,7 +80,8 @@ def test_uneven_sharding_pads_each_bucket():
 
 
 def _overlap_worker(rank, world):
-    """Record when gradient buckets are launched relative to the end of backward."""
+    """Record when gradient buckets are launched relative to the end of backward, whether each reduces in place
+    (its output a slice of its input, the main-grad buffer) and the reduced shards' bytes through backward."""
     from moe_lc.config import model_config, ParallelConfig
     from moe_lc.model.transformer import build_model
     from moe_lc.parallel import comm
@@ -95,16 +96,23 @@ def _overlap_worker(rank, world):
     opt = ZeroOptimizer(zero_param_groups(parallel, d), d["world"], options=ZeroOptions(bucket_mb=0.05))
     events = []
     real = comm.reduce_scatter
-    comm.reduce_scatter = lambda *a, **k: (events.append("launch"), real(*a, **k))[1]
+    same = lambda out, inp: out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    comm.reduce_scatter = lambda out, inp, *a, **k: (events.append("launch" if same(out, inp) else "copy"),
+                                                     real(out, inp, *a, **k))[1]
+    shard_bytes = lambda: sum(s.grad_shard.untyped_storage().nbytes() for s in opt.shards)
     tokens = torch.randint(0, 259, (2, 33))
     opt.begin_step(2)
     for micro in range(2):  # gradient accumulation: nothing is sent on the first micro-step
         h = model.embed(tokens[:, :-1])
-        h.register_hook(lambda g: events.append("embed-grad"))  # the very end of backward
+        h.register_hook(lambda g: events.append(f"embed-grad, shards {shard_bytes()} B"))  # the end of backward
         loss = model.loss_fn(model.head(model.norm(_blocks(model, h))), tokens[:, 1:])
         loss.backward()
         events.append(f"end-micro{micro}")
+    full = sum(s.grad_shard.numel() * 4 for s in opt.shards)
+    norm = opt.shards[-1].grad_sq_sum  # runs once every group's sync finished
+    opt.shards[-1].grad_sq_sum = lambda: (events.append(f"finished, shards {shard_bytes()} B of {full}"), norm())[1]
     opt.step(lr=1e-3)
+    events.append(f"stepped, shards {shard_bytes()} B")
     return events
 
 
@@ -120,9 +128,13 @@ def test_reduce_scatter_overlaps_backward_and_skips_accumulation_steps():
     first_end = events.index("end-micro0")
     assert "launch" not in events[:first_end]  # no communication on a non-final micro-step
     last = events[first_end:]
-    assert last.count("launch") >= 3
+    assert last.count("launch") >= 3 and "copy" not in events  # every bucket reduced in place
     # buckets of late layers are launched while earlier layers are still in backward
-    assert last.index("launch") < last.index("embed-grad")
+    assert last.index("launch") < last.index("embed-grad, shards 0 B")
+    # the reduced shards take memory from the optimizer step's start to its end only
+    finished = next(e for e in events if e.startswith("finished"))
+    n = int(finished.split()[-1])
+    assert n > 0 and finished == f"finished, shards {n} B of {n}" and events[-1] == "stepped, shards 0 B"
 
 
 def test_bf16_zero1_within_documented_tolerance():

@@ -67,7 +67,7 @@ def test_a_zero1_checkpoint_resumes_under_zero2_exactly(tmp_path):
 def test_the_gradient_state_is_the_shard_and_staging_ends_with_the_step(tmp_path):
     """One process, two micro-batches: no full-size main-grad buffer; each group made one round per
     micro-batch per bucket, and after the step no staging is held; the planner's gradient bytes are the
-    shards' (and ZeRO-1's the buffer's on top)."""
+    shards' (and ZeRO-1's the buffer's instead: its shard lives at the optimizer step only)."""
     from moe_lc.train import Trainer
     from tools.planner.plan import plan
 
@@ -80,4 +80,4 @@ def test_the_gradient_state_is_the_shard_and_staging_ends_with_the_step(tmp_path
     rank = plan(cfg, 1).ranks[0]
     assert rank.memory["grads"] == sum(s.grad_shard.numel() * 4 for s in shards)
     zero1 = plan(load_config(RECIPE, overrides), 1).ranks[0]
-    assert zero1.memory["grads"] == 2 * rank.memory["grads"]  # N = 1: the buffer and its "shard"
+    assert zero1.memory["grads"] == rank.memory["grads"]  # N = 1: the buffer is as large as the shard

@@ -171,11 +171,9 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         if z.grads_sharded:  # ZeRO-2: the shard alone (its rounds' staging: transients)
             rows.append(StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "S")},
                                        "ZeRO-2: this rank's reduced 1/N, reduce-scattered each micro-batch"))
-        else:
-            rows += [StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
-                                    "full-size main-grad buffer, reduce-scattered per bucket"),
-                     StatePlacement("grads", f"{part} shard", numel, 4, "fp32", {**model_dims, group: (n, "S")},
-                                    "this rank's reduced 1/N of the main grads (the reduce-scatter's output)")]
+        else:  # ZeRO-1: the reduced 1/N lands in the buffer; its (P/N,) copy lives at the step (transients)
+            rows.append(StatePlacement("grads", part, numel, 4, "fp32", {**model_dims, group: (n, "R")},
+                                       "full-size main-grad buffer, reduce-scattered in place per bucket"))
         host = {"host": (1, "O")} if offloaded else {}  # parallel.placement.optimizer: master and state on the host
         rows.append(StatePlacement("optimizer", part, numel, opt_bytes, opt_dtype, {**model_dims, group: (n, "S"), **host},
                                    opt_note + (", in host memory" if offloaded else "")))
@@ -237,7 +235,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
       optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
                          (16 B/element, zero/optimizer.py), or the update rule's temporaries as it declares them
                          (AdamW: sqrt and denominator, the no-decay copy of the master, and fp32 copies
-                         of bf16 moments)
+                         of bf16 moments); with ZeRO-1, every group's reduced gradient shard too ((P/N,)
+                         fp32, copied out of the main-grad buffer when the step begins, freed after it)
     """
     t, m, c = cfg.train, cfg.model, compute_bytes(cfg)
     out = {"recompute replay": max(e.recompute_working for e in per_stage)}
@@ -274,7 +273,10 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     # the rule's temporaries are host memory when the optimizer is offloaded (per bucket, on the CPU)
     per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if z.offloaded else rule.update_bytes_per_element)
-    out["optimizer step"] = per_elem * max(sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items())
+    shards = {g: sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items()}
+    out["optimizer step"] = per_elem * max(shards.values())
+    if not z.grads_sharded:  # ZeRO-1's shards (zero/grad_sync.py `BucketSync.finish`); a frozen group's stay unmade
+        out["optimizer step"] += 4 * sum(n for g, n in shards.items() if not frozen_zero_group(g))
     return out
 
 

@@ -7,7 +7,11 @@ bucket, in `shard` ((P/N,) fp32, `ShardedParams.grad_shard`) by the end of `fini
 
   BucketSync   grads = "replicated" (ZeRO-1, here): a full-size fp32 main-grad buffer (P,) accumulates every
                micro-batch's gradients; a bucket's reduce-scatter is launched asynchronously when its last
-               gradient of the step arrives (the count `begin_step` expects), overlapping the rest of backward
+               gradient of the step arrives (the count `begin_step` expects), overlapping the rest of backward.
+               It reduces in place, into the bucket's own 1/N of the buffer (as Megatron-LM's distributed
+               optimizer does), so `shard` has no storage through forward and backward: `finish` allocates it
+               and copies the reduced slices in, `zero_grad` frees it again. The (P/N,) fp32 shard then
+               costs memory only at the optimizer step, when the activations are gone.
   GradRounds   grads = "sharded" (ZeRO-2, zero/grad_rounds.py): no full buffer; each micro-batch's gradients
                are reduce-scattered round by round as backward fills a bucket
 
@@ -21,6 +25,7 @@ import torch
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.zero.layout import Bucket
+from moe_lc.parallel.zero.param_store import resize_storage
 
 
 class GradSync:
@@ -44,7 +49,8 @@ class GradSync:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        """Clear what it accumulated (`shard` is the caller's to clear)."""
+        """Clear what it accumulated, `shard` included."""
+        self.shard.zero_()
 
     def tensors(self) -> list[torch.Tensor]:
         """What it holds through a step besides `shard` (the dry run labels it gradient memory)."""
@@ -67,6 +73,8 @@ class BucketSync(GradSync):
         self.works: list = [None] * len(buckets)  # each bucket's reduce-scatter in flight
         self.launched = [False] * len(buckets)
         self.sync = False  # inside a step (`begin_step` .. `finish`): a full bucket is launched
+        self.shard_bytes = shard.untyped_storage().nbytes()
+        resize_storage(shard, 0)  # allocated by `finish`, at the optimizer step
 
     def begin_step(self, expected: list[int]) -> None:
         self.sync, self.expected = True, list(expected)
@@ -79,13 +87,19 @@ class BucketSync(GradSync):
         if self.sync and self.arrived[index] == self.expected[index]:
             self._launch(self.buckets[index])
 
+    def _own(self, b: Bucket) -> torch.Tensor:
+        """(shard_size,) this rank's 1/N of bucket b in the buffer: where its reduce-scatter lands."""
+        at = b.start + self.group.rank * b.shard_size
+        return self.buffer[at:at + b.shard_size]
+
     def _launch(self, b: Bucket) -> None:
         full = self.buffer[b.start:b.start + b.size]
-        self.works[b.index] = comm.reduce_scatter(b.part(self.shard), full, self.group, async_op=True)
+        self.works[b.index] = comm.reduce_scatter(self._own(b), full, self.group, async_op=True)
         self.launched[b.index] = True
 
     def finish(self) -> None:
-        """Launch the buckets whose gradients never all arrived (unused parameters), wait for every one."""
+        """Launch the buckets whose gradients never all arrived (unused parameters), wait for every one, copy
+        each bucket's reduced 1/N into `shard` (allocated now)."""
         for b in self.buckets:
             if not self.launched[b.index]:
                 self._launch(b)
@@ -94,9 +108,13 @@ class BucketSync(GradSync):
                 work.wait()
             self.launched[i], self.works[i] = False, None
         self.sync = False
+        resize_storage(self.shard, self.shard_bytes)
+        for b in self.buckets:
+            b.part(self.shard).copy_(self._own(b))
 
     def zero_grad(self) -> None:
         self.buffer.zero_()
+        resize_storage(self.shard, 0)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.buffer]

@@ -170,8 +170,7 @@ class ShardedParams:
         return (sq if self.norm_weight is None else sq * self.norm_weight).sum()
 
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
-        self.grad_shard.zero_()
+        self.grad_sync.zero_grad()  # the shard too (ZeRO-1's is freed until the next step's `finish`)
 
     # -- update -----------------------------------------------------------------------------------
     @torch.no_grad()
