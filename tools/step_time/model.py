@@ -34,6 +34,8 @@ a part dispatches in F, B and W (tools/planner/block_trace.py's count) costs `op
 is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: kernel launch
 and collective latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's
 all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
+Stated with it: model TFLOP/s with attention counted causally (MFU's) and in full (flop_conventions.py), and a
+warning per group that would fit one NVLink domain but straddles two (nvlink_domains.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from moe_lc.parallel.build import pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.pipeline import FB, B, Costs, F, simulate
 from .clusters import Cluster
+from .flop_conventions import model_flops_keys, render_flops
+from .nvlink_domains import group_partition, plan_warnings, render_warnings
 from ..planner.pipeline_memory import stage_forwards
 
 ATTENTION_BWD = 2.5  # flash attention's backward recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2 paper)
@@ -167,11 +171,7 @@ def link_seconds(dims: ParallelDims, rank: int, group: str, op: str, nbytes: flo
     subgroup made on demand (e.g. "tp_kv": the tp ranks sharing a kv head) is placed as its mesh dim.
     Plus, in `calls` calls, what a host pays per call (the cluster's call_us and link_latency_us) and the
     backend's copy of the bytes (copy_gbps): 0 on the GPU clusters."""
-    try:
-        partition = dims.group_ranks(group)
-    except ValueError:
-        partition = dims.group_ranks(group.split("_")[0])
-    ranks = next(r for r in partition if rank in r)
+    ranks = next(r for r in group_partition(dims, group) if rank in r)
     peers = [r for r in ranks if r != rank]
     if not peers or not (nbytes or calls):
         return 0.0
@@ -343,7 +343,9 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
     achieved = flops * tokens / step / deg["world"]
     return {"cluster": cluster.__dict__, "efficiency": dict(eff), "step_s": step,
             "tokens_per_s_per_gpu": tokens / step / deg["world"], "mfu": achieved / peak,
-            "model_tflops_per_gpu": achieved / 1e12, "model_flops_per_token": flops,
+            "model_tflops_per_gpu": achieved / 1e12, "model_flops_per_token": flops,  # causal: MFU's numerator
+            **model_flops_keys(cfg.model, t.seq_len, tokens / step / deg["world"]),
+            "warnings": plan_warnings(cfg, plan, cluster, rc.pp_rank),
             "pipeline_s": pipeline_s, "bubble_share": bubble / pipeline_s if pipeline_s else 0.0,
             "optimizer_s": optimizer_s, "exposed_comm_s": {g: s for g, s in exposed.items() if s > 0},
             "comm_s": rc.comm_s, "costs_s": {**costs, "FB": costs["FB"] or costs["F"] + costs["B"], "comm": pp_send},
@@ -364,4 +366,4 @@ def render(pred: dict) -> str:
            f"W {k['W'] * 1e3:.2f} F&B {k['FB'] * 1e3:.2f} ms, pp transfer {k['comm'] * 1e3:.2f} ms",
            "  communication per step, link time (exposed): " + ", ".join(
                f"{g} {s:.3f} s ({pred['exposed_comm_s'].get(g, 0.0):.3f})" for g, s in pred["comm_s"].items())]
-    return "\n".join(out)
+    return "\n".join(out[:2] + render_flops(pred) + out[2:] + render_warnings(pred))

@@ -22,7 +22,6 @@ import os
 from dataclasses import replace
 
 from moe_lc.config import load_config
-from moe_lc.model.counting import attention_core_flops
 from .clusters import resolve
 from ..planner.plan import plan
 from .model import predict
@@ -42,13 +41,6 @@ RUNS = [
 RAISE = 1.10
 
 
-def full_attention_tflops(cfg, pred: dict) -> float:
-    """Model TFLOP/s/GPU with the attention core counted non-causal (every key, not S/2 on average): the
-    convention of Megatron's FLOP counter unless it is told the mask is causal."""
-    extra = 3 * cfg.model.n_layers * attention_core_flops(cfg.model, cfg.train.seq_len)
-    return pred["model_tflops_per_gpu"] * (pred["model_flops_per_token"] + extra) / pred["model_flops_per_token"]
-
-
 def run_one(recipe: str, cluster_name: str) -> dict:
     cfg = load_config(recipe, [])
     p = plan(cfg, None, recipe)
@@ -61,7 +53,7 @@ def run_one(recipe: str, cluster_name: str) -> dict:
         bigger = replace(cluster, **{key: getattr(cluster, key) * RAISE})
         moves[f"cluster.{key}"] = predict(cfg, p, bigger, eff)["tokens_per_s_per_gpu"]
     base["raise_10pct"] = {k: v / base["tokens_per_s_per_gpu"] - 1 for k, v in moves.items()}
-    base["model_tflops_full_attention"] = full_attention_tflops(cfg, base)
+    base["model_tflops_full_attention"] = base["model_tflops_per_gpu_full"]  # (flop_conventions.py; results.json's key)
     base["degrees"] = p.degrees
     base["peak_gib"] = max(r.peak_bytes() for r in p.ranks) / 2**30
     return base
