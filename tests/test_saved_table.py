@@ -55,9 +55,10 @@ def test_cli_prints_the_table_and_json():
 @pytest.mark.slow  # ~15 s: 32 pipeline stages of a 405B model planned
 def test_llama3_405b_at_8k_plans_under_an_h100s_memory_on_every_pipeline_rank():
     """Meta's layout (recipes/published/llama3_405b_8k_h100.toml) planned at 151-172 GiB per rank before the
-    shards, norms and SwiGLU kept less; now every rank plans under 76 GiB (an H100 reports 79.6 GiB)."""
+    shards, norms and SwiGLU kept less; now every rank plans under the 81,559 MiB (79.6 GiB) an H100 reports
+    (76.38 GiB at most, with each part's working set planned; not under 80 GB = 74.5 GiB)."""
     from tools.planner.plan import plan
 
     p = plan(load_config(RECIPES / "published" / "llama3_405b_8k_h100.toml"), None)
     peaks = [r.peak_bytes() for r in p.ranks]
-    assert len(peaks) == 16 and max(peaks) <= 76 * 2**30, [round(x / 2**30, 2) for x in peaks]
+    assert len(peaks) == 16 and max(peaks) <= 81559 * 2**20, [round(x / 2**30, 2) for x in peaks]

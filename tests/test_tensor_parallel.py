@@ -266,3 +266,26 @@ def test_tp_trains_like_one_device(recipe, model, layout, world):
     got = _assert_tp_equivalent(recipe, model, layout, world)
     # sequence-parallel traffic is on the tp group and ZeRO-1's reduce-scatter covers dense shards
     assert got.comm_per_rank[0][0]["comm/tp/all_gather_bytes"] > 0
+
+
+def test_vocab_parallel_loss_keeps_the_logits_not_an_fp32_softmax():
+    """bf16 logits (T, V) over more rows than one block: backward keeps the logits (2 bytes an entry) and
+    per-row fp32 statistics, not a 4-byte softmax; loss and gradient equal torch's fp32 cross entropy's."""
+    import torch.nn.functional as F
+
+    from moe_lc.parallel.tp.mappings import VOCAB_CE_ROWS, VocabParallelCrossEntropy
+
+    T, V = VOCAB_CE_ROWS + 300, 512
+    logits = (torch.randn(1, T, V) * 4).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (1, T))
+    labels[0, :7] = -100
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        loss = VocabParallelCrossEntropy(Group("tp", [0], 0)).token_losses(logits, labels)
+    assert sum(t.numel() * t.element_size() for t in saved) < T * V * 2 + T * 64
+    loss.sum().backward()
+    ref = logits.detach().float().requires_grad_()
+    ref_loss = F.cross_entropy(ref[0], labels[0], reduction="none")
+    ref_loss.sum().backward()
+    torch.testing.assert_close(loss[0], ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.grad.float(), ref.grad, rtol=0, atol=4e-3)  # bf16 rounding of the result

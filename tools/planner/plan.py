@@ -33,6 +33,7 @@ from moe_lc.model.counting import param_counts
 from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
+from moe_lc.parallel.tp.mappings import VOCAB_CE_ROWS
 from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT
 from .placement_semantics import MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, zero_memory
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
@@ -214,7 +215,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
       loss head          on the last stage, the logits of the local sequence (B, S/cp, V/tp) in the
                          compute dtype for the main head and each MTP head, and the loss's fp32 copy and
                          fp32 log-softmax of one of them; with 16-bit logits and no TP (the loss keeps
-                         the logits, CrossEntropy16) one head's logits gradient and fp32 row chunks
+                         the logits, CrossEntropy16) one head's logits gradient and fp32 row chunks; under
+                         TP (the vocab-parallel loss keeps the logits too) its fp32 row blocks
       parts' working     the most one part (embedding, block, head) holds at once while it runs, above
                          what it saves, where it occurs in its stage (`working_spikes`: traced; the
                          indexer's score tiles, a reference attention's scores, dispatch buffers)
@@ -242,8 +244,12 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     out = {"recompute replay": max(e.recompute_working for e in per_stage)}
     head = 0.0
     if any(st["last"] for st in stages):
-        logits = t.micro_batch * t.seq_len // deg.cp * (m.vocab_size // deg.tp)
-        if c == 4 or deg.tp > 1:
+        tokens, vocab = t.micro_batch * t.seq_len // deg.cp, m.vocab_size // deg.tp
+        logits = tokens * vocab
+        if deg.tp > 1:  # the vocab-parallel loss's fp32 row blocks: a shifted copy (and a cast of 16-bit logits)
+            blocks = (2 if c == 2 else 1) * min(VOCAB_CE_ROWS, tokens) * vocab * 4
+            head = logits * c * (1 + m.mtp.depth) + blocks
+        elif c == 4:
             head = logits * (c * (1 + m.mtp.depth) + 8)
         else:  # 16-bit logits are kept (saved terms); the loss works on fp32 row chunks of them
             rows = min(CrossEntropy16.ROWS, t.micro_batch * t.seq_len // deg.cp)

@@ -257,40 +257,62 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab/tp={self.weight.shape[0]}, dim={self.weight.shape[1]}, tp={self.group.size}"
 
 
+VOCAB_CE_ROWS = 1024  # token rows the vocab-parallel cross entropy holds in fp32 at once (the planner's too)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token -log softmax(logits)[label] from vocab shards.  logits (B, S, V/N) on each tp rank
     (vocab entries [r V/N, (r+1) V/N)), labels (B, S) replicated -> loss (B, S) fp32, replicated.
-    Backward: (softmax - onehot) restricted to this rank's vocab shard; no communication."""
+    Backward: (softmax - onehot) restricted to this rank's vocab shard; no communication.
+
+    `VOCAB_CE_ROWS` token rows at a time, in fp32: backward keeps the logits themselves (in their dtype) and
+    each row's fp32 max and sum of exponentials, and recomputes the softmax row block by row block with the same
+    operations as the forward (so the numbers are the unchunked ones bit for bit), instead of an fp32
+    softmax of every logit (Megatron-LM's vocab-parallel cross entropy keeps that: 4 bytes an entry, twice
+    16-bit logits) made from a full fp32 copy. Two all-reduces in all, as unchunked: the rows' maxima, then
+    their sums and target logits."""
 
     @staticmethod
     def forward(ctx, logits_BSv, labels_BS, group, ignore_index):
-        x_BSv = logits_BSv.float()
-        v_local = x_BSv.shape[-1]
-        max_BS = x_BSv.max(dim=-1).values
-        comm.all_reduce(max_BS, group, op=dist.ReduceOp.MAX)
-        x_BSv = x_BSv - max_BS.unsqueeze(-1)  # a new tensor: the input logits stay untouched
-        local_BS = labels_BS - group.rank * v_local
-        owned_BS = (local_BS >= 0) & (local_BS < v_local)
-        idx_BS = local_BS.clamp(0, v_local - 1)
-        target_BS = x_BSv.gather(-1, idx_BS.unsqueeze(-1)).squeeze(-1) * owned_BS
-        exp_BSv = x_BSv.exp_()
-        stats_2BS = torch.stack([exp_BSv.sum(-1), target_BS])  # one all-reduce for both sums
-        comm.all_reduce(stats_2BS, group)
-        sumexp_BS, target_BS = stats_2BS.unbind(0)
-        valid_BS = labels_BS != ignore_index
-        loss_BS = (sumexp_BS.log() - target_BS) * valid_BS
-        softmax_BSv = exp_BSv.div_(sumexp_BS.unsqueeze(-1))
-        ctx.save_for_backward(softmax_BSv, idx_BS, owned_BS & valid_BS, valid_BS)
-        ctx.in_dtype = logits_BSv.dtype
-        return loss_BS
+        logits_Tv, labels_T = logits_BSv.flatten(0, 1), labels_BS.flatten()
+        v_local = logits_Tv.shape[-1]
+        max_T = logits_Tv.amax(dim=-1).float()  # exact in any dtype: no fp32 copy needed
+        comm.all_reduce(max_T, group, op=dist.ReduceOp.MAX)
+        local_T = labels_T - group.rank * v_local
+        owned_T = (local_T >= 0) & (local_T < v_local)
+        idx_T = local_T.clamp(0, v_local - 1)
+        target_T = (logits_Tv.gather(-1, idx_T.unsqueeze(-1)).squeeze(-1).float() - max_T) * owned_T
+        sumexp_T = torch.cat([_shifted_exp(x, m).sum(-1) for x, m in _row_blocks(logits_Tv, max_T)])
+        stats_2T = torch.stack([sumexp_T, target_T])  # one all-reduce for both sums
+        comm.all_reduce(stats_2T, group)
+        sumexp_T, target_T = stats_2T.unbind(0)
+        valid_T = labels_T != ignore_index
+        loss_T = (sumexp_T.log() - target_T) * valid_T
+        ctx.save_for_backward(logits_Tv, max_T, sumexp_T, idx_T, owned_T & valid_T, valid_T)
+        ctx.shape = logits_BSv.shape
+        return loss_T.view_as(labels_BS)
 
     @staticmethod
     def backward(ctx, dloss_BS):
-        # softmax is reused in place as the gradient (like Megatron): backward may run only once
-        grad_BSv, idx_BS, hit_BS, valid_BS = ctx.saved_tensors
-        grad_BSv.scatter_add_(-1, idx_BS.unsqueeze(-1), -hit_BS.unsqueeze(-1).to(grad_BSv.dtype))
-        grad_BSv.mul_((dloss_BS * valid_BS).unsqueeze(-1))
-        return grad_BSv.to(ctx.in_dtype), None, None, None
+        logits_Tv, max_T, sumexp_T, idx_T, hit_T, valid_T = ctx.saved_tensors
+        scale_T = dloss_BS.flatten() * valid_T
+        out_Tv = torch.empty_like(logits_Tv)
+        for lo in range(0, len(logits_Tv), VOCAB_CE_ROWS):
+            r = slice(lo, lo + VOCAB_CE_ROWS)
+            grad = _shifted_exp(logits_Tv[r], max_T[r]).div_(sumexp_T[r].unsqueeze(-1))  # the softmax
+            grad.scatter_add_(-1, idx_T[r].unsqueeze(-1), -hit_T[r].unsqueeze(-1).to(grad.dtype))
+            out_Tv[r] = grad.mul_(scale_T[r].unsqueeze(-1))
+        return out_Tv.view(ctx.shape), None, None, None
+
+
+def _row_blocks(logits_Tv: torch.Tensor, max_T: torch.Tensor):
+    """(VOCAB_CE_ROWS, V/N) blocks of the logits with their rows' maxima."""
+    return zip(logits_Tv.split(VOCAB_CE_ROWS), max_T.split(VOCAB_CE_ROWS))
+
+
+def _shifted_exp(logits_Rv: torch.Tensor, max_R: torch.Tensor) -> torch.Tensor:
+    """exp(logits - row max) (R, V/N) fp32, one new fp32 tensor (the subtraction's; exp in place)."""
+    return (logits_Rv.float() - max_R.unsqueeze(-1)).exp_()
 
 
 class VocabParallelCrossEntropy(nn.Module):
