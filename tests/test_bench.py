@@ -22,7 +22,8 @@ METRICS = {"attention": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops")
            "gemm": ("ms", "tflops"),
            "grouped_gemm": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"),
            "model_step": ("step_ms", "tokens_per_s", "model_flops", "hardware_flops"),
-           "layer": ("fwd_ms", "fwd_bwd_ms", "planned_saved_gib")}
+           "layer": ("fwd_ms", "fwd_bwd_ms", "planned_saved_gib"),
+           "dsa_attention": ("fwd_bwd_ms",)}
 
 
 def _positive_number(x) -> bool:
@@ -250,3 +251,34 @@ def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
     assert "needs a CUDA GPU" in tests_log and " skipped" in tests_log and "failed" not in tests_log
     (bench,) = tmp_path.glob("*-dry-run.json")
     assert sorted(json.loads(bench.read_text())["parts"]) == ["attention", "grouped_gemm"]
+
+
+def test_headline_ratios_from_parts_and_which_targets_hold():
+    """tools/bench/ratios.py on synthetic entries: each ratio from its part, the slower-over-faster direction,
+    the lowest shape for the FP8 Linear, a missing part named, and the targets judged (Muon's lower-is-better,
+    FP8's MFU relative to bf16's)."""
+    from tools.bench.ratios import FP8_STEP, MUON_STEP, met, ratios
+
+    def part(*entries):
+        return {"entries": [{"status": "ok", **e} for e in entries]}
+
+    parts = {
+        "fp8_linear": part({"M": 8192, "K": 7168, "N": 1536, "variant": "bf16", "fwd_bwd_ms": 3.0},
+                           {"M": 8192, "K": 7168, "N": 1536, "variant": "fp8", "fwd_bwd_ms": 2.0},
+                           {"M": 8192, "K": 2048, "N": 7168, "variant": "bf16", "fwd_bwd_ms": 2.4},
+                           {"M": 8192, "K": 2048, "N": 7168, "variant": "fp8", "fwd_bwd_ms": 2.0}),
+        "dsa_attention": part({"seq": 32768, "impl": "dense", "topk": 2048, "fwd_bwd_ms": 300.0},
+                              {"seq": 32768, "impl": "dsa", "topk": 2048, "fwd_bwd_ms": 150.0}),
+        "model_step": part({"seq": 4096, "mfu_pct": 36.0, "step_ms": 100.0}, {"seq": 32768, "mfu_pct": 30.0}),
+        FP8_STEP: part({"seq": 4096, "mfu_pct": 40.0}),
+        MUON_STEP: part({"seq": 4096, "step_ms": 160.0}),
+    }
+    values, missing = ratios(parts)
+    assert values["fp8_linear_vs_bf16"] == pytest.approx(1.2)  # the lower of 1.5 and 1.2
+    assert values["dsa_vs_dense_32k"] == 2.0 and values["dsa_vs_dense_128k"] is None
+    assert values["mfu_4k_bf16"] == 0.36 and values["mfu_4k_fp8"] == 0.40 and values["muon_vs_adamw"] == 1.6
+    assert "moe_layer" in missing["fp8_moe_vs_bf16"] and "dsa_attention" in missing["dsa_vs_dense_128k"]
+    judged = met(values)
+    assert judged["fp8_linear_vs_bf16"] is False and judged["dsa_vs_dense_32k"] is True
+    assert judged["mfu_4k_fp8"] is True and judged["muon_vs_adamw"] is False and judged["mfu_32k_bf16"] is False
+    assert judged["fp8_moe_vs_bf16"] is None
