@@ -23,7 +23,8 @@ METRICS = {"attention": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops")
            "grouped_gemm": ("fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"),
            "model_step": ("step_ms", "tokens_per_s", "model_flops", "hardware_flops"),
            "layer": ("fwd_ms", "fwd_bwd_ms", "planned_saved_gib"),
-           "dsa_attention": ("fwd_bwd_ms",)}
+           "dsa_attention": ("fwd_bwd_ms",), "fp8_linear": ("fwd_bwd_ms", "tflops"),
+           "moe_layer": ("fwd_bwd_ms",)}
 
 
 def _positive_number(x) -> bool:

@@ -12,7 +12,8 @@
 #
 # Parts: env, tests, attention, gemm, grouped_gemm, model_step (with --profile), muon_step (the same
 # step with train.optimizer = muon), fp8_step (the same with precision.recipe = fp8), dsa_attention (one V3
-# MLA attention sublayer, dense vs DSA k = 2048, at 32K and 128K), optimizer_offload_step (the same step with the fp32 master and moments
+# MLA attention sublayer, dense vs DSA k = 2048, at 32K and 128K), fp8_linear (the Linear fwd+bwd, bf16 vs
+# FP8, at V3's shapes), moe_layer (a V3-shaped MoE layer of 32 local experts, bf16 vs FP8), optimizer_offload_step (the same step with the fp32 master and moments
 # in pinned host memory, parallel.placement.optimizer = offloaded; its updates deferred into the next forward),
 # optimizer_offload_in_step (the same with every update in the step: the overlap's gain is the difference),
 # zero3_step (the step with parallel.placement.params = sharded_gather), layer, compile (model_step with
@@ -30,7 +31,7 @@ export PYTHONUNBUFFERED=1
 DRY_FLAG=${DRY:+--dry-run}
 FAST=(--warmup 2 --iters 10 --max-s 0.3)
 
-PARTS=" ${PARTS:-env tests model_step muon_step fp8_step dsa_attention} "
+PARTS=" ${PARTS:-env tests model_step muon_step fp8_step dsa_attention fp8_linear moe_layer} "
 
 part() {  # part NAME LIMIT_S COMMAND...   (skipped unless NAME is in $PARTS)
     local name=$1 limit=$2 t0=$SECONDS
@@ -44,16 +45,18 @@ part() {  # part NAME LIMIT_S COMMAND...   (skipped unless NAME is in $PARTS)
 
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
 part env 40 python -m tools.gpu_check --steps env --out "$WORK" $DRY_FLAG
-part tests 150 python -m pytest -m gpu -rsP -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
+part tests 120 python -m pytest -m gpu -rsP -q -p no:cacheprovider -o timeout=90 --junitxml="$WORK/gpu_tests.xml"
 part attention 90 python -m tools.bench.run --out "$WORK" --parts attention --quick "${FAST[@]}" $DRY_FLAG
 part gemm 45 python -m tools.bench.run --out "$WORK" --parts gemm --quick "${FAST[@]}" $DRY_FLAG
 part grouped_gemm 40 python -m tools.bench.run --out "$WORK" --parts grouped_gemm --quick "${FAST[@]}" $DRY_FLAG
-part model_step 80 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
+part model_step 70 python -m tools.bench.run --out "$WORK" --parts model_step --quick --profile $DRY_FLAG
 mkdir -p "$WORK/muon"
 part muon_step 60 python -m tools.bench.run --out "$WORK/muon" --parts model_step --quick --set train.optimizer=muon $DRY_FLAG
 mkdir -p "$WORK/fp8"
 part fp8_step 80 python -m tools.bench.run --out "$WORK/fp8" --parts model_step --quick --set precision.recipe=fp8 $DRY_FLAG
-part dsa_attention 120 python -m tools.bench.run --out "$WORK" --parts dsa_attention --quick $DRY_FLAG
+part dsa_attention 100 python -m tools.bench.run --out "$WORK" --parts dsa_attention --quick $DRY_FLAG
+part fp8_linear 45 python -m tools.bench.run --out "$WORK" --parts fp8_linear --quick $DRY_FLAG
+part moe_layer 45 python -m tools.bench.run --out "$WORK" --parts moe_layer --quick $DRY_FLAG
 mkdir -p "$WORK/optimizer_offloaded"
 part optimizer_offload_step 70 python -m tools.bench.run --out "$WORK/optimizer_offloaded" --parts model_step --quick \
     --set parallel.placement.optimizer=offloaded $DRY_FLAG

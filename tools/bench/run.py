@@ -46,7 +46,7 @@ from .common import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PARTS = ("attention", "gemm", "grouped_gemm", "model_step", "layer", "dsa_attention")
+PARTS = ("attention", "gemm", "grouped_gemm", "model_step", "layer", "dsa_attention", "fp8_linear", "moe_layer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
