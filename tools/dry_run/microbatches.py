@@ -3,7 +3,7 @@ every state the recipe's whole step reaches, so that the traced peak is the whol
 
 What a pipeline rank holds for backward at any moment is set by what its schedule has in flight: per stage,
 the micro-batches run forward and not yet backward (their saved activations) and those a split backward
-left waiting for their W (the output gradients it keeps), plus the action running (an F adds its stage's
+left waiting for their W (what the W needs), plus the action running (an F adds its stage's
 bytes, DualPipe's F&B interleaves a forward and a backward phase by phase). A rank's *states* are these
 counts at each of its actions, with the action's kind and stages: exactly the events at which
 tools/planner/pipeline_memory.py's `schedule_peak` takes its maximum. After its warm-up a schedule repeats its

@@ -64,7 +64,10 @@ class TracedParts:
 
     saved     bytes autograd keeps from the forward to the backward
     tensors   what they are: [(bytes, "module: op dtype[shape]")], largest first (plan.py --terms)
-    held      bytes a split backward's B leaves for its W (`_backward`); only with `backward`
+    held      bytes a split backward's B leaves for its W that B made (`_backward`: output gradients, inputs
+              B rebuilt or re-quantized); only with `backward`
+    kept      bytes of the forward's a split backward's B leaves for its W (`_backward`: the inputs of the
+              Linears that defer W, a subset of `saved`; the rest B frees); only with `backward`
     comm      {(group, op): bytes} this rank sends while the part runs forward, backward (recompute
               replays included) and W, as comm.py counts them, on the recipe's mesh; only with `backward`
     calls     {(group, op): collective calls} of the same, as comm.py counts them; only with `backward`
@@ -89,6 +92,7 @@ class TracedParts:
     ops: dict[str, dict[str, int]] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     working: dict[str, dict[str, int]] = field(default_factory=dict)
+    kept: dict[str, int] = field(default_factory=dict)
 
     def block(self, kind: str) -> int:
         return self.saved.get(kind, 0)
@@ -279,12 +283,13 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
             x = torch.empty_like(h).requires_grad_()
             with sent("head"), _ops(tracer, ops, "head", "F"), _working(tracer, working, "head", "F"):
                 outputs.append(("head", x, chain[-1](x)[0]))
-    held = {}
+    held, kept = {}, {}
     counter.held.clear()  # counted: each backward may now free what its forward saved, as in a step
     if store is not None:
         for part, x, y in outputs:
             with sent(part):
-                held[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}), working, part)
+                held[part], kept[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}), working,
+                                                   part)
     saved, tensors = counter.by_part()
     working["F"] = {part: max(0, n - saved.get(part, 0)) for part, n in working["F"].items()}
     rope = {x.untyped_storage()._cdata: (x.untyped_storage().nbytes(), f"rope: {str(x.dtype)[6:]}{list(x.shape)}")
@@ -293,7 +298,7 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     backward = store is not None
     return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if backward else {},
                        h.numel() * h.element_size(), calls if backward else {}, ops,
-                       dict(counter.host), working)
+                       dict(counter.host), working, kept)
 
 
 @contextlib.contextmanager
@@ -328,11 +333,12 @@ def _ops(tracer: StepTracer, into: dict[str, dict[str, int]], part: str, phase: 
 
 
 def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore, x: torch.Tensor,
-              y: torch.Tensor, ops: dict[str, int], working: dict[str, dict[str, int]], part: str) -> int:
-    """y's backward as a split schedule runs it, B (`store` deferring) then W -> the bytes B leaves for W:
-    what B created that is still alive after it, other than parameters and the gradients of them and of
-    x, is what the queued W closures hold (output gradients, inputs B rebuilt or re-quantized for the
-    wgrad GEMM). W runs after (its collectives, e.g. a replicated kv head's gradient rows, count)."""
+              y: torch.Tensor, ops: dict[str, int], working: dict[str, dict[str, int]], part: str) -> tuple[int, int]:
+    """y's backward as a split schedule runs it, B (`store` deferring) then W -> (held, kept): the bytes B
+    leaves for W that B made (what it created that is still alive after it, other than parameters and the
+    gradients of them and of x: output gradients, inputs B rebuilt or re-quantized) and the rest of what W
+    frees, the forward's tensors the queued W closures hold (the Linears' inputs). W runs after (its
+    collectives, e.g. a replicated kv head's gradient rows, count)."""
     before = list(tracer.memory.live.values())  # held, so that no entry's id is reused
     known = {id(e) for e in before}
     start = tracer.ops
@@ -343,9 +349,17 @@ def _backward(model: torch.nn.Module, tracer: StepTracer, store: WeightGradStore
     other = {t.untyped_storage()._cdata for t in (*params, *(p.grad for p in params), x.grad) if t is not None}
     new = [e for e in tracer.memory.live.values() if id(e) not in known]
     held = sum(e[1] for e in new if e[0]() is not None and e[0]()._cdata not in other)
+    waiting = _live_bytes(tracer, params)
     start = tracer.ops
-    WeightGradStore.run(store.take())
+    WeightGradStore.run(store.take())  # (the queue, and what its closures hold, is freed on return)
     ops["W"] = tracer.ops - start
+    freed = waiting - _live_bytes(tracer, params)
     for p in params:
         p.grad = None
-    return held
+    return held, max(0, freed - held)
+
+
+def _live_bytes(tracer: StepTracer, params: list) -> int:
+    """Bytes the tracer sees alive, less the parameters and their gradients (which W adds to)."""
+    skip = {t.untyped_storage()._cdata for p in params for t in (p, p.grad) if t is not None}
+    return sum(e[1] for e in tracer.memory.live.values() if e[0]() is not None and e[0]()._cdata not in skip)

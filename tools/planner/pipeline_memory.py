@@ -65,12 +65,13 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
                   held: dict[int, float] | None = None, spikes: dict[int, float] | None = None,
                   b_spikes: dict[int, float] | None = None) -> tuple[float, float]:
     """(most saved-activation bytes, most bytes in all) `rank` holds at once while it runs its actions
-    in order: F adds its stage's saved bytes, B frees them (a split B keeps them and the output
-    gradients `held` for its W, which frees both), and DualPipe's F&B alternates forward and backward
-    phases (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of
-    the backward's, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss
-    head's logits), on top of everything its forward saved; `b_spikes`: one its backward has at its start,
-    on top of everything the micro-batch saved there (`working_spikes`)."""
+    in order: F adds its stage's saved bytes, B frees them, a split B too (its graph goes) but for what
+    its W needs, `held` (`wgrad_held_bytes`: the Linears' inputs and output gradients), which waits
+    beside the saved activations until the W, and DualPipe's F&B alternates forward and backward phases
+    (overlap.py), so it peaks at the largest of j/n_f of the forward's bytes minus (j-1)/n_b of what the
+    backward frees, j = 1..n_f. `spikes`: a working set a stage's forward has at its end (the loss head's
+    logits), on top of everything its forward saved; `b_spikes`: one its backward has at its start, on
+    top of everything the micro-batch saved there (`working_spikes`)."""
     held, spikes, b_spikes = held or {}, spikes or {}, b_spikes or {}
     saved, waiting = {}, {}  # (stage, mb) -> bytes
     now = extra = most = peak = 0.0
@@ -83,42 +84,41 @@ def schedule_peak(schedule, rank: int, sizes: dict[int, float], phases: dict[int
         elif isinstance(a, B):
             key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
             peak = max(peak, now + extra + b_spikes.get(key[0], 0.0))
+            now -= saved.pop(key)
             if a.split:
                 waiting[key] = held.get(key[0], 0.0)
                 extra += waiting[key]
-            else:
-                now -= saved.pop(key)
         elif isinstance(a, W):
-            key = (schedule.stage_of(rank, a.chunk, a.mb), a.mb)
-            now -= saved.pop(key)
-            extra -= waiting.pop(key)
+            extra -= waiting.pop((schedule.stage_of(rank, a.chunk, a.mb), a.mb))
         elif isinstance(a, FB):
             f_key = (schedule.stage_of(rank, a.f_chunk, a.f_mb), a.f_mb)
             b_key = (schedule.stage_of(rank, a.b_chunk, a.b_mb), a.b_mb)
-            f, b = sizes[f_key[0]], 0.0 if a.split else saved[b_key]
+            f, b = sizes[f_key[0]], saved.pop(b_key)
+            w = held.get(b_key[0], 0.0) if a.split else 0.0  # grows as the backward's phases run
             n_f, n_b = phases[f_key[0]], phases[b_key[0]]
             rise = max(j * f / n_f - min(j - 1, n_b) * b / n_b for j in range(1, n_f + 1))
+            rise_all = max(j * f / n_f - min(j - 1, n_b) * (b - w) / n_b for j in range(1, n_f + 1))
             peak = max(peak, now + extra + b_spikes.get(b_key[0], 0.0))  # the backward's first phase
-            end = now + f - (n_f - 1) * b / n_b + spikes.get(f_key[0], 0.0)
-            most, peak = max(most, now + rise), max(peak, now + rise + extra, end + extra)
+            end = now + f - (n_f - 1) * (b - w) / n_b + spikes.get(f_key[0], 0.0)
+            most, peak = max(most, now + rise), max(peak, now + rise_all + extra, end + extra)
             saved[f_key] = f
             now += f - b
             if a.split:
-                waiting[b_key] = held.get(b_key[0], 0.0)
-                extra += waiting[b_key]
-            else:
-                saved.pop(b_key)
+                waiting[b_key] = w
+                extra += w
         most, peak = max(most, now), max(peak, now + extra)
     return most, peak
 
 
 def wgrad_held_bytes(cfg: Config, stage: dict) -> float:
-    """Bytes a split backward (B) of one micro-batch through `stage` keeps for its W, traced per block kind
-    and for the head (`TracedParts.held`: output gradients of the Linears that defer W, the inputs B
-    rebuilt or quantized for them), on one rank of cfg's layout under its policy and precision."""
+    """Bytes a split backward (B) of one micro-batch through `stage` keeps for its W (M_W in the zero-bubble
+    paper's terms; its saved bytes are M_B), traced per block kind and for the head: what its W frees, the
+    output gradients of the Linears that defer W and the inputs B rebuilt or quantized for them
+    (`TracedParts.held`), and their inputs from the forward (`TracedParts.kept`), on one rank of cfg's
+    layout under its policy and precision. Under recompute M_W can exceed M_B (B rebuilds the inputs)."""
     traced = trace_parts(cfg, cfg.data.has_loss_mask, backward=True)
-    held = sum(traced.held[block_kind(cfg.model, i)] for i in stage["layers"])
-    return float(held + (traced.held["head"] if stage["last"] else 0))
+    parts = [block_kind(cfg.model, i) for i in stage["layers"]] + (["head"] if stage["last"] else [])
+    return float(sum(traced.held[part] + traced.kept.get(part, 0) for part in parts))
 
 
 def working_spikes(cfg: Config, stage: dict) -> tuple[float, float]:

@@ -3,7 +3,12 @@
 One shared pass for all builders. Slot k of a rank is the (possibly empty) CommGroup right before
 its compute action k; slot len(actions) trails the last one. Placement:
 
-* a receive goes in the slot right before its consumer (as late as possible);
+* a receive goes in the slot right before its consumer (as late as possible), or before the W's
+  right before it (a W neither sends nor receives), as far back as the ideal timeline has its
+  producer done by then (`_receive_slot`): its sender may then send it before its own next action
+  rather than after it. ZB-H1's ranks run F B W F: the previous rank, which runs its next F before
+  the B that waits for this rank's, sends that F's output before its B, so that a W shorter than F
+  stalls nothing under either comm model of the simulator;
 * a send goes in the *last* slot of the sender posted no later than the receiver's slot completes,
   both read off the ideal timeline (`ideal_timeline`: canonical costs, transfers instant and
   non-blocking). Posting it right after its producer instead can block the sender, under rendezvous
@@ -14,7 +19,9 @@ its compute action k; slot len(actions) trails the last one. Placement:
   after the following F1).
 
 Why this never deadlocks. Let post(G) / done(G) be a slot's post / completion times on the ideal
-timeline; post strictly increases along a rank (every compute has positive cost). Suppose ranks block
+timeline (a receive's slot completes when its consumer starts, a hoisted one when it is posted, which
+is no earlier than its producer's end); post strictly increases along a rank (every compute has
+positive cost). Suppose ranks block
 in a cycle: group G_i waits for its partner H_i on another rank, which is stuck at an earlier group
 G_{i+1}, so done(G_{i+1}) < post(H_i). If G_{i+1} waits on a send, every later slot of its rank posts
 after done(H_{i+1}) >= post(H_{i+1}), so post(H_{i+1}) < post(H_i); if it waits on a receive,
@@ -28,7 +35,7 @@ from bisect import bisect_right
 from collections import defaultdict
 
 from moe_lc.parallel.pipeline.schedule_ir import (
-    B, CommGroup, Compute, Route, Schedule, compute_parts, dependencies, message_key, part_key,
+    B, W, CommGroup, Compute, Route, Schedule, compute_parts, dependencies, message_key, part_key,
     transfers, validate,
 )
 
@@ -74,6 +81,15 @@ def ideal_timeline(schedule: Schedule, cost=_canonical_cost,
     return times
 
 
+def _receive_slot(acts: list[Compute], posted: list[float], consumer: int, produced: float) -> int:
+    """The slot of a receive consumed by acts[consumer]: before the W's right before the consumer, as far
+    back as a slot the ideal timeline posts (`posted`) no earlier than the producer's end (`produced`)."""
+    slot = consumer
+    while slot > 0 and isinstance(acts[slot - 1], W) and posted[slot - 1] >= produced:
+        slot -= 1
+    return slot
+
+
 def insert_comm(schedule: Schedule) -> Schedule:
     """Return `schedule` with CommGroups between its compute actions (existing groups are dropped)."""
     compute = [[a for a in acts if not isinstance(a, CommGroup)] for acts in schedule.actions]
@@ -93,10 +109,12 @@ def insert_comm(schedule: Schedule) -> Schedule:
         if key not in recvs:
             continue  # a send nobody consumes: validate() reports it
         dst, consumer, recv_op = recvs[key]
-        ready = times[dst][consumer][0]  # the receive's slot completes when the consumer starts
+        at = _receive_slot(compute[dst], posted[dst], consumer, posted[src][earliest])
+        # the receive's slot completes when the consumer starts (hoisted: when it is posted)
+        ready = times[dst][consumer][0] if at == consumer else posted[dst][at]
         slot = max(earliest, bisect_right(posted[src], ready) - 1)
-        slots[(src, slot)].append(((0, dst, consumer, key), send_op))
-        slots[(dst, consumer)].append(((1, src, slot, key), recv_op))
+        slots[(src, slot)].append(((0, dst, at, key), send_op))
+        slots[(dst, at)].append(((1, src, slot, key), recv_op))
     actions = []
     for rank, acts in enumerate(compute):
         out = []

@@ -35,36 +35,19 @@ def gpipe(pp: int, m: int) -> Schedule:
 
 
 def _one_f_one_b_rank(pp: int, m: int, rank: int, split: bool) -> list[Compute]:
-    """1F1B order on one rank; with `split`, B is input-grad only and W's are placed ZB-H1 style.
+    """1F1B order on one rank; with `split`, each B is input-grad only and its W follows right after.
 
     Warm-up: pp-1-rank forwards. Steady: one forward, one backward. Cool-down: the remaining
-    backwards. ZB-H1 keeps at most pp micro-batches in flight (F done, W not yet) on every rank:
-    a W (oldest first) follows a B only when the rank holds pp of them, so rank r defers its first
-    r W's; in the cool-down each B is followed by one W, the rest are flushed at the end.
+    backwards.
     """
     warmup = min(pp - 1 - rank, m)
-    actions: list[Compute] = [F(0, i) for i in range(warmup)]
-    n_forward, n_backward, waiting_w = warmup, 0, []
-
-    def backward() -> None:
-        nonlocal n_backward
-        actions.append(B(0, n_backward, split))
-        if split:
-            waiting_w.append(n_backward)
-        n_backward += 1
-
-    for _ in range(m - warmup):                                     # steady 1F1B
-        actions.append(F(0, n_forward))
-        n_forward += 1
-        backward()
-        if split and n_forward - (n_backward - len(waiting_w)) >= pp:
-            actions.append(W(0, waiting_w.pop(0)))
-    while n_backward < m:                                           # cool-down
-        backward()
-        if split:
-            actions.append(W(0, waiting_w.pop(0)))
-    actions.extend(W(0, i) for i in waiting_w)                      # flush deferred W's
-    return actions
+    order: list[Compute] = [F(0, i) for i in range(warmup)]
+    for i in range(m - warmup):                                     # steady 1F1B
+        order += [F(0, warmup + i), B(0, i)]
+    order += [B(0, i) for i in range(m - warmup, m)]                # cool-down
+    if not split:
+        return order
+    return [part for a in order for part in ((B(0, a.mb, True), W(0, a.mb)) if isinstance(a, B) else (a,))]
 
 
 def one_f_one_b(pp: int, m: int) -> Schedule:
@@ -75,13 +58,29 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
 
 
 def zb_h1(pp: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with B split from W.
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism") within 1F1B's memory: 1F1B with B split from
+    W, each W right after its own B, rank 0's backward whole.
 
-    Bubble (pp-1)(F+B-2W) in DualPipe notation (B = full backward) when m >= pp and
-    W <= min(F, B-W) (tests/test_pipeline_schedules.py gives the general value); peak activations pp.
+    Bubble (pp-1)(F+B-W) in DualPipe notation (B = full backward), any m and costs: every input
+    gradient leaves W sooner than 1F1B's, at each of the pp-1 hops. The paper's ZB-H1 saves another
+    W per hop, (pp-1)(F+B-2W) when W <= min(F, B-W), by deferring the last rank's W's (rank r defers
+    r): then the last rank holds pp micro-batches in flight (F done, W not) where 1F1B holds 1, and
+    the last stage also holds the loss head (its saved terms; the logits' gradient a W waits with),
+    which no count of micro-batches bounds, so its peak can exceed 1F1B's highest (issue #63,
+    recipes/debug_cpu.toml at pp 4: saved activations and transients of 26.0 MiB traced on the last
+    rank against 21.6 on 1F1B's rank 0). Without that, deferring W's on the other ranks saves no time
+    (tests/test_pipeline_memory.py), only adds to their peak.
+
+    Memory: every rank holds 1F1B's in-flight micro-batches (pp - rank), plus, from a split B to its
+    W, what that W needs (M_W, its Linears' inputs and output gradients: 0.8-0.9 of the micro-batch's
+    saved M_B without recompute, traced) where 1F1B's backward frees them as it goes. So rank r >= 1
+    peaks within 1F1B's rank 0 (pp M_B) if the stages save alike and M_W <= r M_B. Rank 0 sends no
+    input gradient that a split could send sooner: its backward stays whole, its peak 1F1B's. Under
+    full recompute B rebuilds the Linears' inputs and keeps them to W, M_W is 2.5-8 M_B, and ranks
+    >= 1 can peak above 1F1B's highest (debug_cpu at pp 4: 10.3 MiB traced on rank 1 against 8.6).
     """
     check_shape("zbh1", pp, m)
-    compute = [_one_f_one_b_rank(pp, m, r, split=True) for r in range(pp)]
+    compute = [_one_f_one_b_rank(pp, m, r, split=r > 0) for r in range(pp)]
     return assemble("zbh1", pp, m, pp, 1, straight_routes(pp, m), compute)
 
 

@@ -193,7 +193,8 @@ class Published:
 
 
 def published_figures(schedule: Schedule, costs: Costs) -> Published:
-    """The README / paper formulas evaluated for `schedule` (DualPipe README notation).
+    """The README / paper formulas evaluated for `schedule` (DualPipe README notation); ZB-H1's is
+    the paper's plus the (pp-1)W that keeping within 1F1B's memory costs (schedules.zb_h1).
 
     DualPipeV is tabulated with PP = its number of stages (2 pp) on PP/2 devices, so its bubble is
     (PP/2-1)(F&B+B-3W) = (pp-1)(F&B+B-3W) and its activations PP+1 = 2pp+1 chunks. The README's "2x
@@ -204,9 +205,8 @@ def published_figures(schedule: Schedule, costs: Costs) -> Published:
     name = schedule.name
     if name in ("gpipe", "1f1b"):
         return Published((pp - 1) * (f + b), m if name == "gpipe" else min(pp, m), 1.0, "always")
-    if name == "zbh1":
-        return Published((pp - 1) * (f + b - 2 * w), min(pp, m), 1.0,
-                         "microbatches >= pp and W <= min(F, B - W)")
+    if name == "zbh1":  # the paper's (pp-1)(F+B-2W) + (pp-1)W: ours runs each W right after its B (schedules.py)
+        return Published((pp - 1) * (f + b - w), min(pp, m), 1.0, "always")
     if name == "interleaved_1f1b":  # fraction (1/v)(pp-1)/m of the m*v*(F+B) compute, F/B per chunk
         return Published((pp - 1) * (f + b), min(v * pp + pp - 1, m * v), 1.0, "always (m divisible by pp)")
     if name in ("dualpipe", "dualpipev"):
