@@ -55,7 +55,7 @@ def run(ctx: Context, rec: Recorder) -> None:
     seqs = [256, 512] if ctx.dry_run else list(SEQS)
     topk = 64 if ctx.dry_run else TOPK
     dtype = torch.float32 if ctx.dry_run else torch.bfloat16
-    cfgs = {impl: model_cfg(ctx, impl == "dsa", topk) for impl in ("dense", "dsa")}
+    cfgs = {impl: model_cfg(ctx, sparse, topk) for impl, sparse in (("dense", False), ("dsa", True))}
     modules = {impl: build(cfg, ctx.device, dtype) for impl, cfg in cfgs.items()}
     rope = RotaryEmbedding.from_config(cfgs["dsa"].rope, cfgs["dsa"].mla.qk_rope_head_dim).to(ctx.device)
     for seq in seqs:

@@ -31,7 +31,7 @@ def full_attention_core_flops(m: ModelConfig, seq_len: int) -> float:
     kind = attention_kind(m)
     if kind.core_flops is None:  # dense attention (GQA, MLA): the causal count is exactly S/2 keys
         return attention_score_flops(m) * seq_len
-    if kind.name == "dsa":
+    if m.dsa.enabled:  # DSA's kind (moe_lc/config/attention_kinds.py: the MLA variant with [model.dsa] on)
         d = m.dsa
         indexer = seq_len * 2 * d.index_n_heads * (d.index_head_dim + 1)
         keys = seq_len if d.stage == "warmup" else min(d.index_topk, seq_len)
