@@ -16,7 +16,8 @@ from moe_lc.model.transformer import Transformer
 from moe_lc.optim import RULES, SGD, AdamW
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.placement import ParamPlacement
-from moe_lc.parallel.zero.optimizer import ShardedParams, ZeroOptimizer, ZeroOptions
+from moe_lc.parallel.zero.optimizer import (GRAD_NORM_BYTES_PER_ELEMENT, GRAD_NORM_CHUNK, ShardedParams, ZeroOptimizer,
+                                            ZeroOptions)
 from moe_lc.parallel.zero.layout import bucket_elems, bucket_sizes
 from moe_lc.train import Trainer
 from tests.harness import (FAST, RECIPES, assert_equivalent, interrupted_and_resumed, reference,
@@ -121,7 +122,9 @@ def test_state_declaration_gives_buffers_checkpoint_keys_and_planner_bytes(tmp_p
     assert opt.state_bytes() == psi * (4 + sum(dtype.itemsize for dtype in states.values()))
     largest_shard = max(s.master.numel() for s in opt.shards)  # the update runs one shard at a time
     reduced = 4 * sum(s.master.numel() for s in opt.shards)  # ZeRO-1's reduced shards, all made at the step
-    assert rank.transients["optimizer step"] == max(16, opt.rule.update_bytes_per_element) * largest_shard + reduced
+    grad_norm = GRAD_NORM_BYTES_PER_ELEMENT * min(GRAD_NORM_CHUNK, largest_shard)  # one chunk's squares, weights
+    rule = opt.rule.update_bytes_per_element * largest_shard
+    assert rank.transients["optimizer step"] == max(grad_norm, rule) + reduced
 
 
 def test_a_checkpoint_without_a_rule_name_resumes_as_adamw(tmp_path):

@@ -34,9 +34,10 @@ class AdamW(UpdateRule):
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         self.moments_dtype = moments_dtype
         self.fused = fused  # None: the fused kernel on CUDA, the formula elsewhere
-        # sqrt(v) and the denominator, the no-decay copy of the master, and fp32 copies of bf16 moments (the
-        # formula's temporaries; the fused kernel needs none, so on CUDA the planner's figure is an upper bound)
-        self.update_bytes_per_element = 12 + (8 if moments_dtype != torch.float32 else 0)
+        # sqrt(v) and the denominator, alive together (the no-decay copy of the master is freed before them), and
+        # fp32 copies of bf16 moments (the formula's temporaries; the fused kernel needs none, so on CUDA the
+        # planner's figure is an upper bound)
+        self.update_bytes_per_element = 8 + (8 if moments_dtype != torch.float32 else 0)
 
     @classmethod
     def from_config(cls, train, precision, model=None) -> "AdamW":

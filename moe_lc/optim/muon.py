@@ -19,6 +19,11 @@ wqkv = [q; k; v] as q, k and v; SwiGLU's w13 = [w1; w3] (dense, shared and each 
 and w3; MLA's wa = [wq_a; wkv_a] (with q_lora_rank) as DeepSeek's two projections, wkv_a keeping its
 rope key rows; DSA's indexer wkw = [wk; weights_proj] as wk and weights_proj.
 
+Batched: every logical matrix of a step with the same shape (the experts of a layer, each layer's wo, ...)
+goes through Newton-Schulz in one stack (n, A, B), a chain of batched matmuls; the same math per matrix
+(its own norm, transpose and scale), stacks of at most NS_BATCH_ELEMENTS elements so the working set does
+not grow with the number of experts.
+
 State per master element: `momentum` (fp32; Muon's buffer m on matrix elements, AdamW's exp_avg on the
 rest) and `exp_avg_sq` (fp32; AdamW's, zero and unused on matrix elements). ZeRO-1 hands each matrix
 whole to one owner rank of its data-parallel group (`whole`); a tensor-parallel matrix reaches the rule as
@@ -29,6 +34,7 @@ rank of the tp group orthogonalizes the same full matrix).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -38,23 +44,46 @@ from moe_lc.optim.rule import OwnedParam, ShardView, StateSpec, UpdateRule
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Moonlight / Keller Jordan's quintic
 NS_STEPS = 5
 ADAMW_NAMES = ("embed", "head")  # module names of matrices that take AdamW (Moonlight: embeddings, the head)
+# elements of one Newton-Schulz stack at most (one matrix if larger): 64 MiB per fp32 copy, enough matrices
+# per batched matmul to fill a GPU (5 of 1408 x 2048, 23 of 512 x 1408), a bound on the working set
+NS_BATCH_ELEMENTS = 2**24
 
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(..., A, B) -> the same shape in fp32, each matrix's approximate U V^T (its singular values pushed
-    into about [0.68, 1.13]) by `steps` iterations of X = a X + (b X X^T + c (X X^T)^2) X, the iterations
-    in `dtype` (the quintic tolerates bf16: its fixed point is a band, not a value)."""
+    into about [0.68, 1.13]) by `steps` iterations of X = a X + (b X X^T + c (X X^T)^2) X, all matrices at
+    once (batched matmuls, the polynomial's coefficients in baddbmm's alpha and beta), the iterations in
+    `dtype` (the quintic tolerates bf16: its fixed point is a band, not a value). Holds g and at most three
+    fp32 copies of its size besides (X, the next X, one (n, A, A) Gram or polynomial: A <= B transposed)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.float()
+    x = g.float().reshape(-1, *g.shape[-2:])  # (n, A, B)
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # X X^T is then the smaller Gram matrix
         x = x.mT
     x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return (x.mT if tall else x).float()
+        gram = x @ x.mT  # (n, A, A)
+        gram = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2, over G (one (n, A, A) kept)
+        x = torch.baddbmm(x, gram, x, beta=a)  # a X + (b G + c G^2) X
+    return (x.mT if tall else x).float().reshape(g.shape)
+
+
+def stacks(blocks: list[torch.Tensor], most: int) -> Iterator[list[torch.Tensor]]:
+    """blocks [(n_i, A, B)] -> lists of their slices along dim 0 (views, in order), each list at most `most`
+    matrices in all: the parts of one Newton-Schulz stack."""
+    parts, room = [], most
+    for block in blocks:
+        lo = 0
+        while lo < block.shape[0]:
+            take = min(room, block.shape[0] - lo)
+            parts.append(block[lo:lo + take])
+            lo, room = lo + take, room - take
+            if room == 0:
+                yield parts
+                parts, room = [], most
+    if parts:
+        yield parts
 
 
 def fused_sections(model) -> dict[str, tuple[int, ...]]:
@@ -75,9 +104,10 @@ def fused_sections(model) -> dict[str, tuple[int, ...]]:
 
 class Muon(UpdateRule):
     name = "muon"
-    # AdamW's temporaries on its runs; on a matrix of n elements the Newton-Schulz step holds about eight
-    # fp32 copies (u, X, X X^T, its square, the polynomial, the product, the scaled update) at once
-    update_bytes_per_element = 32
+    # at most 16 B per shard element: a Newton-Schulz stack (its shard's matrices at most) and three fp32 copies
+    # of its size (`newton_schulz`); AdamW's 12 on its runs. The Nesterov direction overwrites the gradient.
+    # Not counted: under tp the matrices are gathered whole (tp times their local elements)
+    update_bytes_per_element = 16
 
     def __init__(self, momentum: float = 0.95, weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.95,
                  eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None, exact_rms: bool = False,
@@ -113,31 +143,58 @@ class Muon(UpdateRule):
         ((rows, cols) or (E, rows, cols): each expert its own matrix), u's shape. With `exact_rms`,
         0.2 NS5(.) / RMS(NS5(.)) instead: the same for an exactly orthogonal output (its RMS is
         1 / sqrt(max(A, B))), and exactly AdamW's 0.2 for Newton-Schulz's approximate one."""
-        parts = []
-        bf16 = self.ns_dtype == "bf16" or (self.ns_dtype == "auto" and u.is_cuda)
-        for block in u.split(self.rows_of(name, u.shape[-2]), dim=-2):
-            o = newton_schulz(block, dtype=torch.bfloat16 if bf16 else torch.float32)
-            if self.exact_rms:
-                parts.append(o.mul_(0.2 / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30)))
-            else:
-                parts.append(o.mul_(0.2 * math.sqrt(max(block.shape[-2:]))))
-        return torch.cat(parts, dim=-2)
+        out = u.float().clone()
+        self.orthogonal_updates_([(name, out)])
+        return out
+
+    def orthogonal_updates_(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Each full fp32 tensor u of `named` [(parameter name, u)] overwritten by its `orthogonal_update`,
+        every logical matrix stacked with the others of its shape (and dtype, device): one Newton-Schulz
+        chain per stack of at most NS_BATCH_ELEMENTS elements, or of one matrix where that is larger."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for name, u in named:
+            for block in u.split(self.rows_of(name, u.shape[-2]), dim=-2):
+                block = block.view(-1, *block.shape[-2:])  # (n, A, B), a view: the update is written into u
+                groups.setdefault((*block.shape[-2:], block.dtype, block.device), []).append(block)
+        for (rows, cols, *_), blocks in groups.items():
+            for parts in stacks(blocks, max(1, NS_BATCH_ELEMENTS // (rows * cols))):
+                stack = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, A, B)
+                for part, out in zip(parts, self._scaled_ns(stack).split([p.shape[0] for p in parts])):
+                    part.copy_(out)
+
+    def _scaled_ns(self, stack: torch.Tensor) -> torch.Tensor:
+        """(n, A, B) -> NS5 of each matrix, scaled (orthogonal_update): a new tensor."""
+        bf16 = self.ns_dtype == "bf16" or (self.ns_dtype == "auto" and stack.is_cuda)
+        o = newton_schulz(stack, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if self.exact_rms:
+            return o.mul_(0.2 / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30))
+        return o.mul_(0.2 * math.sqrt(max(stack.shape[-2:])))
 
     @torch.no_grad()
     def update_(self, shard: ShardView, lr: float, step: int) -> None:
         no_decay = set(shard.no_decay)
         run: list[OwnedParam] = []  # consecutive AdamW parameters, updated as one range
+        matrices: list[OwnedParam] = []
         for o in shard.params:
-            if not self.whole(o.name, o.shape):
-                if run and run[-1].hi != o.lo:
-                    self._adamw_run(shard, run, no_decay, lr, step)
-                    run = []
-                run.append(o)
+            if self.whole(o.name, o.shape):
+                assert o.whole, f"{o.name} must sit whole on its owner (Muon.whole)"
+                matrices.append(o)
                 continue
-            assert o.whole, f"{o.name} must sit whole on its owner (Muon.whole)"
-            self._muon_(shard, o, (o.lo, o.hi) not in no_decay, lr)
+            if run and run[-1].hi != o.lo:
+                self._adamw_run(shard, run, no_decay, lr, step)
+                run = []
+            run.append(o)
         if run:
             self._adamw_run(shard, run, no_decay, lr, step)
+        window, size = [], 0  # matrices orthogonalized together: NS_BATCH_ELEMENTS local elements (or one)
+        for o in matrices:
+            window.append(o)
+            size += o.hi - o.lo
+            if size >= NS_BATCH_ELEMENTS:
+                self._muon_(shard, window, no_decay, lr)
+                window, size = [], 0
+        if window:
+            self._muon_(shard, window, no_decay, lr)
 
     def _adamw_run(self, shard: ShardView, run: list[OwnedParam], no_decay: set, lr: float, step: int) -> None:
         lo, hi = run[0].lo, run[-1].hi
@@ -146,13 +203,19 @@ class Muon(UpdateRule):
                          [(o.lo - lo, o.hi - lo) for o in run if (o.lo, o.hi) in no_decay])
         self.adamw.update_(view, lr, step)
 
-    def _muon_(self, shard: ShardView, o: OwnedParam, decay: bool, lr: float) -> None:
-        grad = shard.grad[o.lo:o.hi].view(o.shape)
-        buf = shard.state["momentum"][o.lo:o.hi].view(o.shape)
-        buf.mul_(self.momentum).add_(grad)
-        u = grad.add(buf, alpha=self.momentum)
-        update = shard.to_local(o, self.orthogonal_update(o.name, shard.to_full(o, u)))
-        master = shard.master[o.lo:o.hi]
-        if decay and self.weight_decay:
-            master.mul_(1 - lr * self.weight_decay)
-        master.add_(update.reshape(-1), alpha=-lr)
+    def _muon_(self, shard: ShardView, window: list[OwnedParam], no_decay: set, lr: float) -> None:
+        """Muon's step on whole matrices: each one's momentum and Nesterov direction u (in place of its
+        gradient), gathered whole over tp (to_full, in shard order on every rank), all orthogonalized
+        together, cut back (to_local) and applied."""
+        full = []
+        for o in window:
+            grad = shard.grad[o.lo:o.hi].view(o.shape)
+            buf = shard.state["momentum"][o.lo:o.hi].view(o.shape)
+            buf.mul_(self.momentum).add_(grad)
+            full.append(shard.to_full(o, grad.add_(buf, alpha=self.momentum)))
+        self.orthogonal_updates_([(o.name, u) for o, u in zip(window, full)])
+        for o, update in zip(window, full):
+            master = shard.master[o.lo:o.hi]
+            if (o.lo, o.hi) not in no_decay and self.weight_decay:
+                master.mul_(1 - lr * self.weight_decay)
+            master.view(o.shape).add_(shard.to_local(o, update), alpha=-lr)

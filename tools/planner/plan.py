@@ -34,7 +34,7 @@ from moe_lc.model.transformer import CrossEntropy16
 from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.tp.mappings import VOCAB_CE_ROWS
-from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT
+from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT, GRAD_NORM_CHUNK
 from .placement_semantics import MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, zero_memory
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
                               stage_sizes, wgrad_held_bytes, working_spikes)
@@ -234,8 +234,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          DualPipeV): an estimate by the largest unit; added to "step"
       offload fetch      train.offload: backward copies a module call's offloaded tensors back (and the
                          call's before it, prefetched): at most one block's host bytes; added to "step"
-      optimizer step     per ZeRO shard, processed one after another: the grad-norm's fp64 square
-                         (16 B/element, zero/optimizer.py), or the update rule's temporaries as it declares them
+      optimizer step     per ZeRO shard, processed one after another: the grad norm's fp32 squares and
+                         weights of one chunk (8 B x at most 2^22 elements, zero/optimizer.py `grad_sq_sum`),
+                         or the update rule's temporaries as it declares them
                          (AdamW: sqrt and denominator, the no-decay copy of the master, and fp32 copies
                          of bf16 moments); with ZeRO-1, every group's reduced gradient shard too ((P/N,)
                          fp32, copied out of the main-grad buffer when the step begins, freed after it)
@@ -278,9 +279,10 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
         out["step"] += out["offload fetch"]
     rule = build_rule(cfg.train, cfg.precision, cfg.model)
     # the rule's temporaries are host memory when the optimizer is offloaded (per bucket, on the CPU)
-    per_elem = max(GRAD_NORM_BYTES_PER_ELEMENT, 0 if z.offloaded else rule.update_bytes_per_element)
     shards = {g: sum(b) // deg[grad_group_of_zero(g)].size for g, b in buckets.items()}
-    out["optimizer step"] = per_elem * max(shards.values())
+    largest = max(shards.values())
+    out["optimizer step"] = max(GRAD_NORM_BYTES_PER_ELEMENT * min(GRAD_NORM_CHUNK, largest),
+                                (0 if z.offloaded else rule.update_bytes_per_element) * largest)
     if not z.grads_sharded:  # ZeRO-1's shards (zero/grad_sync.py `BucketSync.finish`); a frozen group's stay unmade
         out["optimizer step"] += 4 * sum(n for g, n in shards.items() if not frozen_zero_group(g))
     return out
