@@ -55,9 +55,13 @@ def main(argv=None) -> int:
                                                          "against Megatron-LM's 34 h / t, term by term")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--cluster", help=f"predict step time and MFU on this cluster ({', '.join(CLUSTERS)})")
-    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {kind: fraction}} of measured "
-                                    "efficiencies")
+    ap.add_argument("--bench", help="with --cluster: a JSON file {\"efficiency\": {KEY: value}} of kernel-rate "
+                                    "overrides, or a GPU run's tools/bench/run.py results to refit the rates to")
     ap.add_argument("--search", action="store_true", help="with --cluster: rank the layouts of --world that fit memory")
+    ap.add_argument("--impl", choices=steptime.IMPLEMENTATIONS, default="fused",
+                    help="with --cluster: whose kernels (tools/step_time/compute.py): fused (Megatron / Transformer "
+                         "Engine class, the default), fused_a2a_overlap (and the EP all-to-all overlapped in 1F1B), "
+                         "eager (this repo's trainer as it runs today)")
     args = ap.parse_args(argv)
     if args.world is not None and args.world < 1:  # else a rule about ranks_per_node dividing it reports it
         print(f"error: --world must be a positive integer, got {args.world}", file=sys.stderr)
@@ -65,8 +69,8 @@ def main(argv=None) -> int:
     sets, cluster_sets = split_sets(args.set)
     sets += [f"recompute.policy={args.policy}"] if args.policy else []
     try:
-        if (cluster_sets or args.bench or args.search) and not args.cluster:
-            raise ClusterError("--set cluster./eff. keys, --bench and --search need --cluster NAME")
+        if (cluster_sets or args.bench or args.search or args.impl != "fused") and not args.cluster:
+            raise ClusterError("--set cluster./eff. keys, --bench, --impl and --search need --cluster NAME")
         cluster = resolve(args.cluster, cluster_sets, args.bench) if args.cluster else None
         cfg = load_config(args.recipe, sets, world_size=None if args.search else args.world)  # search: its own layouts
     except (ConfigError, ClusterError) as exc:
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
               "\n".join(saved_table.render(tables, cfg)))
         return 0
     p = plan(cfg, args.world, args.recipe)
-    predicted = steptime.predict(cfg, p, *cluster) if cluster else None
+    predicted = steptime.predict(cfg, p, *cluster, impl=args.impl) if cluster else None
     if args.json:
         print(json.dumps({**p.to_json(), **({"predicted": predicted} if predicted else {})}, indent=1))
     else:
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
 def _search(args, sets: list[str], cfg: Config, cluster) -> int:
     """--search: the ranking; exit status 2 with one `error:` line when no layout fits (what binds, what to
     change), 130 when stopped by Ctrl-C (the ranking of the layouts planned until then)."""
-    found = steptime_search.search(args.recipe, sets, args.world or mesh(cfg).world, *cluster, plan)
+    found = steptime_search.search(args.recipe, sets, args.world or mesh(cfg).world, *cluster, plan, impl=args.impl)
     if args.json:
         print(json.dumps({"search": found}, indent=1))
     elif found["ranked"] or found["interrupted"]:

@@ -1,10 +1,10 @@
-"""Named GPU clusters and kernel efficiencies for the step-time predictor (tools/step_time/model.py).
+"""Named GPU clusters and kernel rates for the step-time predictor (tools/step_time/model.py).
 
-Every figure is a published per-GPU peak (dense, no sparsity), bandwidths per direction. Overrides:
-`--set cluster.KEY=VALUE` (a field of `Cluster`) and `--set eff.KEY=VALUE` (a key of EFFICIENCY), or
-`--bench FILE`, a JSON object {"efficiency": {KEY: fraction}} of measured efficiencies or a GPU run's
-tools/bench/run.py results (gemm, grouped_gemm and attention parts read as efficiencies), applied
-before the --set keys.
+Every figure is a published per-GPU peak (dense, no sparsity), bandwidths per direction. The kernel rates
+(`EFFICIENCY`) are the committed H100 fit (kernel_rates.py) as fractions of the peaks, which every cluster scales
+by its own. Overrides: `--set cluster.KEY=VALUE` (a field of `Cluster`) and `--set eff.KEY=VALUE` (a key of
+EFFICIENCY), or `--bench FILE`, a JSON object {"efficiency": {KEY: value}} or a GPU run's tools/bench/run.py
+results, to which the rates are refitted (`efficiency_of_bench_results`), applied before the --set keys.
 
 Sources (vendor datasheets; the "with sparsity" figures there are halved to dense):
   H100 SXM   https://www.nvidia.com/en-us/data-center/h100/ : BF16 1,979 and FP8 3,958 TFLOP/s with
@@ -30,8 +30,9 @@ Sources (vendor datasheets; the "with sparsity" figures there are halved to dens
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, fields, replace
+
+from .kernel_rates import committed as committed_fit, fit_kernel_rates
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Cluster:
     call_us: float = 0.0  # per collective call beyond its bytes (the backend's threads, the wait's wake-up)
     copy_gbps: float = 0.0  # the backend's own copy of a collective's bytes, GB/s; 0: not modelled
     link_latency_us: float = 0.0  # per collective call of the (modelled) link, microseconds
+    # a GPU's host under `--impl eager` (tools/step_time/compute.py): what each aten op costs the host to dispatch; a
+    # phase takes at least its ops x this (a stream of kernels shorter than their dispatch waits on the host)
+    host_op_us: float = 0.0
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak of `precision` ("bf16", "fp8", "fp32") in TFLOP/s."""
@@ -62,12 +66,16 @@ class Cluster:
         return self.bf16_tflops
 
 
+# PyTorch's own cost per dispatched aten op (Python, modules, autograd, the dispatcher) with no kernel work:
+# tools/bench/cpu_costs.py's `framework_op_s` on this repo's CPU, 6.39 us (docs/results/steptime/cpu_costs.json)
+HOST_OP_US = 6.4
+
 CLUSTERS = {
-    "h800": Cluster("h800", 989.0, 1979.0, 3350.0, 80.0, 200.0, 50.0, 8),
-    "h100": Cluster("h100", 989.0, 1979.0, 3350.0, 80.0, 450.0, 50.0, 8),
-    "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 50.0, 8),
-    "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8),
-    "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72),
+    "h800": Cluster("h800", 989.0, 1979.0, 3350.0, 80.0, 200.0, 50.0, 8, host_op_us=HOST_OP_US),
+    "h100": Cluster("h100", 989.0, 1979.0, 3350.0, 80.0, 450.0, 50.0, 8, host_op_us=HOST_OP_US),
+    "h200": Cluster("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 50.0, 8, host_op_us=HOST_OP_US),
+    "b200": Cluster("b200", 2250.0, 4500.0, 8000.0, 180.0, 900.0, 50.0, 8, host_op_us=HOST_OP_US),
+    "gb200": Cluster("gb200", 2500.0, 5000.0, 8000.0, 186.0, 900.0, 50.0, 72, host_op_us=HOST_OP_US),
     # this 2-core machine, one of recipes/overlap_cpu.toml's 4 gloo ranks: achieved fp32 rates and host costs
     # built from tools/bench's CPU measurements (tools/step_time/cpu.py; efficiencies 1: ACHIEVED_RATES), its
     # modelled link (parallel.link = "50:0.1", exact)
@@ -75,28 +83,40 @@ CLUSTERS = {
                    call_us=2371.9, copy_gbps=6.7983, link_latency_us=50.0),
 }
 
-# Achieved fraction of the peak per kernel kind: one set of defaults for every cluster and recipe.
-EFFICIENCY = {
-    # large dense BF16 GEMMs in cuBLAS reach ~700 of the H100's 989 TFLOP/s (Megatron-LM's GPT runs report
-    # 47% MFU end to end with GEMMs the bulk of the time; 0.70 is the kernel-level figure we assume)
-    "gemm": 0.70,
-    # FP8 GEMMs with 1x128 / 128x128 block scaling: Transformer Engine's blockwise recipe measures ~1.4x
-    # its BF16 GEMMs with the quantization included, i.e. 1.4 x 0.70 x 989 / 1979 = 0.49 of the FP8 peak
-    "gemm_fp8": 0.49,
-    # routed experts' grouped GEMM in BF16: torch._grouped_mm ~525 TFLOP/s on Llama-4-like shapes (PyTorch
-    # / torchtitan MoE benchmarks), 525 / 989 = 0.53; FP8 grouped GEMMs at the same 1.4x as dense
-    "grouped_gemm": 0.53,
-    "grouped_gemm_fp8": 0.37,
-    # causal flash attention forward + backward, head dim 128: FlashAttention-3 (arXiv 2407.08608) reaches
-    # ~600 TFLOP/s forward on H100 and less backward; 0.45 of the BF16 peak for the pair
-    "attention": 0.45,
-    # norms, SwiGLU activation, residual adds, MoE permutation, the loss: a fraction of the HBM bandwidth
-    # (STREAM-like copies reach ~80-90% of it)
-    "memory": 0.80,
-    # collectives: DeepEP (github.com/deepseek-ai/DeepEP) measures ~153 GB/s intranode of the H800's
-    # ~160-200 and 43-58 GB/s internode of the 50 GB/s NIC: ~0.8 of a link's bandwidth
-    "link": 0.80,
-}
+# Kernel rates by kind (tools/step_time/kernel_rates.py: a roofline with a per-launch cost fitted to an H100's
+# GEMM, grouped-GEMM and attention tables, kernel_rates_h100.json), as a flat table of fractions every cluster
+# scales by its own peaks: KIND is the compute rate large kernels reach over the dense peak of the kind's
+# precision (memory: the bandwidth over the HBM's), KIND.bw the bandwidth bound over the HBM's, KIND.launch_us
+# the cost every launch adds, KIND.p how sharply the two bounds meet. grouped_gemm_fp8 has no table: the grouped
+# GEMM's shape at the blockwise FP8 GEMM's speed-up over BF16.
+KINDS = ("gemm", "gemm_fp8_tensorwise", "gemm_fp8_blockwise", "grouped_gemm", "grouped_gemm_fp8", "attention_fwd",
+         "attention_bwd", "memory")
+PRECISION = {"gemm": "bf16", "gemm_fp8_tensorwise": "fp8", "gemm_fp8_blockwise": "fp8", "grouped_gemm": "bf16",
+             "grouped_gemm_fp8": "fp8", "attention_fwd": "bf16", "attention_bwd": "bf16"}
+# collectives: DeepEP (github.com/deepseek-ai/DeepEP) measures ~153 GB/s intranode of the H800's ~160-200 and
+# 43-58 GB/s internode of the 50 GB/s NIC: ~0.8 of a link's bandwidth
+LINK = 0.80
+
+
+def efficiency_of_fit(fit: dict) -> dict[str, float]:
+    """The flat table (above) of a kernel_rates fit {"meta": {peak_tflops, hbm_gbps}, "kinds": {...}}."""
+    peak, hbm = fit["meta"]["peak_tflops"], fit["meta"]["hbm_gbps"] * 1e9
+    kinds = dict(fit["kinds"])
+    if {"grouped_gemm", "gemm_fp8_blockwise", "gemm"} <= set(kinds):
+        speedup = kinds["gemm_fp8_blockwise"]["flops_per_s"] / kinds["gemm"]["flops_per_s"]
+        kinds["grouped_gemm_fp8"] = {**kinds["grouped_gemm"], "flops_per_s": kinds["grouped_gemm"]["flops_per_s"] * speedup}
+    out = {}
+    for kind in KINDS:
+        k = kinds[kind]
+        if kind == "memory":
+            out.update({"memory": k["bytes_per_s"] / hbm, "memory.launch_us": k["launch_s"] * 1e6})
+            continue
+        out.update({kind: k["flops_per_s"] / (peak[PRECISION[kind]] * 1e12), f"{kind}.bw": k["bytes_per_s"] / hbm,
+                    f"{kind}.launch_us": k["launch_s"] * 1e6, f"{kind}.p": k["p"]})
+    return {**out, "link": LINK}
+
+
+EFFICIENCY = efficiency_of_fit(committed_fit())
 
 
 # clusters whose figures are achieved rates measured on the machine (not datasheet peaks): every default
@@ -175,34 +195,22 @@ def _bench_efficiency(path: str) -> dict[str, float]:
     return out
 
 
-# tools/bench/run.py parts -> (efficiency, the entries' shape keys, their TFLOP/s key, peak, which entries)
-BENCH_PARTS = [
-    ("gemm", "gemm", ("recipe", "layers", "M", "K", "N"), "tflops", "bf16", lambda e: e.get("variant") == "bf16"),
-    ("gemm", "gemm_fp8", ("recipe", "layers", "M", "K", "N"), "tflops", "fp8", lambda e: e.get("variant") != "bf16"),
-    ("grouped_gemm", "grouped_gemm", ("model", "gemm", "experts", "K", "N", "tokens"), "fwd_bwd_tflops", "bf16",
-     lambda e: True),
-    ("attention", "attention", ("heads", "seq", "batch"), "fwd_bwd_tflops", "bf16", lambda e: True),
-]
-
-
 def efficiency_of_bench_results(data: dict, path: str) -> dict[str, float]:
-    """Per kind, the median over the bench's shapes of the fastest kernel's TFLOP/s over the bench
-    device's dense peak (its meta's `peak_tflops`): what the best available kernel reaches on that GPU."""
-    peak = (data.get("meta") or {}).get("peak_tflops")
-    if not peak:
-        raise ClusterError(f"--bench {path}: its meta has no peak_tflops (a CPU or dry run): no efficiency to read")
-    out = {}
-    for part, kind, shape_keys, metric, precision, keep in BENCH_PARTS:
-        best: dict[tuple, float] = {}
-        for key, body in data["parts"].items():
-            if key.split("[")[0] != part:
-                continue
-            for e in body.get("entries", []):
-                if e.get("status") == "ok" and e.get(metric) and keep(e):
-                    shape = tuple(e.get(k) for k in shape_keys)
-                    best[shape] = max(best.get(shape, 0.0), e[metric])
-        if best:
-            out[kind] = statistics.median(best.values()) / peak[precision]
-    if not out:
+    """The efficiency table refitted to a GPU bench's results (tools/bench/run.py's JSON: kernel_rates.py's
+    `fit_kernel_rates`, relative to the bench device's peaks); a kind the bench has too few rows of keeps the
+    committed fit's constants."""
+    try:
+        fit = fit_kernel_rates([data])
+    except ValueError as exc:
+        raise ClusterError(f"--bench {path}: {exc}") from None
+    if not fit["kinds"].keys() - {"memory"}:
         raise ClusterError(f"--bench {path}: no measured gemm, grouped_gemm or attention entry")
-    return out
+    base = committed_fit()
+    scale = {"hbm": fit["meta"]["hbm_gbps"] / base["meta"]["hbm_gbps"]}
+    kinds = {k: {**v, "bytes_per_s": v["bytes_per_s"] * scale["hbm"]} for k, v in base["kinds"].items()}
+    for k, v in base["kinds"].items():  # (the committed constants, re-expressed against the bench device's peaks)
+        if k in PRECISION:
+            kinds[k]["flops_per_s"] = v["flops_per_s"] * (fit["meta"]["peak_tflops"][PRECISION[k]]
+                                                         / base["meta"]["peak_tflops"][PRECISION[k]])
+    kinds.update(fit["kinds"])
+    return efficiency_of_fit({"meta": fit["meta"], "kinds": kinds})

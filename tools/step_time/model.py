@@ -1,17 +1,19 @@
 """Predicted step time, tokens/s/GPU and MFU of a recipe's layout on a named cluster.
 
-    python -m tools.plan RECIPE --cluster h800|h100|h200|b200|gb200 [--bench FILE]
+    python -m tools.plan RECIPE --cluster h800|h100|h200|b200|gb200 [--bench FILE] [--impl fused|fused_a2a_overlap|eager]
                          [--set cluster.KEY=V] [--set eff.KEY=V] [--json]
 
-Compute: each block's forward FLOPs per token by kernel kind (moe_lc/model/counting.py's terms: GEMMs
-of the attention projections, dense FFN and shared experts; grouped GEMMs of the routed experts; the
-causal attention core; memory-bound bytes of norms, SwiGLU, residual adds and the MoE permutation),
-times the tokens one rank computes per micro-batch (micro_batch x seq_len / (cp x tp)), over the
-cluster's peak x the kind's efficiency (tools/step_time/clusters.py). Per chunk of the pipeline schedule:
-F = forward, W = the weight-gradient GEMMs (as many FLOPs as the forward's GEMMs), B = full backward
-(2x the GEMMs, ATTENTION_BWD x the attention core, 2x the memory-bound bytes) plus what the recompute
-policy replays. The rank whose stages cost most sets every chunk's cost (the simulator takes one cost
-per action kind).
+Compute on a GPU cluster (tools/step_time/compute.py): every kernel one micro-batch launches through each part of a
+stage (embedding, each block, head), traced on the meta device with its shapes (kernel_trace.py), forward (F),
+backward (B: input gradients and what recomputation replays) and weight gradients (W), each priced by the kernel
+rates of its kind and shape (kernel_rates.py: a roofline with a per-launch cost fitted to an H100's benchmark
+tables; clusters.py scales them to each cluster's peaks). `--impl` says whose memory-bound kernels: "fused"
+(Megatron / Transformer Engine / DeepSeek: fused norms, SwiGLU, RoPE, permutation and loss at the bytes work.py
+counts), "fused_a2a_overlap" (the same, and the EP all-to-all beside the other micro-batch's compute in 1F1B's
+steady state: Megatron-Core's --overlap-moe-expert-parallel-comm) or "eager" (this repo's trainer: every traced
+aten op a kernel of its own, and the host's dispatch as a floor). On the `cpu` cluster each Work's FLOPs over one
+measured rate per kind, plus the host's cost per aten op (work.py `flop_seconds`). The rank whose stages cost most
+sets every chunk's cost (the simulator takes one cost per action kind).
 
 Communication: the planner's bytes per group and op (tools/plan.py: what this rank sends per step),
 each over its link: a group whose ranks share this rank's node (mesh rank order, `gpus_per_node`)
@@ -21,19 +23,24 @@ by where its peers are. What hides what:
   cp              the ring hides behind the attention core it feeds; the excess is exposed (under
                   parallel.cp_a2a > 1 the ring is cp_ring, and cp_a2a's all-to-alls are exposed in F and B)
   ep all-to-all   exposed in F and B; in DualPipe's F&B (parallel.overlap) one micro-batch's
-                  all-to-alls run beside the other's compute: F&B = max(compute, all-to-alls)
+                  all-to-alls run beside the other's compute: F&B = max(compute, all-to-alls); under
+                  --impl fused_a2a_overlap every F and B pair likewise
   pp              the simulator's transfer latency (one hidden tensor); exposed = the makespan it adds
-  ZeRO            gradient reduce-scatters hide behind one chunk's backward (the last one, which
-                  finishes the buckets); parameter all-gathers and the trainer's all-reduces are exposed
+  ZeRO            gradient reduce-scatters hide behind one chunk's backward (ZeRO-1's, the last one, which
+                  finishes the buckets) or every backward (ZeRO-2/3's rounds per micro-batch); ZeRO-3's unit
+                  gathers behind the forwards and backwards they prefetch for; ZeRO-1's parameter
+                  all-gather and the trainer's all-reduces are exposed
   other           subgroups made on demand (cp_tp's document-balance sums, tp_kv: the tp ranks
                   sharing a kv head): exposed, after the pipeline
-Then the optimizer step, memory-bound over the rank's optimizer state.
-Host costs (a CPU cluster's; 0 on the GPU ones, whose launches run ahead of the kernels): each aten op
+Then the optimizer step (optimizer_time.py: one fused pass over the rank's optimizer state, or under "eager" this
+repo's ZeroOptimizer passes and Muon's Newton-Schulz, traced).
+Host costs (a CPU cluster's; 0 on the GPU ones, whose launches run ahead of the kernels; `eager` floors each
+phase at its ops x host_op_us instead): each aten op
 a part dispatches in F, B and W (tools/planner/block_trace.py's count) costs `op_us`, each collective call
 `call_us` + `link_latency_us` and its bytes a copy at `copy_gbps`; the host's part of the EP all-to-alls
-is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: kernel launch
-and collective latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's
-all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
+is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: collective
+latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's all-to-all bytes are
+balanced routing), stage imbalance beyond the slowest rank, host syncs between phases.
 Stated with it: model TFLOP/s with attention counted causally (MFU's) and in full (flop_conventions.py), and a
 warning per group that would fit one NVLink domain but straddles two (nvlink_domains.py).
 """
@@ -44,124 +51,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moe_lc.config import Config
-from moe_lc.config.attention_kinds import attention_kind
-from moe_lc.model.counting import attention_core_flops, attention_params, attention_vector_params, \
-    shared_expert_params, train_flops_per_token
+from moe_lc.model.counting import train_flops_per_token
 from moe_lc.parallel.build import pipeline_plan
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.pipeline import FB, B, Costs, F, simulate
-from .clusters import Cluster
+from .clusters import ACHIEVED_RATES, Cluster
+from .compute import kernel_rates, stage_seconds
 from .flop_conventions import model_flops_keys, render_flops
 from .nvlink_domains import group_partition, plan_warnings, render_warnings
+from .optimizer_time import optimizer_seconds
+# (block_work: tools/bench/cpu_costs.py imports it from here)
+from .work import Seconds, act_bytes, block_work, flop_seconds, stage_work
 from ..planner.pipeline_memory import stage_forwards
 
-ATTENTION_BWD = 2.5  # flash attention's backward recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2 paper)
-LOSS_BYTES = 12  # per vocabulary entry per token beside the logits: fp32 copy, log-softmax write and read
 ZERO_GROUPS = ("dp_cp", "edp", "dp_cp_tp", "dp", "world")
-
-
-@dataclass
-class Work:
-    """One micro-batch's forward through some layers on one rank: FLOPs by kind, memory-bound bytes,
-    and what the recompute policy replays in backward."""
-
-    gemm: float = 0.0  # in the recipe's GEMM precision (fp8 under precision.recipe = "fp8")
-    gemm_bf16: float = 0.0  # kept in 16 bits under FP8 (router, output head)
-    grouped: float = 0.0  # routed experts
-    attention: float = 0.0  # the attention core, forward
-    memory: float = 0.0  # bytes
-    recomputed: "Work | None" = None
-
-    def __add__(self, o: "Work") -> "Work":
-        rep = (self.recomputed or Work()) + (o.recomputed or Work()) if (self.recomputed or o.recomputed) else None
-        return Work(self.gemm + o.gemm, self.gemm_bf16 + o.gemm_bf16, self.grouped + o.grouped,
-                    self.attention + o.attention, self.memory + o.memory, rep)
-
-    def scaled(self, k: float) -> "Work":
-        return Work(self.gemm * k, self.gemm_bf16 * k, self.grouped * k, self.attention * k, self.memory * k,
-                    self.recomputed.scaled(k) if self.recomputed else None)
-
-
-def block_work(cfg: Config, layer_id: int) -> Work:
-    """Forward work per token of block `layer_id` (before any split over ranks)."""
-    m, c = cfg.model, _act_bytes(cfg)
-    D, seq = m.dim, cfg.train.seq_len
-    attn = 2 * (attention_params(m) - attention_vector_params(m))
-    core = attention_core_flops(m, seq)
-    if m.is_moe_layer(layer_id):
-        e = m.moe
-        hidden, permute = e.topk * e.ffn_dim + e.shared_hidden, 4 * e.topk * D  # dispatch in and out, read + write
-        w = Work(gemm=attn + 2 * shared_expert_params(m), gemm_bf16=2 * e.n_routed_experts * D,
-                 grouped=2 * 3 * D * e.ffn_dim * e.topk, attention=core)
-    else:
-        hidden, permute = m.ffn_dim, 0
-        w = Work(gemm=attn + 2 * 3 * D * m.ffn_dim, attention=core)
-    norms, swiglu = 4 * D, 3 * hidden  # two RMSNorms read + write; SwiGLU reads gate and up, writes one
-    w.memory = c * (norms + 6 * D + swiglu + permute)  # + two residual adds (read 2, write 1)
-    w.recomputed = _replay(cfg, w, norms * c, swiglu * c)
-    return w
-
-
-def _replay(cfg: Config, w: Work, norm_bytes: float, swiglu_bytes: float) -> Work | None:
-    """What backward recomputes of one block's forward under the recompute policy."""
-    policy, items, m = cfg.recompute.policy, cfg.recompute.selective, cfg.model
-    if policy == "full":
-        return Work(w.gemm, w.gemm_bf16, w.grouped, w.attention, w.memory)
-    if policy != "selective":
-        return None
-    r = Work(memory=norm_bytes * ("norm" in items) + swiglu_bytes * ("swiglu" in items))
-    if "attention" in items:
-        r.attention = w.attention
-    if attention_kind(m).up_item in items:  # MLA's (and DSA's) up-projections from the q and kv latents
-        ml = m.mla
-        r.gemm = 2 * m.n_heads * (ml.q_lora_rank * m.qk_head_dim * (ml.q_lora_rank > 0)
-                                  + ml.kv_lora_rank * (ml.qk_nope_head_dim + ml.v_head_dim))
-    return r
-
-
-def _act_bytes(cfg: Config) -> int:
-    return 4 if cfg.precision.recipe == "fp32" else 2
-
-
-def stage_work(cfg: Config, layers: list[int], first: bool, last: bool) -> Work:
-    """One micro-batch through a stage on one rank: per-token work x micro_batch x seq_len / (cp x tp)."""
-    m, c, D = cfg.model, _act_bytes(cfg), cfg.model.dim
-    w = Work(memory=2 * D * c if first else 0.0)  # the embedding lookup
-    for i in layers:
-        w = w + block_work(cfg, i)
-    if last:
-        head = Work(gemm_bf16=2 * m.vocab_size * D, memory=m.vocab_size * (c + LOSS_BYTES))
-        w = w + head
-        for _ in range(m.mtp.depth):  # projection 2D -> D, one block like the last, its own head pass
-            w = w + Work(gemm=2 * 2 * D * D) + block_work(cfg, m.n_layers - 1) + head
-    p, t = cfg.parallel, cfg.train
-    return w.scaled(t.micro_batch * t.seq_len / (p.cp * p.tp))
-
-
-@dataclass
-class Seconds:
-    """A Work's time: forward, full backward (replay included), and the weight-gradient part."""
-
-    F: float
-    B: float
-    W: float
-    attention_F: float
-    attention_B: float
-
-
-def seconds(cfg: Config, w: Work, cluster: Cluster, eff: dict[str, float]) -> Seconds:
-    fp8, fp32 = cfg.precision.recipe == "fp8", cfg.precision.recipe == "fp32"
-    wide = cluster.peak_tflops("fp32" if fp32 else "bf16") * 1e12
-    gemm_peak = cluster.peak_tflops("fp8") * 1e12 if fp8 else wide
-
-    def parts(x: Work) -> tuple[float, float, float]:  # (GEMMs, attention, memory) seconds
-        g = (x.gemm / (gemm_peak * eff["gemm_fp8" if fp8 else "gemm"]) + x.gemm_bf16 / (wide * eff["gemm"])
-             + x.grouped / (gemm_peak * eff["grouped_gemm_fp8" if fp8 else "grouped_gemm"]))
-        return g, x.attention / (wide * eff["attention"]), x.memory / (cluster.hbm_gbps * 1e9 * eff["memory"])
-
-    g, a, mem = parts(w)
-    replay = sum(parts(w.recomputed)) if w.recomputed else 0.0
-    return Seconds(g + a + mem, 2 * g + ATTENTION_BWD * a + 2 * mem + replay, g, a, ATTENTION_BWD * a)
+IMPLEMENTATIONS = ("fused", "fused_a2a_overlap", "eager")  # (tools/step_time/compute.py; `_action_costs`)
 
 
 def link_seconds(dims: ParallelDims, rank: int, group: str, op: str, nbytes: float, cluster: Cluster,
@@ -203,9 +107,25 @@ class RankCosts:
     comm_s: dict[str, float] = field(default_factory=dict)  # group -> link seconds per step, every op
     host_s: dict[str, float] = field(default_factory=dict)  # group -> the host's part of comm_s (host_seconds)
     ops: dict[tuple[str, str], float] = field(default_factory=dict)  # (group, op) -> seconds per step
+    compute_by_kind: dict[str, float] = field(default_factory=dict)  # kernel kind -> F + B seconds per step
 
 
-def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], schedule, layers) -> list[RankCosts]:
+def stage_cost(cfg: Config, stage: tuple, cluster: Cluster, eff: dict[str, float], impl: str) -> tuple[Seconds, dict]:
+    """(Seconds, {kind: F + B seconds}) of one micro-batch through `stage` (layers, first, last): its traced kernels
+    at their shapes' rates on a GPU cluster (tools/step_time/compute.py), or the Work at one measured rate per
+    kind plus the host's op costs on the `cpu` cluster."""
+    if cluster.name in ACHIEVED_RATES:
+        sec = _with_ops(flop_seconds(cfg, stage_work(cfg, *stage), cluster, eff), cfg, stage, cluster)
+        return sec, {"compute": sec.F + sec.B}
+    sec, kinds = stage_seconds(cfg, *stage, cluster, eff, impl)
+    with_ops = _with_ops(sec, cfg, stage, cluster)  # (a host cost per op set on a GPU cluster: serial, as the CPU's)
+    if with_ops is not sec:
+        kinds["host"] = kinds.get("host", 0.0) + (with_ops.F + with_ops.B) - (sec.F + sec.B)
+    return with_ops, kinds
+
+
+def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], schedule, layers,
+               impl: str = "fused") -> list[RankCosts]:
     """Every pipeline rank's mean cost per action and its communication per step."""
     p, deg = cfg.parallel, plan.degrees
     out = []
@@ -217,13 +137,16 @@ def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], sched
             runs = stage_forwards(schedule, rp.pp_rank)
             stages = {s: (layers[s], s == 0, s == schedule.n_stages - 1) for s in runs}
         n = sum(runs.values())
-        total = [_with_ops(seconds(cfg, stage_work(cfg, *stages[s]), cluster, eff), cfg, stages[s], cluster)
-                 for s in runs]
+        costs = {s: stage_cost(cfg, stages[s], cluster, eff, impl) for s in runs}
         k = [runs[s] / n for s in runs]
+        total = [costs[s][0] for s in runs]
         mean = Seconds(*(sum(w * getattr(x, f) for w, x in zip(k, total)) for f in Seconds.__dataclass_fields__))
         dims = ParallelDims.from_config(p, deg["world"])
         rank = dims.rank_of(rp.pp_rank, 0, 0, 0)
         rc = RankCosts(rp.pp_rank, n, mean)
+        for s in runs:
+            for kind, sec in costs[s][1].items():
+                rc.compute_by_kind[kind] = rc.compute_by_kind.get(kind, 0.0) + runs[s] * sec
         calls = _step_calls(cfg, {s: (runs[s], stages[s]) for s in runs}) if cluster.call_us or cluster.link_latency_us \
             else None
         for t in rp.traffic:
@@ -294,13 +217,56 @@ def _action_counts(schedule, rank: int) -> Counter:
     return kinds
 
 
-def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
-    """The `predicted` block of tools/plan.py --cluster (see the module doc)."""
+def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], impl: str = "fused") -> dict:
+    """The `predicted` block of tools/plan.py --cluster (see the module doc); `impl` one of IMPLEMENTATIONS."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl {impl!r}: one of {', '.join(IMPLEMENTATIONS)}")
     deg, t = plan.degrees, cfg.train
     schedule, layers = pipeline_plan(cfg, t.microbatches(deg["dp"]))
-    ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers)
+    ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers, "eager" if impl == "eager" else "fused")
     rc = max(ranks, key=lambda r: r.compute.F + r.compute.B + sum(r.comm_s.get(g, 0) for g in (
         "tp", "cp", "cp_a2a", "cp_ring", "ep")) / r.actions)
+    costs, per_action = _action_costs(cfg, rc, schedule, impl)
+    hidden = t.micro_batch * t.seq_len // (deg["cp"] * deg["tp"]) * cfg.model.dim * act_bytes(cfg)
+    pp_send = (link_seconds(ParallelDims.from_config(cfg.parallel, deg["world"]), rc.pp_rank * deg["world"] // deg["pp"],
+                            "pp", "send", hidden, cluster, eff, calls=1.0) if schedule else 0.0)
+    if schedule is None:
+        pipeline_s, bubble, kinds = rc.actions * (costs["F"] + costs["B"]), 0.0, Counter(F=rc.actions, B=rc.actions)
+        pp_exposed = 0.0
+    else:
+        sim = simulate(schedule, Costs(comm=pp_send, **costs))
+        pipeline_s, bubble = sim.makespan, sim.published_bubble
+        pp_exposed = sim.makespan - simulate(schedule, Costs(comm=0.0, **costs)).makespan
+        kinds = _action_counts(schedule, rc.pp_rank)
+    exposed = _exposed(cfg, rc, per_action, kinds, pp_exposed)
+    outside = [g for g in exposed if g not in ("tp", "cp", "cp_ring", "cp_a2a", "ep", "pp", *ZERO_GROUPS)]
+    rp = next(r for r in plan.ranks if r.pp_rank == rc.pp_rank)
+    optimizer = _optimizer(cfg, rp, deg, cluster, eff, impl)
+    step = pipeline_s + sum(exposed[g] for g in (*ZERO_GROUPS, *outside)) + sum(optimizer.values())
+    tokens = t.global_batch * t.seq_len
+    flops = train_flops_per_token(cfg.model, t.seq_len)
+    peak = cluster.peak_tflops("fp32" if cfg.precision.recipe == "fp32" else "bf16") * 1e12
+    achieved = flops * tokens / step / deg["world"]
+    return {"cluster": cluster.__dict__, "efficiency": dict(eff), "impl": impl, "step_s": step,
+            "tokens_per_s_per_gpu": tokens / step / deg["world"], "mfu": achieved / peak,
+            "model_tflops_per_gpu": achieved / 1e12, "model_flops_per_token": flops,  # causal: MFU's numerator
+            **model_flops_keys(cfg.model, t.seq_len, tokens / step / deg["world"]),
+            "warnings": plan_warnings(cfg, plan, cluster, rc.pp_rank),
+            "pipeline_s": pipeline_s, "bubble_share": bubble / pipeline_s if pipeline_s else 0.0,
+            "optimizer_s": sum(optimizer.values()), "exposed_comm_s": {g: s for g, s in exposed.items() if s > 0},
+            "compute_s": {k: v for k, v in rc.compute_by_kind.items() if v > 0},
+            "terms_s": step_terms(rc, bubble, exposed, optimizer),
+            "comm_s": rc.comm_s, "costs_s": {**costs, "FB": costs["FB"] or costs["F"] + costs["B"], "comm": pp_send},
+            "slowest_pp_rank": rc.pp_rank, "actions": dict(kinds),
+            "mfu_peak": "bf16 dense" if cfg.precision.recipe != "fp32" else "fp32"}
+
+
+def _action_costs(cfg: Config, rc: RankCosts, schedule, impl: str) -> tuple[dict, dict]:
+    """(the simulator's cost per action kind, F/B/W/FB, and each group's exposed seconds per action): tp's
+    collectives exposed, the cp ring beyond the attention it hides behind, hybrid cp's all-to-alls, the EP
+    all-to-alls exposed, or beside the other micro-batch's compute in DualPipe's F&B pairs, and with
+    `impl` "fused_a2a_overlap" in 1F1B's steady state too (Megatron-Core's --overlap-moe-expert-parallel-comm:
+    each F runs beside another micro-batch's B)."""
     c = rc.compute
     tp = _per_action(rc, "tp") / 2  # forward and backward each move half (all-gather <-> reduce-scatter)
     ring = "cp_ring" if cfg.parallel.cp_a2a > 1 else "cp"  # hybrid cp: the ring over cp / cp_a2a positions
@@ -312,45 +278,48 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float]) -> dict:
     Fc, Bc = c.F + tp + cp_f + a2a + ep_host, c.B + tp + cp_b + a2a + ep_host
     ep -= ep_host
     overlap = cfg.parallel.pp_schedule == "dualpipe" and cfg.parallel.overlap and schedule is not None
+    if impl == "fused_a2a_overlap" and not overlap:  # every F beside a B: each pair max(compute, all-to-alls)
+        ep = max(0.0, 2 * ep - (Fc + Bc)) / 2
     costs = dict(F=Fc + ep, B=Bc + ep, W=c.W, FB=max(Fc + Bc, 2 * ep) if overlap else None)
-    hidden = t.micro_batch * t.seq_len // (deg["cp"] * deg["tp"]) * cfg.model.dim * _act_bytes(cfg)
-    pp_send = (link_seconds(ParallelDims.from_config(cfg.parallel, deg["world"]), rc.pp_rank * deg["world"] // deg["pp"],
-                            "pp", "send", hidden, cluster, eff, calls=1.0) if schedule else 0.0)
-    if schedule is None:
-        pipeline_s, bubble, kinds = rc.actions * (costs["F"] + costs["B"]), 0.0, Counter(F=rc.actions, B=rc.actions)
-        pp_exposed = 0.0
-    else:
-        sim = simulate(schedule, Costs(comm=pp_send, **costs))
-        pipeline_s, bubble = sim.makespan, sim.published_bubble
-        pp_exposed = sim.makespan - simulate(schedule, Costs(comm=0.0, **costs)).makespan
-        kinds = _action_counts(schedule, rc.pp_rank)
     ep_pairs = (max(0.0, 2 * ep - (Fc + Bc)) if overlap else 2 * ep) + 2 * ep_host
-    exposed = {"tp": 2 * tp * rc.actions, ring: (cp_f + cp_b) * rc.actions, "cp_a2a": 2 * a2a * rc.actions,
-               "ep": (ep + ep_host) * (kinds["F"] + kinds["B"]) + ep_pairs * kinds["FB"], "pp": pp_exposed}
-    for g in ZERO_GROUPS:  # reduce-scatters hide behind the last backward, the rest is exposed
-        rs, rest = rc.ops.get((g, "reduce_scatter"), 0.0), sum(s for (h, op), s in rc.ops.items()
-                                                               if h == g and op != "reduce_scatter")
-        exposed[g] = max(0.0, rs - c.B) + rest
-    outside = [g for g in rc.comm_s if g not in exposed]  # subgroups made on demand (e.g. cp_tp): exposed
-    exposed.update({g: rc.comm_s[g] for g in outside})
-    rp = next(r for r in plan.ranks if r.pp_rank == rc.pp_rank)
+    return costs, {"tp": tp, ring: cp_f + cp_b, "ring": ring, "cp_a2a": a2a, "ep": ep + ep_host, "ep_pairs": ep_pairs}
+
+
+def _exposed(cfg: Config, rc: RankCosts, a: dict, kinds: Counter, pp_exposed: float) -> dict[str, float]:
+    """Exposed seconds per group over the step. ZeRO: a reduce-scatter hides behind the backward that runs beside
+    it (ZeRO-1's once a step behind the last chunk's; ZeRO-2/3's rounds behind every backward), ZeRO-3's unit
+    gathers behind the forwards and backwards they prefetch for (one unit ahead); the rest is exposed."""
+    c, n = rc.compute, rc.actions
+    place = cfg.parallel.placement
+    exposed = {"tp": 2 * a["tp"] * n, a["ring"]: a[a["ring"]] * n, "cp_a2a": 2 * a["cp_a2a"] * n,
+               "ep": a["ep"] * (kinds["F"] + kinds["B"]) + a["ep_pairs"] * kinds["FB"], "pp": pp_exposed}
+    rs_window = c.B * (n if place.grads == "sharded" or place.params == "sharded_gather" else 1)
+    ag_window = (c.F + c.B) * n if place.params == "sharded_gather" else 0.0
+    for g in ZERO_GROUPS:
+        rs, ag = rc.ops.get((g, "reduce_scatter"), 0.0), rc.ops.get((g, "all_gather"), 0.0)
+        rest = sum(s for (h, op), s in rc.ops.items() if h == g and op not in ("reduce_scatter", "all_gather"))
+        exposed[g] = max(0.0, rs - rs_window) + max(0.0, ag - ag_window) + rest
+    exposed.update({g: s for g, s in rc.comm_s.items() if g not in exposed})  # subgroups made on demand: exposed
+    return exposed
+
+
+def _optimizer(cfg: Config, rp, deg: dict, cluster: Cluster, eff: dict[str, float], impl: str) -> dict[str, float]:
+    """{kind: seconds} of the optimizer step on the slowest rank (tools/step_time/optimizer_time.py); on the `cpu`
+    cluster one memory-bound pass over its state at the measured rate."""
     mem = rp.memory
-    optimizer_s = (2 * mem["optimizer"] + mem["params"]) / (cluster.hbm_gbps * 1e9 * eff["memory"])
-    step = pipeline_s + sum(exposed[g] for g in (*ZERO_GROUPS, *outside)) + optimizer_s
-    tokens = t.global_batch * t.seq_len
-    flops = train_flops_per_token(cfg.model, t.seq_len)
-    peak = cluster.peak_tflops("fp32" if cfg.precision.recipe == "fp32" else "bf16") * 1e12
-    achieved = flops * tokens / step / deg["world"]
-    return {"cluster": cluster.__dict__, "efficiency": dict(eff), "step_s": step,
-            "tokens_per_s_per_gpu": tokens / step / deg["world"], "mfu": achieved / peak,
-            "model_tflops_per_gpu": achieved / 1e12, "model_flops_per_token": flops,  # causal: MFU's numerator
-            **model_flops_keys(cfg.model, t.seq_len, tokens / step / deg["world"]),
-            "warnings": plan_warnings(cfg, plan, cluster, rc.pp_rank),
-            "pipeline_s": pipeline_s, "bubble_share": bubble / pipeline_s if pipeline_s else 0.0,
-            "optimizer_s": optimizer_s, "exposed_comm_s": {g: s for g, s in exposed.items() if s > 0},
-            "comm_s": rc.comm_s, "costs_s": {**costs, "FB": costs["FB"] or costs["F"] + costs["B"], "comm": pp_send},
-            "slowest_pp_rank": rc.pp_rank, "actions": dict(kinds),
-            "mfu_peak": "bf16 dense" if cfg.precision.recipe != "fp32" else "fp32"}
+    if cluster.name in ACHIEVED_RATES:
+        return {"memory": (2 * mem["optimizer"] + mem["params"]) / (cluster.hbm_gbps * 1e9 * eff["memory"])}
+    return optimizer_seconds(cfg, mem, rp.layers, deg, cluster, kernel_rates(cfg, cluster, eff),
+                             "eager" if impl == "eager" else "fused")
+
+
+def step_terms(rc: RankCosts, bubble: float, exposed: dict[str, float], optimizer: dict[str, float]) -> dict[str, float]:
+    """The step's seconds by cause, largest first: compute by kernel kind (F + B of the slowest rank's actions),
+    the pipeline bubble, each group's exposed communication, the optimizer."""
+    terms = {f"compute {k}": v for k, v in rc.compute_by_kind.items()}
+    terms.update({"bubble": bubble, **{f"exposed {g}": s for g, s in exposed.items()},
+                  "optimizer": sum(optimizer.values())})
+    return dict(sorted(((k, v) for k, v in terms.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def render(pred: dict) -> str:
@@ -358,12 +327,14 @@ def render(pred: dict) -> str:
     c, k = pred["cluster"], pred["costs_s"]
     out = [f"Predicted on {c['name']} ({c['bf16_tflops']:g} BF16 / {c['fp8_tflops']:g} FP8 TFLOP/s, HBM "
            f"{c['hbm_gbps']:g} GB/s, NVLink {c['nvlink_gbps']:g} GB/s, network {c['net_gbps']:g} GB/s per GPU, "
-           f"{c['gpus_per_node']} per node); efficiencies " + ", ".join(f"{a} {b:g}" for a, b in pred["efficiency"].items()),
+           f"{c['gpus_per_node']} per node), {pred['impl']} kernels; compute efficiencies "
+           + ", ".join(f"{a} {b:.2f}" for a, b in pred["efficiency"].items() if "." not in a),
            f"  step {pred['step_s']:.3f} s | {pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | "
            f"{pred['model_tflops_per_gpu']:.0f} model TFLOP/s/GPU | MFU {pred['mfu']:.1%} of the {pred['mfu_peak']} peak",
            f"  pipeline {pred['pipeline_s']:.3f} s (bubble {pred['bubble_share']:.1%}, slowest rank pp {pred['slowest_pp_rank']}), "
            f"optimizer {pred['optimizer_s']:.3f} s; per action F {k['F'] * 1e3:.2f} B {k['B'] * 1e3:.2f} "
            f"W {k['W'] * 1e3:.2f} F&B {k['FB'] * 1e3:.2f} ms, pp transfer {k['comm'] * 1e3:.2f} ms",
            "  communication per step, link time (exposed): " + ", ".join(
-               f"{g} {s:.3f} s ({pred['exposed_comm_s'].get(g, 0.0):.3f})" for g, s in pred["comm_s"].items())]
+               f"{g} {s:.3f} s ({pred['exposed_comm_s'].get(g, 0.0):.3f})" for g, s in pred["comm_s"].items()),
+           "  largest terms of the step: " + ", ".join(f"{t} {s:.3f} s" for t, s in list(pred["terms_s"].items())[:4])]
     return "\n".join(out[:2] + render_flops(pred) + out[2:] + render_warnings(pred))

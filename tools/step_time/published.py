@@ -1,11 +1,15 @@
-"""The step-time predictor (tools/step_time/model.py) against published runs, one set of defaults for all.
+"""The step-time model (tools/step_time/model.py) against published runs, leave-one-out.
 
-    python -m tools.step_time.published [--out docs/results/steptime]
+    python -m tools.step_time.published [--out docs/results/steptime] [--only TEXT ...]
 
-For each run: its recipe planned on its cluster, the predicted tokens/s/GPU and model TFLOP/s/GPU
-beside the source's figure, the error, and how much each default (every efficiency and the network
-bandwidth) moves the prediction when raised by 10% (the plan is made once; only the prediction is
-redone). Writes results.json and results.md into --out.
+The kernel rates come from an H100's benchmark tables (tools/step_time/kernel_rates.py), never from these runs.
+The one constant fitted to the runs is a global overhead factor on throughput: the median of published /
+predicted over the runs it is fitted on (what no kernel table sees: stragglers, the framework's host work,
+imbalance; the median, so that one framework's outlying run does not move every other prediction). Leave-one-out: each run is predicted with the factor fitted on the other runs. Each run is
+planned once on its cluster (tools/step_time/published_runs.py); the figure compared is tokens/s/GPU, or for a
+run published as TFLOP/s only, model TFLOP/s/GPU in the source's attention convention (flop_conventions.py;
+"unstated" is read as causal, the convention of Megatron-LM since 2025-03). Writes published.json and
+published.md into --out.
 """
 
 from __future__ import annotations
@@ -19,84 +23,128 @@ if __name__ == "__main__" and not __package__:  # `python tools/step_time/publis
 import argparse
 import json
 import os
-from dataclasses import replace
+import statistics
+import time
+from dataclasses import asdict
 
 from moe_lc.config import load_config
 from .clusters import resolve
-from ..planner.plan import plan
 from .model import predict
+from .published_runs import RUNS, Run
+from ..planner.plan import plan
 
-# (recipe, cluster, published tokens/s/GPU or None, published model TFLOP/s/GPU or None, source)
-RUNS = [
-    ("recipes/deepseek_v3_671b.toml", "h800", 1543.0, None,
-     "DeepSeek-V3 report (arXiv 2412.19437) Table 1: 2.664M H800 GPU-hours of pre-training for 14.8T "
-     "tokens on 2,048 H800 = 14.8e12 / (2.664e6 x 3600) tokens/s/GPU"),
-    ("recipes/megatron_deepseek_v3_h100.toml", "h100", 1297.0, 338.0,
-     "Megatron-Bridge 25.09 performance summary (docs.nvidia.com/nemo/megatron-bridge): DeepSeek-V3, "
-     "1,024 H100, FP8, TP2 PP8 EP64, 4K"),
-    ("recipes/qwen3_235b_a22b_128k.toml", "h100", None, 357.0,
-     "Megatron MoE model zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md): "
-     "Qwen3-235B-A22B, 128K, TP4 CP8 PP8 VPP4 EP8, 32 H100 nodes, BF16, dropless"),
-]
-RAISE = 1.10
+COMMAND = "python -m tools.step_time.published --out docs/results/steptime"
 
 
-def run_one(recipe: str, cluster_name: str) -> dict:
-    cfg = load_config(recipe, [])
-    p = plan(cfg, None, recipe)
-    cluster, eff = resolve(cluster_name)
-    base = predict(cfg, p, cluster, eff)
-    moves = {}
-    for key in eff:
-        moves[f"eff.{key}"] = predict(cfg, p, cluster, {**eff, key: eff[key] * RAISE})["tokens_per_s_per_gpu"]
-    for key in ("net_gbps", "nvlink_gbps", "hbm_gbps"):
-        bigger = replace(cluster, **{key: getattr(cluster, key) * RAISE})
-        moves[f"cluster.{key}"] = predict(cfg, p, bigger, eff)["tokens_per_s_per_gpu"]
-    base["raise_10pct"] = {k: v / base["tokens_per_s_per_gpu"] - 1 for k, v in moves.items()}
-    base["model_tflops_full_attention"] = base["model_tflops_per_gpu_full"]  # (flop_conventions.py; results.json's key)
-    base["degrees"] = p.degrees
-    base["peak_gib"] = max(r.peak_bytes() for r in p.ranks) / 2**30
-    return base
+def run_one(run: Run) -> dict:
+    """The run planned on its cluster and predicted with its implementation: the `predicted` block, its layout
+    and the planned peak."""
+    cfg = load_config(run.recipe, [])
+    p = plan(cfg, None, run.recipe)
+    cluster, eff = resolve(run.cluster)
+    pred = predict(cfg, p, cluster, eff, run.impl)
+    pred["degrees"] = p.degrees
+    pred["peak_gib"] = max(r.peak_bytes() for r in p.ranks) / 2**30
+    return pred
+
+
+def compared(run: Run, pred: dict) -> tuple[float, float, str]:
+    """(published, predicted, unit) of the figure the run is compared on."""
+    if run.tokens:
+        return run.tokens, pred["tokens_per_s_per_gpu"], "tokens/s/GPU"
+    convention = "full" if run.convention == "full" else "causal"
+    return run.tflops, pred[f"model_tflops_per_gpu_{convention}"], f"TFLOP/s/GPU ({convention})"
+
+
+def overhead_factor(rows: list[dict], leave_out: int | None = None) -> float:
+    """The median of published / predicted over `rows` ({"published", "predicted"}), without row `leave_out`:
+    the factor a predicted throughput is multiplied by (1 with no row to fit on)."""
+    ratios = [r["published"] / r["predicted"] for i, r in enumerate(rows) if i != leave_out]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def leave_one_out(rows: list[dict]) -> list[dict]:
+    """Each row's prediction with the factor fitted on the others: {"factor", "loo_predicted", "loo_error"}."""
+    out = []
+    for i, r in enumerate(rows):
+        f = overhead_factor(rows, leave_out=i)
+        out.append({"factor": f, "loo_predicted": r["predicted"] * f, "loo_error": r["predicted"] * f / r["published"] - 1})
+    return out
+
+
+def largest_term(pred: dict) -> str:
+    """The step-time term the prediction spends most on, with its share of the step."""
+    name, seconds = next(iter(pred["terms_s"].items()))
+    return f"{name} {seconds / pred['step_s']:.0%}"
+
+
+def layout(pred: dict) -> str:
+    d = pred["degrees"]
+    parts = [f"{k}{d[k]}" for k in ("pp", "tp", "cp", "ep") if d.get(k, 1) > 1]
+    return " ".join(parts + [f"dp{d['dp']}"]) + f" ({d['world']} GPUs)"
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| run | layout | published | predicted | error | predicted step s | MFU | bubble | exposed comm s "
-           "(largest) | default that moves it most (+10%) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ["| run | layout, precision | published | predicted (no factor) | leave-one-out predicted | error | "
+            "largest term of the predicted step | step s | planned peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        pred, d = r["predicted"], r["predicted"]["degrees"]
-        layout = f"pp{d['pp']} tp{d['tp']} cp{d['cp']} ep{d['ep']} dp{d['dp']} ({d['world']} GPUs)"
-        if r["tokens"]:
-            pub, got = f"{r['tokens']:,.0f} tok/s/GPU", f"{pred['tokens_per_s_per_gpu']:,.0f} tok/s/GPU"
-            err = pred["tokens_per_s_per_gpu"] / r["tokens"] - 1
-        else:
-            pub = f"{r['tflops']:.0f} TFLOP/s/GPU"
-            got = (f"{pred['model_tflops_per_gpu']:.0f} TFLOP/s/GPU (causal); "
-                   f"{pred['model_tflops_full_attention']:.0f} counting attention in full")
-            err = pred["model_tflops_per_gpu"] / r["tflops"] - 1
-        if r["tokens"] and r["tflops"]:
-            pub += f", {r['tflops']:.0f} TFLOP/s"
-            got += f", {pred['model_tflops_per_gpu']:.0f} TFLOP/s"
-        top = max(pred["raise_10pct"].items(), key=lambda kv: abs(kv[1]))
-        comm = max(pred["exposed_comm_s"].items(), key=lambda kv: kv[1], default=("-", 0.0))
-        out.append(f"| {os.path.basename(r['recipe'])} on {r['cluster']} | {layout} | {pub} | {got} | {err:+.0%} | "
-                   f"{pred['step_s']:.2f} | {pred['mfu']:.1%} | {pred['bubble_share']:.1%} | "
-                   f"{sum(pred['exposed_comm_s'].values()):.2f} ({comm[0]} {comm[1]:.2f}) | {top[0]} {top[1]:+.1%} |")
-    return "\n".join(out)
+        p = r["prediction"]
+        head.append(f"| {r['name']} | {layout(p)}, {r['precision']} | {r['published']:,.0f} {r['unit']} | "
+                    f"{r['predicted']:,.0f} ({r['predicted'] / r['published'] - 1:+.0%}) | {r['loo_predicted']:,.0f} | "
+                    f"{r['loo_error']:+.1%} | {largest_term(p)} | {p['step_s']:.2f} | {p['peak_gib']:.0f} |")
+    return "\n".join(head)
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["loo_error"]) for r in rows]
+    return {"runs": len(rows), "loo_mean_abs_error": sum(errors) / len(errors), "loo_max_abs_error": max(errors),
+            "beyond_30pct": [r["name"] for r in rows if abs(r["loo_error"]) > 0.30],
+            "factor_all_runs": overhead_factor(rows),
+            "raw_mean_abs_error": sum(abs(r["predicted"] / r["published"] - 1) for r in rows) / len(rows)}
+
+
+def evaluate(runs: list[Run], log=print) -> list[dict]:
+    rows = []
+    for run in runs:
+        start = time.perf_counter()
+        pred = run_one(run)
+        pub, got, unit = compared(run, pred)
+        rows.append({**asdict(run), "published": pub, "predicted": got, "unit": unit, "prediction": pred})
+        log(f"{run.name}: {got:,.0f} {unit} predicted, {pub:,.0f} published ({time.perf_counter() - start:.0f} s)")
+    for r, loo in zip(rows, leave_one_out(rows)):
+        r.update(loo)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results/steptime")
+    ap.add_argument("--only", action="append", help="runs whose name contains this (repeatable); default all")
+    ap.add_argument("--reuse", help="a published.json whose predictions to reuse (only the fit and the table redone)")
     args = ap.parse_args(argv)
-    rows = []
-    for recipe, cluster, tokens, tflops, source in RUNS:
-        rows.append(dict(recipe=recipe, cluster=cluster, tokens=tokens, tflops=tflops, source=source,
-                         predicted=run_one(recipe, cluster)))
-        print(f"{recipe}: {rows[-1]['predicted']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU", flush=True)
+    runs = [r for r in RUNS if not args.only or any(s in r.name for s in args.only)]
+    if args.reuse:
+        with open(args.reuse) as fh:
+            rows = [r for r in json.load(fh)["runs"] if any(r["name"] == run.name for run in runs)]
+        for r, loo in zip(rows, leave_one_out(rows)):
+            r.update(loo)
+    else:
+        rows = evaluate(runs, log=lambda *a: print(*a, flush=True))
+    stats = summary(rows)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+    with open(os.path.join(args.out, "published.json"), "w") as fh:
+        json.dump({"command": COMMAND, "summary": stats, "runs": rows}, fh, indent=1)
+    text = (f"<!-- generated by `{COMMAND}` (tools/step_time/published.py); do not edit -->\n"
+            f"# Step-time predictions against {stats['runs']} published runs, leave-one-out\n\n{table(rows)}\n\n"
+            f"Leave-one-out mean absolute error {stats['loo_mean_abs_error']:.1%}, largest "
+            f"{stats['loo_max_abs_error']:.1%}; beyond 30%: {', '.join(stats['beyond_30pct']) or 'none'}. "
+            f"Overhead factor fitted on all runs: {stats['factor_all_runs']:.3f} (without it: mean absolute error "
+            f"{stats['raw_mean_abs_error']:.1%}).\n\nSources:\n\n"
+            + "\n".join(f"- {r['name']}: {r['source']} ({r['recipe']})" for r in rows) + "\n")
+    with open(os.path.join(args.out, "published.md"), "w") as fh:
+        fh.write(text)
     print(table(rows))
+    print(json.dumps(stats, indent=1))
     return 0
 
 

@@ -71,7 +71,7 @@ def name(d: dict[str, int]) -> str:
 
 
 def search(recipe: str, sets: list[str], world: int, cluster: Cluster, eff: dict[str, float],
-           plan_fn, log=print) -> dict:
+           plan_fn, log=print, impl: str = "fused") -> dict:
     """{"ranked": [...fitting layouts, best first], "skipped": {reason: count}, "why": [...], "tried" and
     "total" layouts, "nearest": the layout closest to fitting (None: every one refused), "interrupted":
     Ctrl-C ended the search early (the ranking is of the layouts tried)}. A progress line per planned
@@ -82,7 +82,7 @@ def search(recipe: str, sets: list[str], world: int, cluster: Cluster, eff: dict
     tried, interrupted, start = 0, False, time.perf_counter()
     try:
         for d in todo:
-            reason, entry = _evaluate(recipe, sets, d, world, cluster, eff, plan_fn)
+            reason, entry = _evaluate(recipe, sets, d, world, cluster, eff, plan_fn, impl)
             tried += 1
             if reason:
                 skipped[reason] += 1
@@ -111,7 +111,7 @@ def _nearer(a: dict, b: dict) -> bool:
 
 
 def _evaluate(recipe: str, sets: list[str], d: dict[str, int], world: int, cluster: Cluster, eff: dict[str, float],
-              plan_fn) -> tuple[str, dict | None]:
+              plan_fn, impl: str = "fused") -> tuple[str, dict | None]:
     """(why the layout is skipped, "" when it fits; its entry: name, peak_gb, bound and, fitting, predicted;
     None when the rules refuse it)."""
     layout = [f"parallel.{k}={v}" for k, v in d.items()]
@@ -130,7 +130,7 @@ def _evaluate(recipe: str, sets: list[str], d: dict[str, int], world: int, clust
     entry = dict(layout=d, name=name(d), peak_gb=peak / 1e9, bound=PLANNED)
     if peak > cluster.hbm_gb * 1e9:
         return "planned peak exceeds the memory", entry
-    return "", {**entry, "predicted": predict(cfg, p, cluster, eff)}
+    return "", {**entry, "predicted": predict(cfg, p, cluster, eff, impl)}
 
 
 def _progress(tried: int, total: int, elapsed: float, entry: dict, ranked: list[dict], cluster: Cluster) -> str:
