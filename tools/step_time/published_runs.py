@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 MB = ("Megatron-Bridge performance summary, 25.11 container, DGX-H100 table "
       "(docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html; github.com/NVIDIA-NeMo/Megatron-Bridge "
-      "docs/performance-summary.md), row ")
+      "its file performance-summary.md under docs), row ")
 AM = ("NeMo AutoModel performance summary, pre-training table \"System: DGX-H100, Precision: BF16\" "
       "(docs.nvidia.com/nemo/automodel/latest/performance-summary.html; github.com/NVIDIA-NeMo/Automodel "
-      "docs/performance-summary.md, and its examples/benchmark/configs/), row ")
+      "its file performance-summary.md under docs, and its examples/benchmark/configs/), row ")
 
 
 @dataclass(frozen=True)
