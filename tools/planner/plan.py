@@ -241,21 +241,10 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
                          of bf16 moments); with ZeRO-1, every group's reduced gradient shard too ((P/N,)
                          fp32, copied out of the main-grad buffer when the step begins, freed after it)
     """
-    t, m, c = cfg.train, cfg.model, compute_bytes(cfg)
     out = {"recompute replay": max(e.recompute_working for e in per_stage)}
     head = 0.0
     if any(st["last"] for st in stages):
-        tokens, vocab = t.micro_batch * t.seq_len // deg.cp, m.vocab_size // deg.tp
-        logits = tokens * vocab
-        if deg.tp > 1:  # the vocab-parallel loss's fp32 row blocks: a shifted copy (and a cast of 16-bit logits)
-            blocks = (2 if c == 2 else 1) * min(VOCAB_CE_ROWS, tokens) * vocab * 4
-            head = logits * c * (1 + m.mtp.depth) + blocks
-        elif c == 4:
-            head = logits * (c * (1 + m.mtp.depth) + 8)
-        else:  # 16-bit logits are kept (saved terms); the loss works on fp32 row chunks of them
-            rows = min(CrossEntropy16.ROWS, t.micro_batch * t.seq_len // deg.cp)
-            head = logits * c + 3 * rows * m.vocab_size * 4
-        out["loss head"] = head
+        head = out["loss head"] = _loss_head(cfg, deg)
         if deg.pp == 1:  # the head's own saved terms are not saved yet when it runs
             head -= max(e.head for e in per_stage)
     # each part's own working set, traced (score tiles, dispatch buffers), where it occurs in its stage
@@ -286,6 +275,20 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     if not z.grads_sharded:  # ZeRO-1's shards (zero/grad_sync.py `BucketSync.finish`); a frozen group's stay unmade
         out["optimizer step"] += 4 * sum(n for g, n in shards.items() if not frozen_zero_group(g))
     return out
+
+
+def _loss_head(cfg: Config, deg) -> float:
+    """The "loss head" transient (`_transients`): the logits (B, S/cp, V/tp) of the main and MTP heads and what the
+    loss makes of them at once."""
+    t, m, c = cfg.train, cfg.model, compute_bytes(cfg)
+    tokens, vocab = t.micro_batch * t.seq_len // deg.cp, m.vocab_size // deg.tp
+    logits = tokens * vocab
+    if deg.tp > 1:  # the vocab-parallel loss's fp32 row blocks: a shifted copy (and a cast of 16-bit logits)
+        return logits * c * (1 + m.mtp.depth) + (2 if c == 2 else 1) * min(VOCAB_CE_ROWS, tokens) * vocab * 4
+    if c == 4:
+        return logits * (c * (1 + m.mtp.depth) + 8)
+    # 16-bit logits are kept (saved terms); the loss works on fp32 row chunks of them
+    return logits * c + 3 * min(CrossEntropy16.ROWS, tokens) * m.vocab_size * 4
 
 
 def _pipeline_step(cfg: Config, stages: list[dict], per_stage: list, pp_rank: int, schedule, walks: dict,
