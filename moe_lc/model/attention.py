@@ -90,6 +90,10 @@ class Attention(nn.Module):
         q, k, v = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in (q, k, v))
         if self.qk_norm == "head":  # one (Dh,) weight for every head (Qwen3, GLM-4.5)
             q, k = self.q_norm(q), self.k_norm(k)
+        # v's own copy (K*Dh per token): as a view it would keep the whole q|k|v projection alive for
+        # backward beside the roped copies of q and k the core saves (H*Dh + 2*K*Dh per token more). A q/k
+        # norm saves its input, a view of the projection, so there the projection stays and a copy would add.
+        v = v.contiguous() if self.qk_norm == "none" else v
         return self.run_region(apply_rope, q, cos, sin), self.run_region(apply_rope, k, cos, sin), v
 
 
