@@ -1,0 +1,134 @@
+"""DeepSeek-V4's attention, one module for its three layer types (report arXiv 2606.19348, section 2.3;
+transformers src/transformers/models/deepseek_v4/modeling_deepseek_v4.py, DeepseekV4Attention).
+
+Legend: B batch, S sequence, D model dim, H heads, d head dim (V4-Flash: 512), Cq query latent rank, r RoPE
+dims (the last r of a head), G output groups, R their rank (o_lora_rank), W window, m tokens per entry.
+
+    [c_q | kv] = x @ wa^T                           (B, S, Cq + d)   one Linear for q_a_proj and kv_proj
+    c_q        = q_norm(c_q)                        RMSNorm (weighted)
+    q          = RoPE_tail(rms(wq_b(c_q) per head)) (B, S, H, d)     rms: RMSNorm without a weight
+    kv         = RoPE_tail(kv_norm(kv))             (B, S, d)        one head, both key and value
+    entries    = compressor(x)                      (B, S // m, d)   CSA / HCA only (v4_compressor.py)
+    readable   = HCA: every causal entry; CSA: the indexer's top-k of them (v4_indexer.py)
+    o          = core(q, kv, entries, readable)     (B, S, H, d)     window + entries + sink (v4_core.py)
+    o          = RoPE_tail at -position (o)         the value's rotation undone: relative positions only
+    y          = wo(wo_a(o grouped by G))           (B, S, G R) -> (B, S, D)
+
+Window-only layers rotate with the "main" rope, CSA / HCA layers with the "compress" rope (v4_rope.py).
+The softmax scale is d^-0.5. Positions are explicit (positions (S,) or (B, S), the sequence starting at 0:
+the window, the entries' windows and their positions w m all count from the first row); packed
+documents are not built (a window or an entry would cross a document boundary).
+
+Seams (moe_lc/model/seams.py): `core` (V4Core), `replay` around RoPE and the core, `run_region` around
+RoPE, `out_proj` (wo, attend): attend() returns wo_a's output (B, S, G, R), so wo is the one Linear that
+mixes the groups to D and `project_now` applies unchanged.
+
+Parameter names (ours <- transformers' `self_attn.` names): wa <- cat(q_a_proj, kv_proj) rows; q_norm <-
+q_a_norm; wq_b <- q_b_proj; kv_norm <- kv_norm; wo_a (G, R, H d / G) <- o_a_proj viewed (G, R, -1); wo <-
+o_b_proj; sinks <- sinks; compressor.{wkv_gate <- cat(kv_proj, gate_proj), position_bias, kv_norm} <-
+compressor.*; indexer.compressor.* <- compressor.indexer.{kv_proj; gate_proj, position_bias, kv_norm};
+indexer.wq_b <- compressor.indexer.q_b_proj; indexer.weights_proj <- compressor.indexer.scorer.weights_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config.v4_attention import V4_LAYER_TYPES, V4AttentionConfig
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.seams import project_now, run_now
+from moe_lc.model.v4_compressor import Compressor, visible_entries
+from moe_lc.model.v4_core import V4Core
+from moe_lc.model.v4_indexer import V4Indexer
+from moe_lc.model.v4_rope import V4Rope, apply_tail_rope
+from moe_lc.ops.linear import GroupedLinear, Linear
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim in fp32 (transformers' DeepseekV4UnweightedRMSNorm on q's heads)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class V4Attention(nn.Module):
+    """x (B, S, D), positions (S,) or (B, S) -> (B, S, D): one V4 layer of type `layer_type`."""
+
+    def __init__(self, dim: int, n_heads: int, cfg: V4AttentionConfig, layer_type: str):
+        super().__init__()
+        if layer_type not in V4_LAYER_TYPES:
+            raise ValueError(f"layer_type={layer_type!r} must be one of {', '.join(map(repr, V4_LAYER_TYPES))}")
+        if n_heads % cfg.o_groups:
+            raise ValueError(f"model.v4_attention.o_groups={cfg.o_groups} must divide model.n_heads={n_heads}")
+        self.layer_type, self.n_heads, self.head_dim = layer_type, n_heads, cfg.head_dim
+        self.q_lora_rank, self.window, self.eps = cfg.q_lora_rank, cfg.sliding_window, cfg.eps
+        self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        d = cfg.head_dim
+        self.wa = Linear(dim, cfg.q_lora_rank + d)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
+        self.wq_b = Linear(cfg.q_lora_rank, n_heads * d)
+        self.kv_norm = RMSNorm(d, cfg.eps)
+        self.wo_a = GroupedLinear(cfg.o_groups, n_heads * d // cfg.o_groups, cfg.o_lora_rank)
+        self.wo = Linear(cfg.o_groups * cfg.o_lora_rank, dim)
+        self.sinks = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32)) if cfg.attn_sink else None
+        rate = cfg.compress_rate(layer_type)
+        self.compressor = Compressor(dim, d, rate, layer_type == "compressed_sparse_attention", cfg.eps) if rate else None
+        self.indexer = V4Indexer(dim, cfg) if layer_type == "compressed_sparse_attention" else None
+        self.rope = V4Rope(cfg, layer_type)
+        self.softmax_scale = d ** -0.5
+        self.core = V4Core()
+        self.replay = run_now
+        self.run_region = run_now
+        self.out_proj = project_now
+
+    def forward(self, x_BSD: torch.Tensor, positions: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
+        """docs: must be None (packed documents are not built for V4); stats: unused (no loss of its own)."""
+        if docs is not None:
+            raise ValueError("packed documents (data.document_positions) are not built for DeepSeek-V4 attention: "
+                             "its window and compressed entries would cross document boundaries")
+        return self.out_proj(self.wo, lambda: self.attend(x_BSD, positions))
+
+    def attend(self, x_BSD: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x -> wo_a's output (B, S, G, R): everything before wo."""
+        B, S, _ = x_BSD.shape
+        c_q, kv = self.wa(x_BSD).split([self.q_lora_rank, self.head_dim], dim=-1)
+        c_q = self.q_norm(c_q)
+        q = self.wq_b(c_q).view(B, S, self.n_heads, self.head_dim)
+        kv = self.kv_norm(kv)
+        entries, readable = self.compressed(x_BSD, c_q, positions)
+        o = self.replay(self._rope_and_core, q, kv, positions, entries, readable)
+        return self.grouped_out(o)
+
+    def compressed(self, x_BSD, c_q, positions):
+        """(entries (B, n, d), readable (B, S, n) bool), or (None, None) for a window-only layer."""
+        if self.compressor is None:
+            return None, None
+        B = x_BSD.shape[0]
+        entries = self.compressor(x_BSD, self.rope)
+        n = entries.shape[1]
+        if self.indexer is None:  # HCA: every entry whose tokens are all in the past
+            ready = visible_entries(positions, self.compressor.rate)
+            ready = ready.expand(B, -1) if ready.dim() == 1 else ready
+            return entries, torch.arange(n, device=x_BSD.device) < ready[..., None]
+        picked = self.indexer(x_BSD, c_q, positions, self.rope)  # (B, S, k), -1: an empty slot
+        readable = torch.zeros(*picked.shape[:2], n + 1, dtype=torch.bool, device=x_BSD.device)
+        readable.scatter_(-1, torch.where(picked >= 0, picked, n), True)
+        return entries, readable[..., :n]
+
+    def _rope_and_core(self, q, kv, positions, entries, readable) -> torch.Tensor:
+        """Normalized q (B, S, H, d) before RoPE, kv (B, S, d) normalized -> core output (B, S, H, d), its
+        value rotation undone (RoPE at -position)."""
+        B, S = kv.shape[:2]
+        cos, sin = self.rope(positions)
+        q = self.run_region(apply_tail_rope, unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = self.run_region(apply_tail_rope, kv.view(B, S, 1, self.head_dim), cos, sin).view(B, S, self.head_dim)
+        o = self.core(q, kv, self.window, self.softmax_scale, self.sinks, entries, readable)
+        return self.run_region(apply_tail_rope, o, cos, -sin)
+
+    def grouped_out(self, o_BSHd: torch.Tensor) -> torch.Tensor:
+        """(B, S, H, d) -> (B, S, G, R): group g's H d / G channels through its own (R, H d / G) block."""
+        B, S = o_BSHd.shape[:2]
+        G = self.o_groups
+        rows = o_BSHd.reshape(B * S, G, -1).transpose(0, 1).reshape(G * B * S, -1)  # group-major rows
+        counts = torch.full((G,), B * S, dtype=torch.int64, device=o_BSHd.device)
+        return self.wo_a(rows, counts).view(G, B, S, self.o_lora_rank).permute(1, 2, 0, 3)

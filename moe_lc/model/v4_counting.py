@@ -1,0 +1,94 @@
+"""Counts of DeepSeek-V4's attention from the config alone (moe_lc/model/counting.py's conventions): parameters,
+forward FLOPs per token, and the bytes its core keeps for backward.
+
+Legend: D model dim, H heads, d head dim, Cq query latent rank, G / R output groups / rank, W window, m tokens
+per entry (c = 2 series with CSA's overlap, else 1), n = S // m entries, G_I / E indexer heads / head dim,
+k = index_topk. FLOPs: 2 per weight per token for a matmul (the compressor and indexer projections run on
+every token); the core 4 d per head per key a query reads (q . k and p v, key = value), over the keys a
+query really reads, averaged over the S positions (causal: position t sees min(W, t + 1) window keys,
+(t + 1) // m entries, CSA min(k, those)); the indexer scores every entry a query sees, 2 E + 2 per head
+and entry. Norms, RoPE, the gated pooling and the softmax are not counted (as counting.py).
+
+What backward keeps (`reference_core_saved_bytes`, the torch reference core of v4_core.py, per batch row):
+its fp32 probabilities S H (2W + n + 1), fp32 copies of the window's queries and keys (padded to whole
+windows, the keys twice: once per einsum), the window mask, and with entries the fp32 queries, entries
+and the readable mask. The rest of the module keeps what its Linears and norms keep (x once for wa, the
+compressor and the indexer's weights_proj; wq_b's, wo_a's (a group-major copy) and wo's inputs; the norms'
+fp32 inputs). A fused core would keep q, kv, its output and an fp32 LSE per head instead
+(`fused_core_saved_bytes`); the indexer keeps nothing (it runs without autograd).
+"""
+
+from __future__ import annotations
+
+from moe_lc.config.v4_attention import V4AttentionConfig
+
+
+def v4_attention_params(cfg: V4AttentionConfig, dim: int, n_heads: int, layer_type: str) -> dict[str, int]:
+    """Parameters of one module by part: `matmul` (read by a GEMM per token), `vector` (norm weights, sinks,
+    position biases), `total`."""
+    d, H = cfg.head_dim, n_heads
+    matmul = dim * (cfg.q_lora_rank + d) + cfg.q_lora_rank * H * d + H * d * cfg.o_lora_rank \
+        + cfg.o_groups * cfg.o_lora_rank * dim
+    vector = cfg.q_lora_rank + d + (H if cfg.attn_sink else 0)
+    m = cfg.compress_rate(layer_type)
+    if m:
+        c = 2 if layer_type == "compressed_sparse_attention" else 1
+        matmul += dim * 2 * c * d
+        vector += m * c * d + d
+    if layer_type == "compressed_sparse_attention":
+        E, G = cfg.index_head_dim, cfg.index_n_heads
+        matmul += dim * 4 * E + cfg.q_lora_rank * G * E + dim * G
+        vector += m * 2 * E + E
+    return {"matmul": matmul, "vector": vector, "total": matmul + vector}
+
+
+def mean_window_keys(window: int, seq_len: int) -> float:
+    """Window keys per query, averaged over positions 0 .. S-1: sum of min(W, t + 1) / S."""
+    full = max(seq_len - window, 0)
+    ramp = min(window, seq_len)
+    return (ramp * (ramp + 1) / 2 + full * window) / seq_len
+
+
+def mean_entries(rate: int, seq_len: int, cap: int | None = None) -> float:
+    """Entries a query reads, averaged over positions: sum of min(cap, (t + 1) // m) / S (cap None: no cap)."""
+    total = 0
+    for e in range(1, seq_len // rate + 1):  # positions t with (t + 1) // m == e: t + 1 in [e m, (e + 1) m)
+        count = min((e + 1) * rate - 1, seq_len) - e * rate + 1
+        total += (e if cap is None else min(cap, e)) * count
+    return total / seq_len
+
+
+def v4_attention_flops(cfg: V4AttentionConfig, dim: int, n_heads: int, layer_type: str, seq_len: int) -> dict:
+    """Forward FLOPs per token of one module, by part: `matmul`, `core` (window + entries), `indexer` (its
+    scores), `total`. Training is 3x (the indexer's scores run once: they take no gradient)."""
+    H, d, m = n_heads, cfg.head_dim, cfg.compress_rate(layer_type)
+    keys = mean_window_keys(cfg.sliding_window, seq_len)
+    indexer = 0.0
+    if layer_type == "heavily_compressed_attention":
+        keys += mean_entries(m, seq_len)
+    elif layer_type == "compressed_sparse_attention":
+        keys += mean_entries(m, seq_len, cfg.index_topk)
+        indexer = mean_entries(m, seq_len) * cfg.index_n_heads * (2 * cfg.index_head_dim + 2)
+    matmul = 2 * v4_attention_params(cfg, dim, n_heads, layer_type)["matmul"]
+    core = 4 * d * H * keys
+    return {"matmul": matmul, "core": core, "indexer": indexer, "total": matmul + core + indexer}
+
+
+def reference_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type: str, seq_len: int) -> float:
+    """Bytes per token v4_core.sink_attention keeps for backward, one batch row (module docstring)."""
+    H, d, W, S = n_heads, cfg.head_dim, cfg.sliding_window, seq_len
+    m = cfg.compress_rate(layer_type)
+    n = S // m if m else 0
+    padded = -(-S // W) * W
+    total = 4 * padded * H * d + 2 * 4 * 2 * padded * d + 2 * W * padded  # window q, keys (x2), mask
+    total += 4 * S * H * (2 * W + n + (1 if cfg.attn_sink else 0))  # the probabilities
+    if m:
+        total += 4 * S * H * d + 4 * n * d + S * n  # queries, entries, readable mask
+    return total / S
+
+
+def fused_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type: str, c: int) -> float:
+    """Bytes per token a fused core would keep: q (H d), the token's kv (d), its output (H d) in the compute
+    dtype (c bytes) and an fp32 LSE per head; a layer with entries also their share, d / m per token."""
+    m = cfg.compress_rate(layer_type)
+    return c * (2 * n_heads * cfg.head_dim + cfg.head_dim + (cfg.head_dim / m if m else 0)) + 4 * n_heads

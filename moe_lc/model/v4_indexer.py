@@ -1,0 +1,73 @@
+"""DeepSeek-V4's lightning indexer: which compressed entries each query of a CSA layer reads (report arXiv
+2606.19348, section 2.3.1, eqs. 13-17; transformers src/transformers/models/deepseek_v4/modeling_deepseek_v4.py,
+DeepseekV4Indexer and DeepseekV4IndexerScorer).
+
+Legend: B batch, S sequence, D model dim, Cq query latent rank, G indexer heads, E indexer head dim,
+n compressed entries (S // m), k = index_topk.
+
+    K_I   = its own overlapping compressor at width E over the same windows       (B, n, E)  (v4_compressor.py)
+    q_I   = RoPE_tail(wq_b(c_q))                  (B, S, G, E)  c_q the attention's normalized query latent
+    w     = weights_proj(x) * G^-0.5              (B, S, G)
+    I(t, s) = sum_g w(t, g) * relu(E^-0.5 q_I(t, g) . K_I(s))                   (B, S, n), fp32
+    selected(t) = the k visible entries (s < (t + 1) // m) of highest I, ties to the earlier entry
+
+The top-k order is moe_lc/ops/dsa_select.py's (score, then earlier position), so a tie never depends on
+the kernel (torch.topk returns tied entries in no fixed order). Queries that see fewer than k entries keep
+all they see. Selection is an integer choice: no gradient reaches the indexer through the attention (as in
+transformers); training it needs an auxiliary loss (DeepSeek-V3.2's KL, moe_lc/model/dsa.py), not built here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_lc.config.v4_attention import V4AttentionConfig
+from moe_lc.model.seams import run_now
+from moe_lc.model.v4_compressor import Compressor, visible_entries
+from moe_lc.model.v4_rope import apply_tail_rope
+from moe_lc.ops.dsa_select import indexer_scores, key_positions, order_keys
+from moe_lc.ops.linear import Linear
+
+
+class V4Indexer(nn.Module):
+    """Parameters (transformers' names under `compressor.indexer.` in brackets): compressor [kv_proj; gate_proj,
+    position_bias, kv_norm], wq_b (G E, Cq) [q_b_proj], weights_proj (G, D) [scorer.weights_proj]."""
+
+    def __init__(self, dim: int, cfg: V4AttentionConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rate = cfg.csa_compress_rate
+        self.compressor = Compressor(dim, self.head_dim, self.rate, overlap=True, eps=cfg.eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(dim, self.n_heads)
+        self.scale = self.head_dim ** -0.5
+        self.run_region = run_now
+
+    def scores(self, x_BSD, c_q, positions, rope) -> torch.Tensor:
+        """I (B, S, n) fp32, -inf where the entry is not visible yet."""
+        B, S, _ = x_BSD.shape
+        keys = self.compressor(x_BSD, rope)  # (B, n, E)
+        q = self.wq_b(c_q).view(B, S, self.n_heads, self.head_dim)
+        q = self.run_region(apply_tail_rope, q, *rope(positions))
+        w = self.weights_proj(x_BSD).float() * self.n_heads ** -0.5
+        scores = indexer_scores(q, w, keys, self.scale)
+        return scores.masked_fill(~self.seen(positions, keys.shape[1], B), float("-inf"))
+
+    def seen(self, positions, n: int, B: int) -> torch.Tensor:
+        """(B, S, n) bool: entry s is visible to the query at positions[t]."""
+        ready = visible_entries(positions, self.rate)
+        ready = ready.expand(B, -1) if ready.dim() == 1 else ready
+        return torch.arange(n, device=ready.device) < ready[..., None]
+
+    @torch.no_grad()
+    def forward(self, x_BSD, c_q, positions, rope) -> torch.Tensor:
+        """-> selected entries (B, S, min(k, n)) int64, in top-k order, -1 in slots beyond what a query sees."""
+        B = x_BSD.shape[0]
+        scores = self.scores(x_BSD, c_q, positions, rope)
+        n = scores.shape[-1]
+        k = min(self.topk, n)
+        if k == 0:
+            return scores.new_zeros(*scores.shape[:2], 0, dtype=torch.int64)
+        keys = order_keys(scores, torch.arange(n, device=scores.device), self.seen(positions, n, B))
+        return key_positions(keys.topk(k, dim=-1, sorted=True).values)
