@@ -1,6 +1,7 @@
 """Model sections of a recipe: [model] holds the shape every block shares; its components read their
 own sub-tables: [model.moe] (router and experts), [model.rope] (RoPE / YaRN), [model.mla] (latent
-attention), [model.dsa] (its sparse variant) and [model.mtp] (multi-token prediction). Choices are `Literal` types from `choices.py`;
+attention), [model.dsa] (its sparse variant), [model.mtp] (multi-token prediction) and [model.mhc]
+(DeepSeek-V4's widened residual stream, read when model.residual = "mhc"). Choices are `Literal` types from `choices.py`;
 the field helpers are in `fields.py`.
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lc.config.attention_kinds import attention_kind
-from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, RopeScaling, ScoreFunc,
-                                   names)
+from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, ResidualStream,
+                                   RopeScaling, ScoreFunc, names)
 from moe_lc.config.fields import f, non_negative, positive
 
 # --------------------------------------------------------------------------------------------- model
@@ -27,7 +28,7 @@ class MoEConfig:
     topk: int = f(2, "routed experts per token")
     n_groups: int = f(4, "expert groups (map to nodes under EP); divides n_routed_experts")
     topk_groups: int = f(2, "groups a token may use (node-limited routing); <= n_groups")
-    score_func: ScoreFunc = f("sigmoid", "router affinity")
+    score_func: ScoreFunc = f("sigmoid", "router affinity: sigmoid (V3), softmax, or sqrt(softplus) (V4)")
     group_score: GroupScore = f("top2_sum", "a group's score: the sum of its top-2 affinities (DeepSeek-V3) or its best one (V2)")
     norm_topk_prob: bool = f(True, "renormalize the top-k affinities to sum to 1 (DeepSeek-V3; V2 does not)")
     routed_scaling_factor: float = f(1.0, "gate weights are the (normalized) top-k affinities times this")
@@ -47,6 +48,12 @@ class MoEConfig:
                                "(Qwen2-MoE: shared_expert_intermediate_size)")
     shared_expert_gate: bool = f(False, "scale the shared experts' output per token by sigmoid(x w^T), w: (1, dim) "
                                         "(Qwen2-MoE's shared_expert_gate)")
+    swiglu_limit: float = f(0.0, "clamp the routed and shared experts' SwiGLU inputs: gate to <= L, up to [-L, L] "
+                                 "(DeepSeek-V4: 10); 0 = off")
+    hash_layers: int = f(0, "the first N MoE layers choose their experts by a fixed token-id table tid2eid (V4's "
+                            "hash routing: 3); the gate still weighs the chosen experts")
+    hash_seed: int = f(0, "seed of the tid2eid tables built for training from scratch (each token's topk distinct "
+                          "experts drawn uniformly, one table per hash layer); a checkpoint's tables replace them")
 
     @property
     def shared_hidden(self) -> int:
@@ -60,17 +67,24 @@ class MoEConfig:
         non_negative(e, f"{p}.n_routed_experts", self.n_routed_experts)
         non_negative(e, f"{p}.n_shared_experts", self.n_shared_experts)
         non_negative(e, f"{p}.bias_update_speed", self.bias_update_speed)
-        for name in ("aux_loss_weight", "z_loss_weight", "global_aux_loss_weight", "capacity_factor", "shared_ffn_dim"):
+        for name in ("swiglu_limit", "hash_layers", "hash_seed", "aux_loss_weight", "z_loss_weight",
+                     "global_aux_loss_weight", "capacity_factor", "shared_ffn_dim"):
             non_negative(e, f"{p}.{name}", getattr(self, name))
         for key, on in ((f"shared_ffn_dim={self.shared_ffn_dim}", self.shared_ffn_dim),
                         ("shared_expert_gate = true", self.shared_expert_gate)):
             if on and not self.n_shared_experts:
                 e.append(f"{p}.{key} needs {p}.n_shared_experts >= 1 (there is no shared expert)")
         positive(e, f"{p}.routed_scaling_factor", self.routed_scaling_factor)
+        if self.hash_layers and (self.n_routed_experts <= 0 or self.n_dense_layers >= n_layers):
+            e.append(f"{p}.hash_layers={self.hash_layers} needs MoE layers (n_routed_experts > 0, n_dense_layers "
+                     "< model.n_layers)")
         if self.n_routed_experts <= 0 or self.n_dense_layers >= n_layers:
             return e
         positive(e, f"{p}.ffn_dim", self.ffn_dim)
         E = self.n_routed_experts
+        if self.hash_layers > n_layers - self.n_dense_layers:
+            e.append(f"{p}.hash_layers={self.hash_layers} exceeds the {n_layers - self.n_dense_layers} MoE layers "
+                     f"(model.n_layers={n_layers} - n_dense_layers={self.n_dense_layers})")
         if not 1 <= self.topk <= E:
             e.append(f"{p}.topk={self.topk} must lie in [1, n_routed_experts={E}]")
         if self.n_groups < 1 or E % self.n_groups:
@@ -190,6 +204,23 @@ class MTPConfig:
 
 
 @dataclass(frozen=True)
+class MHCConfig:
+    """[model.mhc]: manifold-constrained hyper-connections (DeepSeek-V4, arXiv 2606.19348 section 2.2), read when
+    model.residual = "mhc": the residual stream widened to hc_mult copies, mixed around every attention and FFN
+    by input-dependent maps, the residual map projected onto doubly stochastic matrices."""
+
+    hc_mult: int = f(4, "residual streams n_hc (V4: 4)")
+    sinkhorn_iters: int = f(20, "Sinkhorn-Knopp iterations t_max of the residual map's projection (V4: 20)")
+    eps: float = f(1e-6, "floor added to the pre and residual maps and to Sinkhorn-Knopp's sums (V4's hc_eps)")
+
+    def errors(self) -> list[str]:
+        e = []
+        for name in ("hc_mult", "sinkhorn_iters", "eps"):
+            positive(e, f"model.mhc.{name}", getattr(self, name))
+        return e
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """[model]: shape of the decoder-only MoE transformer (DeepSeek-style)."""
 
@@ -219,6 +250,9 @@ class ModelConfig:
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")
     dsa: DSAConfig = f(DSAConfig(), "[model.dsa] (with attention = 'mla')")
     mtp: MTPConfig = f(MTPConfig(), "[model.mtp]")
+    residual: ResidualStream = f("plain", "the residual stream: plain x + f(norm(x)), or DeepSeek-V4's mHC "
+                                          "([model.mhc], moe_lc/model/residual_stream.py)")
+    mhc: MHCConfig = f(MHCConfig(), "[model.mhc] (with residual = 'mhc')")
 
     @property
     def head_size(self) -> int:
@@ -245,6 +279,11 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe.n_routed_experts > 0 and layer_id >= self.moe.n_dense_layers
 
+    def is_hash_layer(self, layer_id: int) -> bool:
+        """The first moe.hash_layers MoE layers route by token id (an MTP module's block never does)."""
+        return self.is_moe_layer(layer_id) and layer_id < min(self.moe.n_dense_layers + self.moe.hash_layers,
+                                                               self.n_layers)  # (MTP blocks: id >= n_layers)
+
     @property
     def n_moe_layers(self) -> int:
         return max(self.n_layers - self.moe.n_dense_layers, 0) if self.moe.n_routed_experts else 0
@@ -255,4 +294,5 @@ class ModelConfig:
             positive(e, f"model.{name}", getattr(self, name))
         if self.attention in names(AttentionKind):  # else the choice rule names it
             e += attention_kind(self).errors(self)
+        e += self.mhc.errors() if self.residual == "mhc" else []
         return e + self.moe.errors(self.n_layers) + self.rope.errors() + self.mtp.errors()

@@ -238,12 +238,30 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
     return e
 
 
+def _v4_stream_and_routing_rules(cfg: Config) -> list[str]:
+    """What mHC (model.residual = 'mhc') and hash routing (model.moe.hash_layers) do not run with yet."""
+    m, p, e = cfg.model, cfg.parallel, []
+    mhc, hashed = m.residual == "mhc", m.has_moe and m.moe.hash_layers > 0
+    if mhc and p.pp > 1:
+        e.append(f"model.residual = 'mhc' with parallel.pp={p.pp} is not built: the pipeline sends (B, S, D) "
+                 "activations between stages, mHC's stream is (B, S, model.mhc.hc_mult, D)")
+    if mhc and m.mtp.depth:
+        e.append(f"model.residual = 'mhc' with model.mtp.depth={m.mtp.depth} is not built: the MTP modules read "
+                 "a (B, S, D) hidden state")
+    for what, on in (("model.residual = 'mhc'", mhc), (f"model.moe.hash_layers={m.moe.hash_layers}", hashed)):
+        if on and p.tp > 1:
+            e.append(f"{what} with parallel.tp={p.tp} is not built: the tensor-parallel plan has no rule for mHC's "
+                     "maps or the hash router (and its token ids would need their sequence shard)")
+    return e
+
+
 def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Rules that tie sections together. `world_size` None = the recipe's own."""
     d, e = layout_errors(cfg.parallel, world_size)
     if DEGREES_RULE in e:
         return e[:-1]  # the section rules already name the bad degree
     e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + hybrid_cp_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
+    e += _v4_stream_and_routing_rules(cfg)
     m, data, t = cfg.model, cfg.data, cfg.train
     if m.vocab_size < 259 and data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
@@ -292,6 +310,9 @@ def recipe_warnings(cfg: Config, given: set[str] = frozenset(), env=os.environ) 
         w.append(f"train.muon_momentum={t.muon_momentum:g} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_ns_dtype" in given and t.muon_ns_dtype != "auto" and t.optimizer != "muon":
         w.append(f"train.muon_ns_dtype={t.muon_ns_dtype!r} is set, but train.optimizer={t.optimizer!r} does not read it")
+    for key in ("muon_ns", "muon_update_rms"):
+        if f"train.{key}" in given and getattr(t, key) != getattr(TrainConfig(), key) and t.optimizer != "muon":
+            w.append(f"train.{key}={getattr(t, key)!r} is set, but train.optimizer={t.optimizer!r} does not read it")
     if "train.muon_exact_rms" in given and t.muon_exact_rms and t.optimizer != "muon":
         w.append(f"train.muon_exact_rms = true is set, but train.optimizer={t.optimizer!r} does not read it")
     if (cfg.parallel.placement.optimizer == "offloaded" and t.threads == 0 and t.device != "cpu"

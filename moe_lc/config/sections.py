@@ -14,7 +14,7 @@ from typing import Literal
 
 from moe_lc.config.choices import (
     AdamMoments, CpLayout, DataSource, Device, ExpertDispatch, Fp8Backend, Fp8CacheItem, Fp8Scaling, GradPlacement,
-    Logger, LrSchedule, MixtureSource, MlaRing, MuonNsDtype, OffloadItem, Optimizer, OptimizerPlacement,
+    Logger, LrSchedule, MixtureSource, MlaRing, MuonNs, MuonNsDtype, OffloadItem, Optimizer, OptimizerPlacement,
     ParamsPlacement, PPSchedule, PrecisionRecipe, RecomputeItem, RecomputePolicy, SyntheticTask,
 )
 from moe_lc.config.fields import f, non_negative, positive
@@ -179,9 +179,14 @@ class TrainConfig:
     eps: float = f(1e-8, "adamw: epsilon added to the denominator")
     sgd_momentum: float = f(0.9, "sgd: heavy-ball momentum (torch.optim.SGD's, no dampening); 0 = plain SGD, no state")
     muon_momentum: float = f(0.95, "muon: Nesterov momentum of the hidden matrices (Moonlight's 0.95)")
-    muon_exact_rms: bool = f(False, "muon: scale each orthogonalized update to exactly 0.2 lr RMS (divide by "
-                                    "its own RMS); false = Moonlight's 0.2 sqrt(max(A, B)), which assumes an "
-                                    "orthogonal output (Newton-Schulz's leaves 0.85-0.90 of it)")
+    muon_exact_rms: bool = f(False, "muon: scale each orthogonalized update to exactly muon_update_rms x lr RMS "
+                                    "(divide by its own RMS); false = Moonlight's rms sqrt(max(A, B)), which "
+                                    "assumes an orthogonal output (Newton-Schulz's 5 steps leave 0.85-0.90 of it)")
+    muon_ns: MuonNs = f("moonlight", "muon: Newton-Schulz iterations: 'moonlight' = 5 of (3.4445, -4.7750, 2.0315); "
+                                     "'v4' = DeepSeek-V4's hybrid, 8 of those then 2 of (2, -1.5, 0.5), which land "
+                                     "the singular values on 1")
+    muon_update_rms: float = f(0.2, "muon: the update's RMS per unit lr, matched to AdamW's (Moonlight 0.2, "
+                                    "DeepSeek-V4 0.18)")
     muon_ns_dtype: MuonNsDtype = f("auto", "muon: dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA (as "
                                            "Muon's and Moonlight's code: fp32 is compute-bound there, 1.14 s per "
                                            "step for a 1.7B MoE on an H100) and fp32 elsewhere")
@@ -225,7 +230,7 @@ class TrainConfig:
 
     def errors(self) -> list[str]:
         e = []
-        for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_interval", "lr"):
+        for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_interval", "lr", "muon_update_rms"):
             positive(e, f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "threads", "peak_tflops", "max_nonfinite_steps",
                      "trace_step", "eps", "seed", "qk_clip"):

@@ -1,6 +1,7 @@
 """One transformer block (pre-norm attention + FFN or MoE), and its forward as a chain of phases.
 
-Legend: B batch, S sequence (local), D model dim. Used by the main model and by each MTP module.
+Legend: B batch, S sequence (local), D model dim, h the residual stream ((B, S, D), or (B, S, N, D) with mHC:
+moe_lc/model/residual_stream.py). Used by the main model and by each MTP module.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from moe_lc.config import ModelConfig
 from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.forward_stats import ForwardStats
+from moe_lc.model.hash_router import router_for
 from moe_lc.model.moe import MoE
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.residual_stream import residual_stream
 from moe_lc.model.seams import hold_now, run_now, through
 
 
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); attn is the attention kind's module, ffn dense
-    SwiGLU or MoE.
+    SwiGLU or MoE (its router the layer's kind: hash_router.router_for). How each sublayer reads the stream
+    and writes back to it is the residual stream's (`attn_res`, `ffn_res`: residual_stream.py).
     Seam `replay` runs the whole block, or each of its phases; `hold` marks its phases as the chain that
     reads its parameters (moe_lc/model/seams.py); `forward` leaves holding to its caller (an MTP module)."""
 
@@ -29,45 +33,54 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = load(attention_kind(cfg).module)(cfg)  # the kind's module (moe_lc/config/attention_kinds.py)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.ffn = MoE(cfg, router_for(cfg, layer_id)) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
+        stream = residual_stream(cfg)
+        self.attn_res, self.ffn_res = stream.sublayer(cfg), stream.sublayer(cfg)
         self.replay = run_now
         self.hold = hold_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                stats: ForwardStats | None = None, docs=None) -> torch.Tensor:
-        phases = self._phases(cos, sin, stats, docs)  # made once: a replay reruns them with this forward's state
+                stats: ForwardStats | None = None, docs=None, tokens=None) -> torch.Tensor:
+        phases = self._phases(cos, sin, stats, docs, tokens)  # made once: a replay reruns them with this forward's state
         return self.replay(lambda x: run_phases(phases, x), x_BSD)
 
-    def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
+    def phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None,
+               tokens=None) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
         A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
         recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
         `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the
-        micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None."""
+        micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None.
+        `tokens`: the micro-batch's token ids (B, S), which a hash-routed MoE layer reads, or None."""
         return self.hold([named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
-                          for fn in self._phases(cos, sin, stats, docs)], (self,))
+                          for fn in self._phases(cos, sin, stats, docs, tokens)], (self,))
 
-    def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None) -> list:
+    def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None,
+                tokens=None) -> list:
+        attn_res, ffn_res = self.attn_res, self.ffn_res
 
         def attention(h):
-            return (h + self.attn(self.attn_norm(h), cos, sin, docs, stats),)
+            x, *carried = attn_res.split(h)
+            return (attn_res.merge(h, self.attn(self.attn_norm(x), cos, sin, docs, stats), *carried),)
 
         def ffn(h):
-            return (h + self.ffn(self.ffn_norm(h)),)
+            x, *carried = ffn_res.split(h)
+            return (ffn_res.merge(h, self.ffn(self.ffn_norm(x)), *carried),)
 
         if not isinstance(self.ffn, MoE):
             return [attention, ffn]
-        moe, ctx = self.ffn, {}
+        moe, ctx, n = self.ffn, {}, ffn_res.carried  # the residual's carried tensors ride behind h
 
         def dispatch(h):
-            return (h, *moe.dispatch_phase(ctx, self.ffn_norm(h), stats))
+            x, *carried = ffn_res.split(h)
+            return (h, *carried, *moe.dispatch_phase(ctx, self.ffn_norm(x), stats, tokens))
 
         def experts(h, *state):
-            return (h, *moe.expert_phase(ctx, *state))
+            return (h, *state[:n], *moe.expert_phase(ctx, *state[n:]))
 
         def combine(h, *state):
-            return (h + moe.combine_phase(ctx, *state, stats=stats),)
+            return (ffn_res.merge(h, moe.combine_phase(ctx, *state[n:], stats=stats), *state[:n]),)
 
         return [attention, dispatch, experts, combine]
 

@@ -27,17 +27,45 @@ def swiglu_then(down, gate_up: torch.Tensor, *args, weight: torch.Tensor | None 
     return down(run_region(swiglu, gate_up, weight), *args)
 
 
+class ClampGateUp(torch.autograd.Function):
+    """DeepSeek-V4's clamped SwiGLU inputs (model.moe.swiglu_limit = L): gate_up (..., 2F), gate first ->
+    [min(gate, L) | clamp(up, -L, L)]. Backward keeps only the clamped output, which the activation keeps
+    anyway (one tensor, no second copy): the gradient passes where the output lies strictly inside the bounds
+    (torch.clamp's would also pass it where an input equals a bound exactly)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.cat([gate.clamp(max=limit), up.clamp(-limit, limit)], dim=-1)
+        ctx.save_for_backward(out)
+        ctx.limit = limit
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        gate, up = out.chunk(2, dim=-1)
+        inside = torch.cat([gate < ctx.limit, up.abs() < ctx.limit], dim=-1)
+        return grad * inside, None
+
+
+def clamp_gate_up(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate_up clamped as ClampGateUp says, or itself when limit is 0 (off)."""
+    return ClampGateUp.apply(gate_up, limit) if limit > 0 else gate_up
+
+
 class SwiGLU(nn.Module):
     """w2(silu(x W1^T) * (x W3^T)).  W1 and W3 are fused in w13: (2*hidden, dim), column-parallel
     under TP as two sections; w2: (dim, hidden), row-parallel. Seams `activation`, `run_region`
-    (moe_lc/model/seams.py)."""
+    (moe_lc/model/seams.py). limit: DeepSeek-V4's clamp of gate and up (clamp_gate_up; 0 = off)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, limit: float = 0.0):
         super().__init__()
         self.w13 = Linear(dim, 2 * hidden)
         self.w2 = Linear(hidden, dim)
+        self.limit = limit
         self.activation = swiglu_then
         self.run_region = run_now
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.w2, self.w13(x_BSD), run_region=self.run_region)
+        return self.activation(self.w2, clamp_gate_up(self.w13(x_BSD), self.limit), run_region=self.run_region)

@@ -11,12 +11,13 @@ experts on this device); expert parallelism swaps in an all-to-all dispatcher fr
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import ModelConfig
 from moe_lc.model.balance_losses import TokenShards, balance_loss_shares, enabled_losses
 from moe_lc.model.capacity import dropped_copies, drop_over_capacity, expert_capacity
-from moe_lc.model.ffn import SwiGLU, swiglu_then
+from moe_lc.model.ffn import SwiGLU, clamp_gate_up, swiglu_then
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.seams import run_now, through
 from moe_lc.ops.fp8_storage import FP8Rounded
@@ -52,13 +53,17 @@ def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+SCORE_FUNCS = {"sigmoid": torch.sigmoid, "softmax": lambda logits: logits.softmax(dim=-1),
+               "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt()}  # model.moe.score_func (V4: sqrtsoftplus)
+
+
 @region
 def score_and_route(logits_TE: torch.Tensor, bias_E: torch.Tensor, select, score_func: str, n_groups: int,
                     topk_groups: int, topk: int, group_score: str, norm_topk_prob: bool, scaling: float):
     """The router after its gate: fp32 logits (T, E) -> idx (T, K) int64 from `select` (`route`'s signature,
     on the detached affinities), gate weights (T, K) fp32, affinities (T, E) fp32 (pre-bias), and the
     count of each expert's copies (E,) int64."""
-    scores_TE = logits_TE.sigmoid() if score_func == "sigmoid" else logits_TE.softmax(dim=-1)
+    scores_TE = SCORE_FUNCS[score_func](logits_TE)
     idx_TK = select(scores_TE.detach(), bias_E, n_groups, topk_groups, topk, group_score)
     weights_TK = scores_TE.gather(1, idx_TK)
     if norm_topk_prob:
@@ -124,9 +129,10 @@ class Router(nn.Module):
         """-> idx (T, K) int64, weights (T, K) fp32, scores (T, E) fp32 (pre-bias affinities)."""
         return self.route_and_score(x_TD)[:3]
 
-    def route_and_score(self, x_TD: torch.Tensor, stats: ForwardStats | None = None):
+    def route_and_score(self, x_TD: torch.Tensor, stats: ForwardStats | None = None, tokens=None):
         """`forward`'s three, and the fp32 logits (T, E) the z-loss reads. stats: where this forward books
-        the tokens it routed to each expert (None: it books nothing)."""
+        the tokens it routed to each expert (None: it books nothing). tokens: the token ids, which only a
+        hash router reads (hash_router.py)."""
         logits_TE = self.logits(self.gate, x_TD)
         idx_TK, weights_TK, scores_TE, counts_E = self.run_region(
             score_and_route, logits_TE, self.expert_bias, self.select, self.score_func, self.n_groups,
@@ -178,20 +184,21 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as grouped GEMMs.  w13: (E, 2F, D), w2: (E, D, F); sharded on dim 0 under EP.
-    Seams `activation`, `run_region` as SwiGLU's (moe_lc/model/seams.py)."""
+    Seams `activation`, `run_region` as SwiGLU's (moe_lc/model/seams.py); limit: SwiGLU's clamp (ffn.py)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, limit: float = 0.0):
         super().__init__()
         self.w13 = GroupedLinear(n_experts, dim, 2 * hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
+        self.limit = limit
         self.activation = swiglu_then
         self.run_region = run_now
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, D) rows sorted by local expert; counts: (E_local,); weight: (T,) fp32 gate weight of each
         row, applied to the SwiGLU output (weighted_swiglu), or None -> (T, D)."""
-        return self.activation(self.w2, self.w13(x_TD, counts_E), counts_E, weight=weight_T,
-                               run_region=self.run_region)
+        return self.activation(self.w2, clamp_gate_up(self.w13(x_TD, counts_E), self.limit), counts_E,
+                               weight=weight_T, run_region=self.run_region)
 
 
 class TokenDispatcher:
@@ -316,14 +323,15 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 class MoE(nn.Module):
     """x (B, S, D) -> shared(x) + sum_k gate_k * expert_k(x); with model.moe.shared_expert_gate (Qwen2-MoE)
-    shared(x) is scaled per token by sigmoid(x shared_gate^T), shared_gate: (1, D), replicated under TP."""
+    shared(x) is scaled per token by sigmoid(x shared_gate^T), shared_gate: (1, D), replicated under TP.
+    router: the block's router kind (hash_router.router_for), a learned `Router` by default."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, router: Router | None = None):
         super().__init__()
-        self.n_experts = cfg.moe.n_routed_experts
-        self.router = Router(cfg)
-        self.experts = RoutedExperts(cfg.moe.n_routed_experts, cfg.dim, cfg.moe.ffn_dim)
-        self.shared = SwiGLU(cfg.dim, cfg.moe.shared_hidden) if cfg.moe.n_shared_experts else None
+        self.n_experts, limit = cfg.moe.n_routed_experts, cfg.moe.swiglu_limit
+        self.router = router if router is not None else Router(cfg)
+        self.experts = RoutedExperts(cfg.moe.n_routed_experts, cfg.dim, cfg.moe.ffn_dim, limit)
+        self.shared = SwiGLU(cfg.dim, cfg.moe.shared_hidden, limit) if cfg.moe.n_shared_experts else None
         self.shared_gate = Linear(cfg.dim, 1) if cfg.moe.shared_expert_gate else None
         if self.shared_gate is not None:  # a GEMM of one row: neither FP8 nor worth deferring
             self.shared_gate.fp8_eligible = self.shared_gate.defer_wgrad = False
@@ -332,9 +340,9 @@ class MoE(nn.Module):
         self.weighted_swiglu = cfg.moe.weighted_swiglu
         self.aux_loss_scale = 1.0  # share of this micro-batch in the step's loss (set by the trainer)
 
-    def forward(self, x_BSD: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, stats: ForwardStats | None = None, tokens=None) -> torch.Tensor:
         ctx = {}
-        state = through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD, stats))))
+        state = through(self.expert_phase(ctx, *through(self.dispatch_phase(ctx, x_BSD, stats, tokens))))
         return self.combine_phase(ctx, *state, stats=stats)
 
     # The forward in three phases (route + dispatch, experts, combine + shared), so that a pipeline
@@ -343,16 +351,17 @@ class MoE(nn.Module):
     # (as `Transfer`s under expert parallelism). Tensors flow through the arguments (a phased run
     # detaches them at every boundary); `ctx` carries only non-differentiable routing state, dispatch
     # books the routing and combine records the aux loss in the step's `stats` when given one.
-    def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor, stats: ForwardStats | None = None):
+    def dispatch_phase(self, ctx: dict, x_BSD: torch.Tensor, stats: ForwardStats | None = None, tokens=None):
         """x (B, S, D) -> (x, rows for this rank's experts, gate weights (T, K), or (T',) travelling with
         the rows under weighted_swiglu[, aux loss]). A training forward books its routing in the step's
         `stats` (the expert loads, aux-loss shares, dropped copies and the dispatcher's spread), once per
         micro-batch: a replay of this phase (full recomputation) runs with the forward's `ctx` and the
-        router's `count_loads` seam tells it apart."""
+        router's `count_loads` seam tells it apart. tokens: the micro-batch's token ids (B, S), which a hash
+        router reads (None elsewhere)."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         book = stats if stats is not None and self.training and self.router.count_loads(ctx) else None
-        idx_TK, weights_TK, scores_TE, logits_TE = self.router.route_and_score(x_TD, book)
+        idx_TK, weights_TK, scores_TE, logits_TE = self.router.route_and_score(x_TD, book, tokens)
         sent_TK = self.router.drop_over_capacity(idx_TK, scores_TE, book)
         spread = self.dispatcher.spread(sent_TK) if book is not None else None
         if spread is not None:

@@ -19,6 +19,7 @@ from moe_lc.model.init import cast_params_, init_weights
 from moe_lc.model.moe import MoE
 from moe_lc.model.mtp import MTPModule, mtp_loss
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.residual_stream import residual_stream
 from moe_lc.model.rope import RotaryEmbedding
 from moe_lc.model.seams import hold_now, run_now
 from moe_lc.ops.linear import Linear
@@ -111,6 +112,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.stream = residual_stream(cfg)  # the residual stream's start (widen) and read-out (stream_head)
+        self.stream_head = self.stream.head(cfg)  # None: the head reads the stream as is
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = Linear(cfg.dim, cfg.vocab_size)
         self.head.fp8_eligible = False  # DeepSeek keeps the output head in bf16
@@ -129,39 +132,47 @@ class Transformer(nn.Module):
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 mtp: dict | None = None, stats: ForwardStats | None = None, docs=None,
-                sources: torch.Tensor | None = None) -> torch.Tensor:
+                sources: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: tokens (B, S) int64 when this stage has `embed`, else hidden (B, S', D).
         positions: (S,) int64, the sequence positions attention sees (default arange(S); zig-zag
         shards under CP pass theirs), or (B, S) when each row has its own (positions restarting at
         each packed document). mtp: `mtp.mtp_targets` for multi-token prediction. stats: the
         step's `ForwardStats`, which this forward adds its MTP losses and MoE aux losses to. docs:
         the packed documents attention stays inside (moe_lc/ops/documents.py), or None. sources:
-        (B,) int64, each row's data source, whose loss the head books in `stats` (None: not booked). Returns
+        (B,) int64, each row's data source, whose loss the head books in `stats` (None: not booked). tokens:
+        the token ids (B, S) hash-routed MoE layers read (default: inputs, when they are tokens). Returns
         hidden (B, S', D) without `head`, else logits (B, S, V) when labels is None, else the fp32
         loss summed over valid tokens (plus the weighted MTP losses when mtp is given)."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats, docs, sources), inputs)
+        if tokens is None and not inputs.is_floating_point():
+            tokens = inputs
+        return run_phases(self.phases(positions, labels, loss_mask, mtp, stats, docs, sources, tokens), inputs)
 
     def phases(self, positions: torch.Tensor, labels=None, loss_mask=None, mtp: dict | None = None,
-               stats: ForwardStats | None = None, docs=None, sources: torch.Tensor | None = None) -> list:
-        """This model's (or pipeline stage's) forward as a chain of phases: embedding, every block's
-        phases (Block.phases), then output head, loss and the MTP modules."""
+               stats: ForwardStats | None = None, docs=None, sources: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> list:
+        """This model's (or pipeline stage's) forward as a chain of phases: embedding (widened into the
+        residual stream), every block's phases (Block.phases), then the stream's read-out, output head, loss
+        and the MTP modules. tokens: the micro-batch's token ids (B, S) for hash-routed MoE layers, or None."""
         cos, sin = self.rope(positions)
         embeds = self.embed is not None and self.takes_tokens
         # the embedding's backward reads no parameter: its hold needs no gathering for backward
-        chain = self.hold([named(lambda tokens: (self.embed(tokens),), "embed")], (self.embed,), backward=False) \
-            if embeds else []
+        widen, cfg = self.stream.widen, self.cfg
+        chain = self.hold([named(lambda ids: (widen(cfg, self.embed(ids)),), "embed")], (self.embed,),
+                          backward=False) if embeds else []
         for block in self.layers.values():
-            chain += block.phases(cos, sin, stats, docs)
+            chain += block.phases(cos, sin, stats, docs, tokens)
         if self.head is not None:
             mtp_embed = self.embed if self.embed is not None else getattr(self.mtp_embed, "module", None)
-            reads = (self.norm, self.head, self.mtp, mtp_embed if self.mtp is not None else None)
+            reads = (self.stream_head, self.norm, self.head, self.mtp, mtp_embed if self.mtp is not None else None)
             chain += self.hold([named(lambda h: (self._output(h, labels, loss_mask, mtp, cos, sin, stats, docs,
                                                               sources),), "head")], reads)
         return chain
 
     def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs, sources):
+        if self.stream_head is not None:
+            h = self.stream_head(h)
         logits = self.head(self.norm(h))
         if labels is None:
             return logits

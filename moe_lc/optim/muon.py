@@ -1,4 +1,5 @@
-"""Muon (Jordan et al. 2024) as Moonlight specifies it (Liu et al., arXiv:2502.16982), with AdamW for the rest.
+"""Muon (Jordan et al. 2024) as Moonlight specifies it (Liu et al., arXiv:2502.16982), with AdamW for the rest;
+DeepSeek-V4's variant (arXiv 2606.19348) by train.muon_ns = "v4" and train.muon_update_rms = 0.18.
 
 Hidden matrices (every 2-D weight, and each routed expert of a stacked (E, rows, cols) weight, except the
 embedding table and the output head) take Muon; embeddings, the head, norms, biases and every other
@@ -9,10 +10,16 @@ embedding table and the output head) take Muon; embeddings, the head, norms, bia
     u = g + mu m                          (Nesterov)
     O = NS5(u)                            (5 Newton-Schulz steps, coefficients (3.4445, -4.7750, 2.0315),
                                            on u / ||u||_F, transposed when A > B; matmuls in fp32, or
-                                           bf16 by train.muon_ns_dtype, bf16 on CUDA by default)
-    W = W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     (0.2 sqrt(max(A, B)): AdamW's update RMS, were O
-                                                       orthogonal; NS5's O has 0.85-0.90 of that RMS, and
-                                                       train.muon_exact_rms scales by 0.2 / RMS(O) instead)
+                                           bf16 by train.muon_ns_dtype, bf16 on CUDA by default; "v4": 8 of
+                                           those, then 2 of (2, -1.5, 0.5), NS_SCHEDULES)
+    W = W (1 - lr wd) - lr r sqrt(max(A, B)) O       (r = train.muon_update_rms, 0.2: AdamW's update RMS, were O
+                                                       orthogonal; NS5's O has 0.85-0.90 of that RMS, V4's
+                                                       hybrid's all of it; train.muon_exact_rms scales by
+                                                       r / RMS(O) instead)
+
+Which parameters take AdamW under V4 (its report: embeddings, the prediction head, RMSNorm weights and mHC's
+static biases and gating factors) is this rule as it stands: mHC's biases and gates are 1-D (AdamW), its
+projections `fn` are matrices (Muon).
 
 Fused weights are orthogonalized per logical matrix, each scaled by its own shape: attention's
 wqkv = [q; k; v] as q, k and v; SwiGLU's w13 = [w1; w3] (dense, shared and each routed expert) as w1
@@ -43,6 +50,10 @@ from moe_lc.optim.rule import OwnedParam, ShardView, StateSpec, UpdateRule
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Moonlight / Keller Jordan's quintic
 NS_STEPS = 5
+# train.muon_ns: ((a, b, c), steps) in order. V4's last two steps, f(s) = 2s - 1.5s^3 + 0.5s^5, have f(1) = 1
+# and f'(1) = 0: they pull the quintic's band of singular values (about [0.68, 1.13]) onto 1.
+NS_SCHEDULES = {"moonlight": ((NS_COEFFICIENTS, NS_STEPS),),
+                "v4": ((NS_COEFFICIENTS, 8), ((2.0, -1.5, 0.5), 2))}
 ADAMW_NAMES = ("embed", "head")  # module names of matrices that take AdamW (Moonlight: embeddings, the head)
 # elements of one Newton-Schulz stack at most (one matrix if larger): 64 MiB per fp32 copy, enough matrices
 # per batched matmul to fill a GPU (5 of 1408 x 2048, 23 of 512 x 1408), a bound on the working set
@@ -50,22 +61,23 @@ NS_BATCH_ELEMENTS = 2**24
 
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, schedule=None) -> torch.Tensor:
     """(..., A, B) -> the same shape in fp32, each matrix's approximate U V^T (its singular values pushed
     into about [0.68, 1.13]) by `steps` iterations of X = a X + (b X X^T + c (X X^T)^2) X, all matrices at
     once (batched matmuls, the polynomial's coefficients in baddbmm's alpha and beta), the iterations in
-    `dtype` (the quintic tolerates bf16: its fixed point is a band, not a value). Holds g and at most three
-    fp32 copies of its size besides (X, the next X, one (n, A, A) Gram or polynomial: A <= B transposed)."""
-    a, b, c = NS_COEFFICIENTS
+    `dtype` (the quintic tolerates bf16: its fixed point is a band, not a value). `schedule`: ((a, b, c),
+    steps) pairs run in order instead (NS_SCHEDULES). Holds g and at most three fp32 copies of its size
+    besides (X, the next X, one (n, A, A) Gram or polynomial: A <= B transposed)."""
     x = g.float().reshape(-1, *g.shape[-2:])  # (n, A, B)
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # X X^T is then the smaller Gram matrix
         x = x.mT
     x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
-    for _ in range(steps):
-        gram = x @ x.mT  # (n, A, A)
-        gram = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2, over G (one (n, A, A) kept)
-        x = torch.baddbmm(x, gram, x, beta=a)  # a X + (b G + c G^2) X
+    for (a, b, c), n_steps in schedule or ((NS_COEFFICIENTS, steps),):
+        for _ in range(n_steps):
+            gram = x @ x.mT  # (n, A, A)
+            gram = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2, over G (one (n, A, A) kept)
+            x = torch.baddbmm(x, gram, x, beta=a)  # a X + (b G + c G^2) X
     return (x.mT if tall else x).float().reshape(g.shape)
 
 
@@ -111,15 +123,17 @@ class Muon(UpdateRule):
 
     def __init__(self, momentum: float = 0.95, weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.95,
                  eps: float = 1e-8, sections: dict[str, tuple[int, ...]] | None = None, exact_rms: bool = False,
-                 ns_dtype: str = "auto"):
+                 ns_dtype: str = "auto", ns: str = "moonlight", update_rms: float = 0.2):
         self.momentum, self.weight_decay, self.exact_rms, self.ns_dtype = momentum, weight_decay, exact_rms, ns_dtype
+        self.schedule, self.update_rms = NS_SCHEDULES[ns], update_rms
         self.adamw = AdamW(beta1, beta2, eps, weight_decay)
         self.sections = dict(sections or {})
 
     @classmethod
     def from_config(cls, train, precision, model=None) -> "Muon":
         return cls(train.muon_momentum, train.weight_decay, train.beta1, train.beta2, train.eps,
-                   fused_sections(model), train.muon_exact_rms, train.muon_ns_dtype)
+                   fused_sections(model), train.muon_exact_rms, train.muon_ns_dtype, train.muon_ns,
+                   train.muon_update_rms)
 
     def states(self) -> tuple[StateSpec, ...]:
         return StateSpec("momentum", torch.float32), StateSpec("exp_avg_sq", torch.float32)
@@ -139,10 +153,10 @@ class Muon(UpdateRule):
         return (rows,)
 
     def orthogonal_update(self, name: str, u: torch.Tensor) -> torch.Tensor:
-        """The scaled update 0.2 sqrt(max(A, B)) NS5(.) of each logical matrix of the full tensor u
-        ((rows, cols) or (E, rows, cols): each expert its own matrix), u's shape. With `exact_rms`,
-        0.2 NS5(.) / RMS(NS5(.)) instead: the same for an exactly orthogonal output (its RMS is
-        1 / sqrt(max(A, B))), and exactly AdamW's 0.2 for Newton-Schulz's approximate one."""
+        """The scaled update r sqrt(max(A, B)) NS(.) of each logical matrix of the full tensor u
+        ((rows, cols) or (E, rows, cols): each expert its own matrix), u's shape, r = update_rms (0.2). With
+        `exact_rms`, r NS(.) / RMS(NS(.)) instead: the same for an exactly orthogonal output (its RMS is
+        1 / sqrt(max(A, B))), and exactly r for Newton-Schulz's approximate one."""
         out = u.float().clone()
         self.orthogonal_updates_([(name, out)])
         return out
@@ -165,10 +179,10 @@ class Muon(UpdateRule):
     def _scaled_ns(self, stack: torch.Tensor) -> torch.Tensor:
         """(n, A, B) -> NS5 of each matrix, scaled (orthogonal_update): a new tensor."""
         bf16 = self.ns_dtype == "bf16" or (self.ns_dtype == "auto" and stack.is_cuda)
-        o = newton_schulz(stack, dtype=torch.bfloat16 if bf16 else torch.float32)
+        o = newton_schulz(stack, dtype=torch.bfloat16 if bf16 else torch.float32, schedule=self.schedule)
         if self.exact_rms:
-            return o.mul_(0.2 / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30))
-        return o.mul_(0.2 * math.sqrt(max(stack.shape[-2:])))
+            return o.mul_(self.update_rms / o.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-30))
+        return o.mul_(self.update_rms * math.sqrt(max(stack.shape[-2:])))
 
     @torch.no_grad()
     def update_(self, shard: ShardView, lr: float, step: int) -> None:

@@ -111,7 +111,8 @@ class PipelineRuntime:
         last = s == self.last_stage
         phases = self.chunks[chunk].phases(batch["positions"], batch["labels"] if last else None,
                                            batch["loss_mask"] if last else None, batch.get("mtp") if last else None,
-                                           self.stats, batch.get("docs"), batch.get("sources") if last else None)
+                                           self.stats, batch.get("docs"), batch.get("sources") if last else None,
+                                           batch["inputs"])  # every stage's token ids: hash-routed MoE layers
         run = PhasedRun(phases, x)
         run.record, run.label = self.timeline, f"stage {s} mb {mb}"
         return s, run
