@@ -6,6 +6,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under its interpreter (tests/test_triton_kernels.py). Triton reads this
+    # when it decorates a function, its own library's included, so it must be set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from moe_lc.config import load_config
 from moe_lc.train import run
 from tests.harness import RECIPES

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_lc.kernels import quantize_tiles as triton_quantize_tiles, triton_available
 from moe_lc.ops.device import cuda_version, gpu_capability
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -76,6 +77,8 @@ def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK, pow2: bool = Fals
     """
     if tile < 1:
         raise ValueError(f"tile={tile} must be >= 1")
+    if x.is_cuda and x.dim() == 2 and tile == BLOCK and not pow2 and triton_available():
+        return triton_quantize_tiles(x)  # one Triton pass, bit-identical; scale column-major (as F.scaled_mm takes it)
     k = x.shape[-1]
     x_tiles = _pad_last(x.float(), tile).unflatten(-1, (-1, tile))  # (..., Kt, tile)
     scale = amax_to_scale(x_tiles.abs().amax(dim=-1))  # (..., Kt)
@@ -87,8 +90,7 @@ def quantize_rowwise_tiles(x: torch.Tensor, tile: int = BLOCK, pow2: bool = Fals
 
 def dequantize_rowwise_tiles(x_fp8: torch.Tensor, scale: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
     """Inverse of ``quantize_rowwise_tiles``: (..., K) fp8 and (..., ceil(K/tile)) -> (..., K) float32."""
-    k = x_fp8.shape[-1]
-    return x_fp8.float() * scale.repeat_interleave(tile, dim=-1)[..., :k]
+    return x_fp8.float() * scale.repeat_interleave(tile, dim=-1)[..., :x_fp8.shape[-1]]
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,9 +435,7 @@ def fp8_gemm_scaled_mm(gemm: str, first, second, recipe: str, lhs_amax=None, rhs
 
 
 def fp8_linear_scaled_mm(x, w, recipe, *, x_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
-    """fprop y = x @ w^T on real FP8 kernels where available (``scaled_mm_backend``), else emulated.
-
-    Same shapes and recipes as ``fp8_linear_emulated``; y: (..., N) in ``out_dtype``. CUDA paths are untested."""
+    """fprop y = x @ w^T like ``fp8_linear_emulated``, y (..., N) in ``out_dtype``, on real kernels where available."""
     return fp8_gemm_scaled_mm("fprop", x, w, recipe, x_amax, w_amax, out_dtype)
 
 

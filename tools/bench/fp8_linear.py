@@ -10,9 +10,17 @@ of forward, input gradient and weight gradient, the cached FP8 weight, reused by
 micro-batches of one optimizer step). Entries: M, K, N, variant ("bf16" / "fp8"), fwd_bwd_ms, tflops (3 GEMMs:
 6 M K N FLOPs). tools/bench/ratios.py takes the lowest bf16 / FP8 time ratio over the shapes (issue #64:
 >= 1.3).
+
+Each FP8 row also times the activation quantization alone, x (M, K) -> x and x^T in 1x128 FP8 tiles (what the
+Linear's input needs for fprop and for the weight gradient): quant_torch_ms (moe_lc.ops.fp8's torch ops, two
+passes), quant_triton_ms (moe_lc/kernels/fp8_quantize.py, one pass: what moe_lc.ops.fp8 runs on CUDA),
+quant_triton_hw_ms (the same with the hardware E4M3 cast). The Triton ones run on CUDA, or on a CPU under
+TRITON_INTERPRET=1 (the tests' dry run).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -33,7 +41,9 @@ DRY = ["model.dim=256", "model.n_heads=2", "model.mla.q_lora_rank=128", "model.m
        "model.vocab_size=512", "model.mtp.depth=0"]
 
 COLUMNS = [("M", "M", "{:d}"), ("K", "K", "{:d}"), ("N", "N", "{:d}"), ("layers", "layers", None),
-           ("variant", "variant", None), ("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"), ("tflops", "TFLOP/s", "{:.0f}")]
+           ("variant", "variant", None), ("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"), ("tflops", "TFLOP/s", "{:.0f}"),
+           ("quant_torch_ms", "quantize torch ms", "{:.3f}"), ("quant_triton_ms", "triton ms", "{:.3f}"),
+           ("quant_triton_hw_ms", "triton hw-cast ms", "{:.3f}")]
 
 
 def linear_for(ctx: Context, k: int, n: int, recipe: str, dtype: torch.dtype) -> nn.Module:
@@ -59,6 +69,24 @@ def run(ctx: Context, rec: Recorder) -> None:
             free_memory(ctx.device)
 
 
+def _quantizers(ctx: Context) -> dict:
+    """column -> x (M, K) -> its FP8 tiles along K and along M (x^T)."""
+    from moe_lc.ops import fp8
+
+    # a 3-D x takes fp8's torch ops on any device (its CUDA dispatch to the kernel takes 2-D)
+    out = {"quant_torch_ms": lambda x: (fp8.quantize_rowwise_tiles(x[None]), fp8.quantize_rowwise_tiles(x.t()[None]))}
+    if ctx.cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from moe_lc.kernels import fp8_quantize
+
+        out["quant_triton_ms"] = fp8_quantize.quantize_tiles_and_transposed
+        out["quant_triton_hw_ms"] = lambda x: fp8_quantize.quantize_tiles_and_transposed(x, hw_cast=True)
+    return out
+
+
+def _quantize_times(ctx: Context, x: torch.Tensor, timing: Timing) -> dict:
+    return {col: time_fn(lambda: fn(x), ctx.device, timing)["s"] * 1e3 for col, fn in _quantizers(ctx).items()}
+
+
 def _measure(ctx: Context, m: int, k: int, n: int, variant: str, dtype: torch.dtype) -> dict:
     layer = linear_for(ctx, k, n, variant, dtype)
     g = torch.Generator(device=ctx.device).manual_seed(k * 7 + n)
@@ -72,7 +100,8 @@ def _measure(ctx: Context, m: int, k: int, n: int, variant: str, dtype: torch.dt
 
     timing = Timing(warmup=0, iters=1, min_iters=1, max_s=0.0) if ctx.dry_run else Timing(2, 10, 5, 1.0)
     t = time_fn(fwd_bwd, ctx.device, timing)
-    return {"fwd_bwd_ms": t["s"] * 1e3, "iters": t["n"], "tflops": tflops(6.0 * m * k * n, t["s"])}
+    quant = _quantize_times(ctx, x.detach(), timing) if variant == "fp8" else {}
+    return {"fwd_bwd_ms": t["s"] * 1e3, "iters": t["n"], "tflops": tflops(6.0 * m * k * n, t["s"]), **quant}
 
 
 def _line(e: dict) -> str:
