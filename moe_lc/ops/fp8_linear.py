@@ -135,7 +135,9 @@ def _operands(t: torch.Tensor, counts, gemms):
 
 class KeepFp8ForWgrad(HoldFp8ForWgrad):
     """FP8 activation caching of a Linear's input (`precision.fp8_cache` item "linear"): keep x from
-    forward on quantized as its weight-gradient GEMM will quantize it (see `HoldFp8ForWgrad`)."""
+    forward on quantized as its weight-gradient GEMM will quantize it (see `HoldFp8ForWgrad`). A
+    column-parallel Linear under sequence parallelism keeps its shard's copy instead (tensor parallelism's
+    `KeepFp8SequenceShard`, moe_lc/parallel/tp/fp8_sequence_shard.py)."""
 
     def save(self, x2, counts, gemms):
         ops = _operands(x2, counts, gemms)

@@ -9,7 +9,7 @@ Layout of one block under TP+SP (activations between blocks are (B, s, D), shard
     x (B, s, D) -> attn_norm (on the shard; weight replicated, grad group "dp_cp_tp")
       -> wqkv  column-parallel: all-gather S (bwd: reduce-scatter dx) -> (B, S, (H/N + 2 K_loc) Dh);
                keeps the (B, s, D) shard for its weight gradient, all-gathered again in backward
-               beside the input-gradient GEMM (`KeepSequenceShard`)
+               beside the input-gradient GEMM (`KeepSequenceShard`; an FP8 cache: `KeepFp8SequenceShard`)
       -> attention over the local heads (full sequence)
       -> wo    row-parallel: GEMM -> (B, S, D) partial sums -> reduce-scatter S (bwd: all-gather) -> (B, s, D)
     + residual on the shard, ffn_norm on the shard
@@ -40,9 +40,10 @@ norms and wa are "dp_cp_tp". MTP: the input projection eh_proj is replicated on 
 Gradient groups: tp-sharded weights "dp_cp" (each tp rank holds distinct values); norm weights and
 router gates "dp_cp_tp" (replicated over tp, each rank's gradient covers only its sequence shard).
 Per block, forward: 2 all-gathers + 2 reduce-scatters of (B, S, D); backward the same plus the 2
-re-gathers of the kept shards. Plus the embedding (1 reduce-scatter fwd, 1 all-gather bwd), the head (1
-all-gather fwd, 1 all-gather of its kept shard and 1 reduce-scatter bwd)
-and the loss (2 all-reduces of B*S and 2*B*S fp32). All collectives go through `comm`.
+re-gathers of the kept shards (an FP8 cache's: its FP8 data, and blockwise scales; tensorwise adds a 4-byte
+all-reduce (max) of the amax in forward). Plus the embedding (1 reduce-scatter fwd, 1 all-gather bwd), the
+head (1 all-gather fwd, 1 all-gather of its kept shard and 1 reduce-scatter bwd) and the loss (2
+all-reduces of B*S and 2*B*S fp32). All collectives go through `comm`.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.model.transformer import masked_sum
+from moe_lc.ops.fp8_linear import KeepFp8ForWgrad
 from moe_lc.ops.linear import KeepInput
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.mesh import ParallelDims
+from moe_lc.parallel.tp.fp8_sequence_shard import KeepFp8SequenceShard
 
 SEQ_DIM = 1  # activations are (B, S, D)
 
@@ -201,9 +204,11 @@ class ColumnParallel:
     def keep(self, x_BsD: torch.Tensor, keep: KeepInput) -> KeepInput:
         """How the Linear keeps its input for the weight gradient: under SP the (B, s, D) shard, not the
         gathered (B, S, D) (1/N of the bytes; Megatron-LM does the same), where `keep` keeps the input as
-        is; an FP8 cached copy is kept as it is made."""
+        is; an FP8 cached copy as the FP8 copy of the shard (tp/fp8_sequence_shard.py, where exact)."""
         if self.sequence_parallel and type(keep).save is KeepInput.save:
             return KeepSequenceShard(x_BsD, self.group, keep)
+        if self.sequence_parallel and type(keep) is KeepFp8ForWgrad:  # a shared copy (DSA's) stays as made
+            return KeepFp8SequenceShard(x_BsD, self.group, keep)
         return keep
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
