@@ -32,7 +32,8 @@ READER = {"module": MODEL, "params": MODEL, "vector_params": MODEL, "saved_bytes
           "tp_rule": PARALLEL, "tp_groups": PARALLEL, "local": PARALLEL, "ring": PARALLEL, "expanded_ring": PARALLEL,
           "hf_pieces": CONVERT, "hf_family": CONVERT, "core_flops": MODEL,
           "extra_plan": PARALLEL, "qk_clip_rows": MODEL,
-          "lr_scales": MODEL, "routers_frozen": MODEL, "fresh_params": MODEL, "step_metrics": PARALLEL}
+          "lr_scales": MODEL, "routers_frozen": MODEL, "fresh_params": MODEL, "step_metrics": PARALLEL,
+          "build": MODEL, "positions": MODEL}
 
 
 def references(kind: AttentionSpec):

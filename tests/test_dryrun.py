@@ -172,11 +172,18 @@ CPU_RECIPES = ["debug_cpu.toml", "dense_cpu.toml", "overlap_cpu.toml", "longctx/
                "longctx/dsa_sparse.toml"]
 
 
+# fp32 recipes the planner cannot trace yet, each with why (the issue that extends it)
+NOT_PLANNED = {"v4_tiny_cpu.toml": "issue #66: the planner traces one block per kind without token ids; DeepSeek-V4's "
+                                   "blocks differ by layer type, its first MoE layers route by token id, mHC widens "
+                                   "the stream"}
+
+
 def test_cpu_recipe_list_is_every_fp32_recipe():
     from tools.planner.block_trace import runs_on_gpu
 
     shipped = {str(p.relative_to(ROOT / "recipes")) for p in (ROOT / "recipes").rglob("*.toml")}
-    assert {r for r in shipped if not runs_on_gpu(load_config(str(ROOT / "recipes" / r)))} == set(CPU_RECIPES)
+    assert {r for r in shipped if not runs_on_gpu(load_config(str(ROOT / "recipes" / r)))} == \
+        set(CPU_RECIPES) | set(NOT_PLANNED)
 
 
 def test_every_cpu_recipe_peaks_within_5_percent_of_the_planner():

@@ -33,8 +33,10 @@ entry; so does one whose training differs (a stage that freezes parameters, adds
 DSA's in model/dsa.py and parallel/dsa_plan.py); nothing else changes. A variant of a kind (DeepSeek
 Sparse Attention: `model.attention = "mla"` with `[model.dsa] enabled = true`) is an entry with the same
 `attention` and a `variant` test on the config; its module may subclass the base kind's, and its entry
-may reuse the base's pieces (`dataclasses.replace(ATTENTION_KINDS["mla"], ...)`). Initialization
-(model/init.py) goes by parameter name and module type and is the same for every kind today.
+may reuse the base's pieces (`dataclasses.replace(ATTENTION_KINDS["mla"], ...)`). A kind whose blocks differ
+(DeepSeek-V4's layer types) names a `build` (m, layer_id) and counts per layer (`per_layer`); one that keeps its
+own RoPE tables names the model's `positions` module (V4: the blocks hand it positions in place of cos / sin).
+Initialization (model/init.py) goes by parameter name and module type (a module's `init_ones` / `init_zeros`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,16 @@ class AttentionSpec:
     #                                  metrics of each step (the trainer), reduced over the mesh
     step_reductions: tuple[tuple[str, int, str], ...] = ()  # (mesh group, bytes, what): the all-reduces
     #                                  `step_metrics` issues each step (tools/planner/layout.py's trainer traffic)
+    # optional model pieces of a kind whose layers differ, or whose module reads positions, not RoPE tables
+    build: str | None = None       # (m, layer_id) -> the module of block layer_id; None: module(m) for every block
+    per_layer: bool = False        # params, vector_params, core_flops and saved_bytes take a trailing layer_id
+    positions: str | None = None   # m -> the model's `rope`: positions -> the pair every block hands the module in
+    #                                place of (cos, sin); None: RotaryEmbedding of [model.rope] (model/transformer.py)
+    run_errors: Callable | None = None  # (m, parallel, data) -> layouts and data it does not run with (rules)
+
+    def new_module(self, m, layer_id: int):
+        """Block `layer_id`'s attention module (call from the model layer or above: it imports the module)."""
+        return load(self.build)(m, layer_id) if self.build is not None else load(self.module)(m)
 
     def seams(self, cp: int, mla_ring: str = "latent") -> CoreSeams:
         """The seams for context-parallel degree `cp` and `parallel.mla_ring`."""
@@ -277,6 +289,63 @@ def dsa_warnings(cfg, given: set[str]) -> list[str]:
                  "indexers, so they learn to imitate the attention of a randomly initialised model that never "
                  "trains; set checkpoint.init_from to the trained MLA model's checkpoint")
     return w
+
+
+# ------------------------------------------------------------------------------------- DeepSeek-V4's config side
+
+
+def _v4_head_dims(m) -> tuple[int, int, int]:
+    a = m.v4_attention
+    return a.head_dim, a.head_dim, a.rope_head_dim  # one shared head: key = value
+
+
+def _v4_errors(m) -> list[str]:
+    """[model.v4_attention]'s rules, and the fields of other kinds refused."""
+    e = m.v4_attention.errors(m.n_heads, m.n_layers)
+    for key, on in (("qkv_bias = true", m.qkv_bias), ("attn_out_bias = true", m.attn_out_bias),
+                    (f"qk_norm={m.qk_norm!r}", m.qk_norm != "none"), ("dsa.enabled = true", m.dsa.enabled),
+                    (f"rope.scaling={m.rope.scaling!r}", m.rope.scaling != "none")):
+        if on:
+            e.append(f"model.{key} is not read by model.attention = 'v4' (its norms, biases and ropes are "
+                     "[model.v4_attention]'s)")
+    if m.mtp.depth:
+        e.append(f"model.mtp.depth={m.mtp.depth} with model.attention = 'v4' is not built: the MTP block's attention "
+                 "type is not settled here (and mHC, V4's stream, refuses MTP too)")
+    return e
+
+
+def _v4_tp_errors(m, tp: int) -> list[str]:
+    return [f"parallel.tp={tp} with model.attention = 'v4' is not built: no tensor-parallel rule yet (query heads and "
+            "the grouped output would split, the one KV head, compressors and indexer replicate)"]
+
+
+def _v4_run_errors(m, p, data) -> list[str]:
+    e = []
+    if p.cp > 1:
+        e.append(f"parallel.cp={p.cp} with model.attention = 'v4' is not built: context parallelism for V4's window "
+                 "and compressed entries is the next issue's")
+    for key in ("document_mask", "document_positions"):
+        if getattr(data, key):
+            e.append(f"data.{key} = true with model.attention = 'v4' is not built: its window and compressed entries "
+                     "would cross document boundaries")
+    return e
+
+
+# DeepSeek-V4 (report arXiv 2606.19348 section 2.3): one module class for the three layer types, block i's type from
+# [model.v4_attention] layer_types (`build`), so its counts are per layer; it reads positions and keeps its own RoPE
+# tables (main / compress), so the model's `rope` hands it the positions. One device only for now: no TP rule, no
+# ring, packed documents refused; its decode cache keeps each layer's input (model/v4_decode.py).
+ATTENTION_KINDS["v4"] = AttentionSpec(
+    name="v4", label="DeepSeek-V4 attention", attention="v4", variant=None,
+    head_dims=_v4_head_dims, errors=_v4_errors, tp_errors=_v4_tp_errors, up_item=None,
+    module="moe_lc.model.v4_attention:V4Attention", params="moe_lc.model.v4_counting:v4_params",
+    vector_params="moe_lc.model.v4_counting:v4_vector_params", saved_bytes="moe_lc.model.v4_counting:v4_saved_bytes",
+    decode="moe_lc.model.v4_decode:V4Decode",
+    tp_rule="moe_lc.model.v4_attention:v4_tp_rule", tp_groups=None, local=CoreSeams(), ring=CoreSeams(),
+    expanded_ring=None, hf_pieces="moe_lc.convert.hf_v4:v4_attention_pieces",
+    hf_family="moe_lc.convert.hf_v4:v4_family", core_flops="moe_lc.model.v4_counting:v4_core_flops",
+    build="moe_lc.model.v4_attention:v4_attention_for", per_layer=True,
+    positions="moe_lc.model.v4_rope:PositionsOnly", run_errors=_v4_run_errors)
 
 
 def attention_kind(m) -> AttentionSpec:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 AttnBackend = Literal["auto", "reference", "torch", "cudnn", "flash_attn", "flash_attn4"]
-AttentionKind = Literal["gqa", "mla"]
+AttentionKind = Literal["gqa", "mla", "v4"]  # v4: DeepSeek-V4's attention ([model.v4_attention])
 RopeScaling = Literal["none", "yarn", "llama3"]
 QkNorm = Literal["none", "head", "full"]
 ScoreFunc = Literal["sigmoid", "softmax", "sqrtsoftplus"]  # sqrtsoftplus: sqrt(softplus(x)), DeepSeek-V4

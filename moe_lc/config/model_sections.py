@@ -1,6 +1,7 @@
 """Model sections of a recipe: [model] holds the shape every block shares; its components read their
 own sub-tables: [model.moe] (router and experts), [model.rope] (RoPE / YaRN), [model.mla] (latent
-attention), [model.dsa] (its sparse variant), [model.mtp] (multi-token prediction) and [model.mhc]
+attention), [model.dsa] (its sparse variant), [model.v4_attention] (DeepSeek-V4's attention), [model.mtp]
+(multi-token prediction) and [model.mhc]
 (DeepSeek-V4's widened residual stream, read when model.residual = "mhc"). Choices are `Literal` types from `choices.py`;
 the field helpers are in `fields.py`.
 """
@@ -13,6 +14,7 @@ from moe_lc.config.attention_kinds import attention_kind
 from moe_lc.config.choices import (AttentionKind, AttnBackend, DropPolicy, DsaStage, GroupScore, QkNorm, ResidualStream,
                                    RopeScaling, ScoreFunc, names)
 from moe_lc.config.fields import f, non_negative, positive
+from moe_lc.config.v4_attention import V4AttentionConfig
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -233,7 +235,8 @@ class ModelConfig:
     ffn_dim: int = f(512, "hidden width of the dense SwiGLU FFN (the first moe.n_dense_layers blocks)")
     norm_eps: float = f(1e-6, "RMSNorm epsilon")
     init_std: float = f(0.02, "std of the normal init of weights (output projections scaled by depth)")
-    attention: AttentionKind = f("gqa", "grouped-query, or multi-head latent attention ([model.mla])")
+    attention: AttentionKind = f("gqa", "grouped-query, multi-head latent attention ([model.mla]), or DeepSeek-V4's "
+                                        "per-layer-type attention ([model.v4_attention])")
     attn_backend: AttnBackend = f("auto", "attention kernel; auto = the fastest usable on the device")
     qkv_bias: bool = f(False, "biases on the q, k, v projections (Qwen2); GQA only")
     qk_norm: QkNorm = f("none", "GQA: RMSNorm of q and k before RoPE; 'head': over each head's dims, one weight "
@@ -249,6 +252,7 @@ class ModelConfig:
     rope: RopeConfig = f(RopeConfig(), "[model.rope]")
     mla: MLAConfig = f(MLAConfig(), "[model.mla]")
     dsa: DSAConfig = f(DSAConfig(), "[model.dsa] (with attention = 'mla')")
+    v4_attention: V4AttentionConfig = f(V4AttentionConfig(), "[model.v4_attention] (with attention = 'v4')")
     mtp: MTPConfig = f(MTPConfig(), "[model.mtp]")
     residual: ResidualStream = f("plain", "the residual stream: plain x + f(norm(x)), or DeepSeek-V4's mHC "
                                           "([model.mhc], moe_lc/model/residual_stream.py)")

@@ -263,6 +263,8 @@ def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str
     e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + hybrid_cp_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
     e += _v4_stream_and_routing_rules(cfg)
     m, data, t = cfg.model, cfg.data, cfg.train
+    if m.attention in names(AttentionKind) and attention_kind(m).run_errors is not None:  # V4: no cp, no documents
+        e += attention_kind(m).run_errors(m, cfg.parallel, data)
     if m.vocab_size < 259 and data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if data.has_loss_mask and t.seq_len < 64:

@@ -7,6 +7,8 @@
                   group-limited top-k by top-2 sums, routed_scaling_factor, norm_topk_prob, MTP layers
     deepseek_v32  DeepSeek-V3's model with DeepSeek Sparse Attention: a lightning indexer per layer
                   (index_topk, index_n_heads, index_head_dim: [model.dsa]); the sparse stage
+    deepseek_v4   DeepSeek-V4: model.attention = "v4" per layer type, mHC, sqrt(softplus) MoE with hash-routed
+                  first layers and the SwiGLU clamp (convert/hf_v4.py)
     llama, qwen2  dense GQA, RoPE, YaRN or llama3 frequency bands (rope.scaling = "llama3");
                   Qwen2's q/k/v biases (model.qkv_bias); Llama's attention_bias (q, k, v and o:
                   model.qkv_bias + model.attn_out_bias)
@@ -38,10 +40,11 @@ from moe_lc.config import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfi
 from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.convert.hf_fields import ConvertError, common, refuse, rope_to_hf
 from moe_lc.convert.hf_moe_config import MOE_FAMILIES, from_hf_moe, moe_family_of, to_hf_moe
+from moe_lc.convert.hf_v4 import from_hf_v4, to_hf_v4
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "llama", "qwen2", "qwen3") + MOE_FAMILIES
+FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "llama", "qwen2", "qwen3") + MOE_FAMILIES
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "deepseek_v32": "DeepseekV32ForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
                  "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -95,7 +98,8 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "intermediate_size", "head_dim", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank",
                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "index_topk",
-               "index_n_heads", "index_head_dim",
+               "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank", "sliding_window", "hc_mult",
+               "hc_sinkhorn_iters",
                "num_local_experts", "shared_expert_intermediate_size", "decoder_sparse_step")
 
 
@@ -118,7 +122,9 @@ def from_hf_config(hf: dict, mtp_layers: int = 0) -> tuple[ModelConfig, str]:
         raise ConvertError(f"model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})")
     check_field_types(hf)
     try:
-        if family.startswith("deepseek"):
+        if family == "deepseek_v4":
+            cfg = from_hf_v4(hf)
+        elif family.startswith("deepseek"):
             cfg = _deepseek(hf, family)
         else:
             cfg = from_hf_moe(hf, family) if family in MOE_FAMILIES else _dense_gqa(hf, family)
@@ -191,6 +197,8 @@ def to_hf_config(cfg: ModelConfig, family: str, max_position_embeddings: int, dt
           "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype, "rope_parameters": rope_to_hf(cfg.rope), "architectures": [ARCHITECTURES[family]]}
     if family in MOE_FAMILIES:
         return to_hf_moe(cfg, family, hf)
+    if family == "deepseek_v4":
+        return to_hf_v4(cfg, hf)
     if family in ("llama", "qwen2", "qwen3"):
         extra = {"use_sliding_window": False} if family == "qwen3" else {"mlp_bias": False}
         return {**hf, "head_dim": cfg.head_size, "attention_bias": cfg.attn_out_bias, **extra}

@@ -38,8 +38,11 @@ class Piece:
     cols: tuple[int, int] | None = None    # only these columns of theirs form the box
     rope: tuple[int, int] | None = None    # (row block, first rope row in a block): de-interleave those rows
     expert: bool = False                   # theirs is one expert: a (1, *shape) slab of our stacked tensor
+    view: tuple[int, ...] | None = None    # theirs viewed as this shape is the box (V4's wo_a: (G R, c) -> (G, R, c))
 
     def box_shape(self) -> tuple[int, ...]:
+        if self.view is not None:
+            return self.view
         shape = list(self.shape)
         if self.cols is not None:
             shape[-1] = self.cols[1] - self.cols[0]
@@ -62,12 +65,16 @@ def to_ours(piece: Piece, theirs: torch.Tensor, rope_dim: int) -> torch.Tensor:
         t = t[:, piece.cols[0]:piece.cols[1]]
     if piece.rope is not None:
         t = t[_rope_order(t.shape[0], *piece.rope, rope_dim)]
+    if piece.view is not None:
+        return t.view(piece.view)
     return t.unsqueeze(0) if piece.expert else t
 
 
 def to_theirs(piece: Piece, box: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Inverse of `to_ours`: the HF tensor's part (all of it, or its `cols`) from our box."""
     t = box.squeeze(0) if piece.expert else box
+    if piece.view is not None:
+        t = t.reshape(piece.shape)
     if piece.rope is not None:
         out = torch.empty_like(t)
         out[_rope_order(t.shape[0], *piece.rope, rope_dim)] = t
@@ -147,6 +154,7 @@ def dsa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
         Piece(f"{x}.k_norm.bias", (0,), f"{y}.k_norm.bias", (E,))]
 
 
+SEPARATE_TABLES = {"deepseek_v4": "moe_lc.convert.hf_v4:v4_pieces"}
 # a family's MoE block: its module name, and each expert's gate / up / down weight names
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -184,6 +192,8 @@ def pieces(cfg: ModelConfig, family: str, *, interleaved: bool | None = None) ->
     model (cfg.tie_embeddings, transformers' tie_word_embeddings) has no head piece and no lm_head: the
     head reads embed.weight.
     interleaved: DeepSeek's rope rows are interleaved (V2 always; V3 per its `rope_interleave`)."""
+    if family in SEPARATE_TABLES:  # a family whose block is named its own way (DeepSeek-V4: convert/hf_v4.py)
+        return load(SEPARATE_TABLES[family])(cfg)
     if interleaved is None:
         interleaved = family.startswith("deepseek")
     D, V = cfg.dim, cfg.vocab_size

@@ -36,7 +36,7 @@ from moe_lc.convert.out_dir import check_out, is_hf_model_dir, staged
 from moe_lc.data.tokenizer import load_tokenizer
 from moe_lc.model.transformer import state_shapes
 
-BIASED_ROUTERS = ("deepseek_v3", "deepseek_v32", "glm4_moe")  # families whose router has e_score_correction_bias (our expert_bias)
+BIASED_ROUTERS = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe")  # families whose router has e_score_correction_bias (our expert_bias)
 
 
 def _read_group(path: Path, names: list[str], shapes: dict, dtypes: dict) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import ModelConfig
-from moe_lc.config.attention_kinds import attention_kind, load
+from moe_lc.config.attention_kinds import attention_kind
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.hash_router import router_for
@@ -31,7 +31,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = load(attention_kind(cfg).module)(cfg)  # the kind's module (moe_lc/config/attention_kinds.py)
+        self.attn = attention_kind(cfg).new_module(cfg, layer_id)  # the kind's (moe_lc/config/attention_kinds.py)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(cfg, router_for(cfg, layer_id)) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_dim)
         stream = residual_stream(cfg)

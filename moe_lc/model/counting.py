@@ -9,24 +9,43 @@ from moe_lc.config import ModelConfig
 from moe_lc.config.attention_kinds import attention_kind, load
 
 
-def attention_vector_params(cfg: ModelConfig) -> int:
+def kind_count(cfg: ModelConfig, ref: str, *args, layer_id: int | None = None):
+    """The attention kind's count `ref` ("module:name") of block `layer_id`'s module. A kind whose layers differ
+    (`per_layer`: DeepSeek-V4's types) counts each block; None then means the mean over the model's blocks (a
+    float: n_layers times it is the model's sum). Every other kind's modules are alike: layer_id is not read."""
+    fn = load(ref)
+    if not attention_kind(cfg).per_layer:
+        return fn(cfg, *args)
+    if layer_id is not None:
+        return fn(cfg, *args, layer_id)
+    return sum(fn(cfg, *args, i) for i in range(cfg.n_layers)) / cfg.n_layers
+
+
+def attention_vector_params(cfg: ModelConfig, layer_id: int | None = None) -> int:
     """Parameters of one attention module that no matmul reads (GQA's q/k norm weights and biases, MLA's
-    latent norm weights): the attention kind's count (moe_lc/config/attention_kinds.py)."""
-    return load(attention_kind(cfg).vector_params)(cfg)
+    latent norm weights): the attention kind's count (moe_lc/config/attention_kinds.py; `kind_count`)."""
+    return kind_count(cfg, attention_kind(cfg).vector_params, layer_id=layer_id)
 
 
-def attention_params(cfg: ModelConfig) -> int:
+def attention_params(cfg: ModelConfig, layer_id: int | None = None) -> int:
     """Parameters of one attention module, `attention_vector_params` included: the attention kind's count."""
-    return load(attention_kind(cfg).params)(cfg)
+    return kind_count(cfg, attention_kind(cfg).params, layer_id=layer_id)
 
 
-def attention_core_flops(cfg: ModelConfig, seq_len: int) -> float:
+def model_attention_params(cfg: ModelConfig, vector: bool = False) -> int:
+    """All n_layers attention modules' parameters (only those no matmul reads, with `vector`), summed exactly."""
+    count = attention_vector_params if vector else attention_params
+    return sum(count(cfg, i) for i in range(cfg.n_layers)) if attention_kind(cfg).per_layer \
+        else cfg.n_layers * count(cfg)
+
+
+def attention_core_flops(cfg: ModelConfig, seq_len: int, layer_id: int | None = None) -> float:
     """Forward FLOPs per token of one causal attention core: a query sees S/2 keys on average,
     QK^T costs 2 * (S/2) * Dqk and PV 2 * (S/2) * Dv per head; a kind with its own count (DSA's top-k
-    attention and indexer) gives it (moe_lc/config/attention_kinds.py)."""
+    attention and indexer, V4's window and entries per layer type) gives it (moe_lc/config/attention_kinds.py)."""
     own = attention_kind(cfg).core_flops
     if own is not None:
-        return load(own)(cfg, seq_len)
+        return kind_count(cfg, own, seq_len, layer_id=layer_id)
     return dense_core_flops(cfg, seq_len)
 
 
@@ -57,18 +76,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     embedding (model.tie_embeddings) is one table: `head` counts 0 and `activated` counts the table once,
     as the head's matmul."""
     D, L = cfg.dim, cfg.n_layers
-    attn = attention_params(cfg)
     n_moe = cfg.n_moe_layers
     n_dense = L - n_moe
     counts = {
         "embedding": cfg.vocab_size * D,
-        "attention": L * attn,
+        "attention": model_attention_params(cfg),
         "norms": L * 2 * D + D,
         "dense_ffn": n_dense * 3 * D * cfg.ffn_dim,
         "router": n_moe * cfg.moe.n_routed_experts * D,
         "shared_experts": n_moe * shared_expert_params(cfg),
         "routed_experts": n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts,
         "head": 0 if cfg.tie_embeddings else cfg.vocab_size * D,  # tied: the embedding's table, counted once
+        "residual_stream": sum(residual_stream_params(cfg)),
     }
     counts["total"] = sum(counts.values())
     routed_active = n_moe * 3 * D * cfg.moe.ffn_dim * cfg.moe.topk
@@ -76,6 +95,17 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     counts["activated"] = counts["total"] - lookup - counts["routed_experts"] + routed_active
     counts["mtp"] = cfg.mtp.depth * mtp_module_params(cfg)
     return counts
+
+
+def residual_stream_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul, vector) parameters of mHC's maps (model.residual = "mhc", model/residual_stream.py): per sublayer
+    fn (N(N+2), N D), bias (N(N+2),), scale (3,), two a block; the head's fn (N, N D), bias (N,), scale (1,).
+    (0, 0) for the plain stream."""
+    if cfg.residual != "mhc":
+        return 0, 0
+    n, D, L = cfg.mhc.hc_mult, cfg.dim, cfg.n_layers
+    rows = n * (n + 2)
+    return 2 * L * rows * n * D + n * n * D, 2 * L * (rows + 3) + n + 1
 
 
 def shared_expert_params(cfg: ModelConfig) -> int:
@@ -102,7 +132,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     QK^T costs 2*(S/2)*Dh and PV 2*(S/2)*Dh per head per token.
     """
     c = param_counts(cfg)
-    matmul_params = c["activated"] - c["norms"] - cfg.n_layers * attention_vector_params(cfg)
+    matmul_params = c["activated"] - c["norms"] - model_attention_params(cfg, vector=True) \
+        - residual_stream_params(cfg)[1]
     return 3 * (2 * matmul_params + cfg.n_layers * attention_core_flops(cfg, seq_len))
 
 
@@ -111,10 +142,10 @@ def block_train_flops_per_token(cfg: ModelConfig, layer_id: int, seq_len: int) -
     weights (attention projections; dense SwiGLU, or router + shared + top-k routed experts) and its
     causal attention core. What pipeline stages are balanced by."""
     D = cfg.dim
-    attn = attention_params(cfg) - attention_vector_params(cfg)  # norm weights and biases are no matmul
+    attn = attention_params(cfg, layer_id) - attention_vector_params(cfg, layer_id)  # norms, biases: no matmul
     if cfg.is_moe_layer(layer_id):
         m = cfg.moe
         ffn = 3 * D * m.ffn_dim * m.topk + shared_expert_params(cfg) + m.n_routed_experts * D
     else:
         ffn = 3 * D * cfg.ffn_dim
-    return 3 * (2 * (attn + ffn) + attention_core_flops(cfg, seq_len))
+    return 3 * (2 * (attn + ffn) + attention_core_flops(cfg, seq_len, layer_id))

@@ -2,7 +2,8 @@
 dtype and layout, so a parallel run starts exactly where a single device would.
 
 Rules (`init_rules`): RMSNorm and LayerNorm weights 1 (and the parameters a module names in `init_ones`: mHC's
-gating factors), biases 0, every other weight Normal(0, std) with the output
+gating factors), biases 0 (and those a module names in `init_zeros`: DeepSeek-V4's attention sinks and
+compressor position biases), every other weight Normal(0, std) with the output
 projections (wo, w2) scaled by 1/sqrt(2 L), GPT-2 style. Normal values are drawn on the CPU in fp32
 from a generator seeded by (seed, name) over the *full* (single-device) tensor, row after row.
 
@@ -53,7 +54,7 @@ def init_rules(model: nn.Module, std: float, n_layers: int) -> dict[str, InitRul
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(module, (RMSNorm, nn.LayerNorm)) or p_name in getattr(module, "init_ones", ()):
                 rules[name] = InitRule("ones")
-            elif p_name == "bias":
+            elif p_name == "bias" or p_name in getattr(module, "init_zeros", ()):
                 rules[name] = InitRule("zeros")
             else:
                 is_out = isinstance(module, (Linear, GroupedLinear)) and mod_name.rsplit(".", 1)[-1] in ("wo", "w2")

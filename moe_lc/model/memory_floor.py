@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lc.config import Config, ModelConfig
-from moe_lc.config.attention_kinds import attention_kind, load
+from moe_lc.config.attention_kinds import attention_kind
+from moe_lc.model.counting import kind_count
 
 
 def block_floor(m: ModelConfig, layer_id: int, c: int, policy: str, fp8_linear: bool = False,
@@ -33,7 +34,7 @@ def block_floor(m: ModelConfig, layer_id: int, c: int, policy: str, fp8_linear: 
     out = 1 if "attn_out" in fp8_cache else c
     kept = 2 * c * D + 2 * lin * D  # each norm's input; the normed inputs of attention and the FFN
     kept += out * m.n_heads * m.value_head_dim  # the attention output, wo's input
-    kept += load(attention_kind(m).saved_bytes)(m, c, cp)  # GQA's q|k|v (ring attention: v's contiguous copy)
+    kept += kind_count(m, attention_kind(m).saved_bytes, c, cp, layer_id=layer_id)  # GQA's q|k|v (ring: v's copy)
     if not m.is_moe_layer(layer_id):
         return kept + 2 * act * m.ffn_dim  # gate|up
     e = m.moe  # routed and shared gate|up, the sorted token copies

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import ModelConfig
+from moe_lc.config.attention_kinds import attention_kind, load
 from moe_lc.model.block import Block, named, run_phases
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.init import cast_params_, init_weights
@@ -126,7 +127,8 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_embed = None  # seam: the Borrowed embedding MTP uses on a stage without one (moe_lc/model/seams.py)
-        self.rope = RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
+        positions = attention_kind(cfg).positions  # a kind with its own tables (V4) is handed positions instead
+        self.rope = load(positions)(cfg) if positions else RotaryEmbedding.from_config(cfg.rope, cfg.rope_dim)
         self.hold = hold_now  # seam: the chains that read parameters (ZeRO-3 gathers around them)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,

@@ -71,6 +71,7 @@ class V4Attention(nn.Module):
         self.wo_a = GroupedLinear(cfg.o_groups, n_heads * d // cfg.o_groups, cfg.o_lora_rank)
         self.wo = Linear(cfg.o_groups * cfg.o_lora_rank, dim)
         self.sinks = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32)) if cfg.attn_sink else None
+        self.init_zeros = ("sinks",)  # (init.py) a fresh sink starts at 0, as transformers' _init_weights
         rate = cfg.compress_rate(layer_type)
         self.compressor = Compressor(dim, d, rate, layer_type == "compressed_sparse_attention", cfg.eps) if rate else None
         self.indexer = V4Indexer(dim, cfg) if layer_type == "compressed_sparse_attention" else None
@@ -81,8 +82,11 @@ class V4Attention(nn.Module):
         self.run_region = run_now
         self.out_proj = project_now
 
-    def forward(self, x_BSD: torch.Tensor, positions: torch.Tensor, docs=None, stats=None) -> torch.Tensor:
-        """docs: must be None (packed documents are not built for V4); stats: unused (no loss of its own)."""
+    def forward(self, x_BSD: torch.Tensor, positions: torch.Tensor, _rope_pair_rest=None, docs=None,
+                stats=None) -> torch.Tensor:
+        """A block calls every kind's module as (x, cos, sin, docs, stats); this kind's model `rope` is
+        v4_rope.PositionsOnly, so `positions` arrives in cos's place (and again in sin's, unread). docs: must be
+        None (packed documents are not built for V4); stats: unused (no loss of its own)."""
         if docs is not None:
             raise ValueError("packed documents (data.document_positions) are not built for DeepSeek-V4 attention: "
                              "its window and compressed entries would cross document boundaries")
@@ -132,3 +136,13 @@ class V4Attention(nn.Module):
         rows = o_BSHd.reshape(B * S, G, -1).transpose(0, 1).reshape(G * B * S, -1)  # group-major rows
         counts = torch.full((G,), B * S, dtype=torch.int64, device=o_BSHd.device)
         return self.wo_a(rows, counts).view(G, B, S, self.o_lora_rank).permute(1, 2, 0, 3)
+
+
+def v4_attention_for(m, layer_id: int) -> V4Attention:
+    """Block `layer_id`'s module (the "v4" kind's `build`): its type from model.v4_attention.layer_types."""
+    return V4Attention(m.dim, m.n_heads, m.v4_attention, m.v4_attention.layer_types_for(m.n_layers)[layer_id])
+
+
+def v4_tp_rule(module, tp: int):
+    """The kind's tensor-parallel rule: none yet (the recipe rules refuse parallel.tp > 1 first)."""
+    raise NotImplementedError("parallel.tp > 1 with model.attention = 'v4' is not built")

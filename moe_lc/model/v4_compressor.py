@@ -57,6 +57,7 @@ class Compressor(nn.Module):
         width = (2 if overlap else 1) * entry_dim
         self.wkv_gate = Linear(dim, 2 * width)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.init_zeros = ("position_bias",)  # (init.py) starts at 0, as transformers' _init_weights
         self.kv_norm = RMSNorm(entry_dim, eps)
         self.run_region = run_now
 

@@ -15,7 +15,8 @@ windows, the keys twice: once per einsum), the window mask, and with entries the
 and the readable mask. The rest of the module keeps what its Linears and norms keep (x once for wa, the
 compressor and the indexer's weights_proj; wq_b's, wo_a's (a group-major copy) and wo's inputs; the norms'
 fp32 inputs). A fused core would keep q, kv, its output and an fp32 LSE per head instead
-(`fused_core_saved_bytes`); the indexer keeps nothing (it runs without autograd).
+(`fused_core_saved_bytes`); the indexer keeps nothing (it runs without autograd). The "v4" attention kind's
+counts per block (`v4_params`, ...) read these with the block's layer type.
 """
 
 from __future__ import annotations
@@ -92,3 +93,38 @@ def fused_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type: str
     dtype (c bytes) and an fp32 LSE per head; a layer with entries also their share, d / m per token."""
     m = cfg.compress_rate(layer_type)
     return c * (2 * n_heads * cfg.head_dim + cfg.head_dim + (cfg.head_dim / m if m else 0)) + 4 * n_heads
+
+
+# ------------------------------------------------------------------- the "v4" kind's counts (attention_kinds.py)
+# m: the [model] section (ModelConfig); layer_id: the block, whose type is model.v4_attention.layer_types_for's.
+
+
+def _layer_type(m, layer_id: int) -> str:
+    return m.v4_attention.layer_types_for(m.n_layers)[layer_id]
+
+
+def v4_params(m, layer_id: int) -> int:
+    """Parameters of block `layer_id`'s module."""
+    return v4_attention_params(m.v4_attention, m.dim, m.n_heads, _layer_type(m, layer_id))["total"]
+
+
+def v4_vector_params(m, layer_id: int) -> int:
+    """Those no matmul reads (norm weights, sinks, position biases)."""
+    return v4_attention_params(m.v4_attention, m.dim, m.n_heads, _layer_type(m, layer_id))["vector"]
+
+
+def v4_core_flops(m, seq_len: int, layer_id: int) -> float:
+    """Forward FLOPs per token of block `layer_id`'s core and indexer scores (the counting convention's "core":
+    everything but the projections, which the parameter counts cover)."""
+    f = v4_attention_flops(m.v4_attention, m.dim, m.n_heads, _layer_type(m, layer_id), seq_len)
+    return f["core"] + f["indexer"]
+
+
+def v4_saved_bytes(m, c: int, cp: int, layer_id: int) -> float:
+    """Bytes per token block `layer_id`'s module surely keeps besides what memory_floor.block_floor counts for
+    every kind (wa's input, and n_heads * head_dim: here the core's output, wo_a's input): what a fused core keeps
+    beyond its output (`fused_core_saved_bytes`), the query latent (wq_b's input, Cq) and wo's input (G R), in the
+    compute dtype (c bytes). A lower bound: the torch reference core keeps far more (`reference_core_saved_bytes`)."""
+    a = m.v4_attention
+    core = fused_core_saved_bytes(a, m.n_heads, _layer_type(m, layer_id), c) - c * m.n_heads * a.head_dim
+    return core + c * (a.q_lora_rank + a.o_groups * a.o_lora_rank)

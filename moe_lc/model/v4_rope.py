@@ -52,3 +52,16 @@ class V4Rope(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         return angles.cos(), angles.sin()
+
+
+class PositionsOnly(nn.Module):
+    """The model's `rope` for the "v4" kind (moe_lc/config/attention_kinds.py `positions`): every V4 module keeps
+    its own tables (main or compress, by its layer type), so the pair a block hands it in place of (cos, sin) is
+    (positions, positions); the module reads the first (a pair of tensors still, for whoever hooks the model's
+    tables: the planner's trace skips them as shared by every block)."""
+
+    def __init__(self, m=None):
+        super().__init__()
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return positions, positions
