@@ -112,10 +112,21 @@ def test_eager_kernels_cost_more_than_fused_and_the_host_floors_a_phase(capsys):
 
     cfg = load_config(ROOT / "recipes/moe16b_128k.toml", _tiny_gpu_recipe(), world_size=1)
     p, (cluster, eff) = plan(cfg, 1, "tiny"), resolve("h100")
-    fused, eager = predict(cfg, p, cluster, eff, "fused"), predict(cfg, p, cluster, eff, "eager")
+    free = replace(cluster, host_op_us=0.0)  # the kernels alone (this tiny step is host-bound under either)
+    fused, eager = predict(cfg, p, free, eff, "fused"), predict(cfg, p, free, eff, "eager")
     assert eager["compute_s"]["memory"] > fused["compute_s"]["memory"] and eager["step_s"] > fused["step_s"]
     slow_host = predict(cfg, p, replace(cluster, host_op_us=1e3), eff, "eager")  # 1 ms per aten op: host-bound
     assert slow_host["compute_s"]["host"] > 0 and slow_host["step_s"] > eager["step_s"]
+    # the fused kernels are floored by the same dispatch: a host-bound phase costs exactly its ops x host_op_us
+    from tools.step_time.compute import part_seconds
+    from tools.step_time.kernel_trace import trace_kernels as traced_kernels
+
+    ops = traced_kernels(cfg).ops["moe"]
+    slow = part_seconds(cfg, "moe", 1, replace(cluster, host_op_us=1e3), eff, "fused")
+    assert all(sum(slow[ph].values()) == pytest.approx(ops[ph] * 1e-3) for ph in "FBW")
+    free = part_seconds(cfg, "moe", 1, replace(cluster, host_op_us=0.0), eff, "fused")
+    assert all("host" not in free[ph] for ph in "FBW") and sum(free["F"].values()) < ops["F"] * 1e-3
+    assert predict(cfg, p, replace(cluster, host_op_us=1e3), eff, "fused")["compute_s"]["host"] > 0
     assert plan_tool.main(["recipes/dense_cpu.toml", "--impl", "eager"]) == 2
     assert capsys.readouterr().err.strip().endswith("--impl and --search need --cluster NAME")
 
@@ -158,3 +169,26 @@ def test_each_published_run_plans_and_predicts():
     for run in RUNS:
         pred = run_one(run)
         assert pred["tokens_per_s_per_gpu"] > 0 and math.isfinite(pred["step_s"]) and pred["terms_s"], run.name
+
+
+def test_a_runs_attention_implementation_swaps_in_its_measured_rates():
+    from tools.step_time.attention_impls import with_attention
+
+    flex = with_attention(EFFICIENCY, "flex")
+    for phase in ("fwd", "bwd"):  # FlexAttention at FlashAttention-2's fitted rates, below cuDNN's on the H100
+        for f in ("", ".bw", ".launch_us", ".p"):
+            assert flex[f"attention_{phase}{f}"] == EFFICIENCY[f"attention_fa2_{phase}{f}"]
+        assert flex[f"attention_{phase}"] < EFFICIENCY[f"attention_{phase}"]
+    assert with_attention(EFFICIENCY, "cudnn") == EFFICIENCY and flex["gemm"] == EFFICIENCY["gemm"]
+    with pytest.raises(ValueError, match="'xformers': one of cudnn, fa2, flex"):
+        with_attention(EFFICIENCY, "xformers")
+    # the FA2 kinds are fitted to the bench's raw:aten_flash rows only
+    entry = {"status": "ok", "heads": "mha", "q_heads": 16, "kv_heads": 16, "head_dim": 128, "head_dim_v": 128,
+             "seq": 4096, "batch": 8, "flops_fwd": 1e12, "fwd_ms": 2.0, "fwd_bwd_ms": 7.0}
+    from tools.step_time.kernel_rates import bench_rows
+
+    rows = bench_rows({"parts": {"attention": {"entries": [{**entry, "impl": "raw:aten_flash"},
+                                                            {**entry, "impl": "raw:sdpa_cudnn", "fwd_ms": 1.0,
+                                                             "fwd_bwd_ms": 4.0}]}}})
+    assert [r[2] for r in rows["attention_fa2_fwd"]] == [2e-3] and [r[2] for r in rows["attention_fwd"]] == [1e-3]
+    assert rows["attention_fa2_bwd"][0][2] == pytest.approx(5e-3)

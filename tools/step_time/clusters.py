@@ -88,11 +88,13 @@ CLUSTERS = {
 # scales by its own peaks: KIND is the compute rate large kernels reach over the dense peak of the kind's
 # precision (memory: the bandwidth over the HBM's), KIND.bw the bandwidth bound over the HBM's, KIND.launch_us
 # the cost every launch adds, KIND.p how sharply the two bounds meet. grouped_gemm_fp8 has no table: the grouped
-# GEMM's shape at the blockwise FP8 GEMM's speed-up over BF16.
+# GEMM's shape at the blockwise FP8 GEMM's speed-up over BF16. attention_fa2_*: FlashAttention-2's rates, which a
+# run's attention implementation may put in place of the fastest kernel's (attention_impls.py).
 KINDS = ("gemm", "gemm_fp8_tensorwise", "gemm_fp8_blockwise", "grouped_gemm", "grouped_gemm_fp8", "attention_fwd",
-         "attention_bwd", "memory")
+         "attention_bwd", "attention_fa2_fwd", "attention_fa2_bwd", "memory")
 PRECISION = {"gemm": "bf16", "gemm_fp8_tensorwise": "fp8", "gemm_fp8_blockwise": "fp8", "grouped_gemm": "bf16",
-             "grouped_gemm_fp8": "fp8", "attention_fwd": "bf16", "attention_bwd": "bf16"}
+             "grouped_gemm_fp8": "fp8", "attention_fwd": "bf16", "attention_bwd": "bf16", "attention_fa2_fwd": "bf16",
+             "attention_fa2_bwd": "bf16"}
 # collectives: DeepEP (github.com/deepseek-ai/DeepEP) measures ~153 GB/s intranode of the H800's ~160-200 and
 # 43-58 GB/s internode of the 50 GB/s NIC: ~0.8 of a link's bandwidth
 LINK = 0.80

@@ -14,8 +14,19 @@ an H100). The memory-bound work depends on the implementation (`--impl`):
             GEMM or attention kernel beside them (its fused prologue or epilogue); an FP8 GEMM's operands cast
             from BF16 in them (each FP8 operand byte read as 2 and written as 1: 3x the operands' bytes)
     eager   this repo's trainer as it runs today: every other aten op the trace saw is a kernel of its own at its
-            bytes (norms, RoPE, routing, the loss's fp32 copies, FP8 quantization, copies); and the host
-            dispatches each aten op in `host_op_us`, so a phase takes max(its kernels, its ops x host_op_us)
+            bytes (norms, RoPE, routing, the loss's fp32 copies, FP8 quantization, copies)
+
+Host floor, under both: where the cluster gives a host cost per dispatched aten op (`host_op_us`), a phase takes
+at least its traced ops x host_op_us (the excess booked as "host"). A dropless MoE step cannot let the host run a
+phase ahead of the GPU: the dispatcher reads the per-expert token counts back to size the all-to-all and the grouped
+GEMM, once per MoE layer (Megatron-Core's MoEAlltoAllTokenDispatcher.preprocess moves num_out_tokens and the
+input splits to the CPU, megatron/core/transformer/moe/token_dispatcher.py; this repo's dispatch likewise), so a
+phase whose kernels are shorter than their dispatch waits on the host. The trace's ops stand for the framework's
+dispatch count: an approximation (a fused framework launches fewer kernels; its host work per module, Python and
+Transformer Engine's per-expert quantizers, is of the same order but not measured here). It binds on small,
+many-kernel phases: FP8 expert GEMMs run one per local expert with their own quantization (Megatron-Bridge's
+FP8 Qwen3 runs; its Qwen3-30B-A3B on 16 H100 is 2.3x slower per GPU than the same model in BF16 under NeMo
+AutoModel) and TP-split blocks; see docs/results/steptime/published.md's "host" terms.
 
 F is the part's forward, W its weight-gradient GEMMs, B its full backward (input gradients, replays and W), and
 attention_F / attention_B the attention kernels' share (context parallelism's ring hides behind them).
@@ -82,7 +93,7 @@ def part_seconds(cfg: Config, part: str, layer_id: int, cluster: Cluster, eff: d
         replay = w.recomputed.memory if w.recomputed else 0.0
         out["F"]["memory"] += w.memory * tokens / bw
         out["B"]["memory"] += (2 * w.memory + replay) * tokens / bw
-    elif cluster.host_op_us:
+    if cluster.host_op_us:  # the host floor, under both implementations (module docstring)
         for phase, kinds in out.items():
             host = traced.ops.get(part, {}).get(phase, 0) * cluster.host_op_us * 1e-6
             if host > sum(kinds.values()):

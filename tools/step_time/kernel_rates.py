@@ -19,6 +19,8 @@ results JSON; every row with status "ok"):
                          two GEMMs of the same FLOPs ((fwd+bwd - fwd) / 2 each); bytes 2 (T K + E K N + T N)
     attention_fwd/_bwd   attention part, the fastest implementation per shape (cuDNN on the H100): forward, and
                          backward = fwd+bwd - fwd at 2.5x the forward's FLOPs
+    attention_fa2_fwd/_bwd  the same part's FlashAttention-2 rows (torch's own flash kernel, impl raw:aten_flash):
+                         what a stack without cuDNN's or FA3's Hopper kernels reaches (tools/step_time/attention_impls.py)
     memory               gemm part, fp8_tensorwise: this repo's FP8 Linear quantizes both operands in unfused aten
                          ops (abs, amax, scale, divide, clamp, cast) before the kernel; the bench's `quant_ms` (the
                          wrapper's time less the raw kernel's) against those ops traced on the meta device
@@ -156,7 +158,8 @@ def fit_memory(rows: list[tuple[float, float, float]], hbm_bytes_per_s: float) -
 
 
 def _attention_rows(entries: list[dict], rows: dict) -> None:
-    """The fastest implementation per shape (reference math excluded): forward and backward rows."""
+    """The fastest implementation per shape (reference math excluded): "attention_fwd" / "attention_bwd" rows; and
+    torch's FlashAttention-2 kernel (impl "raw:aten_flash") per shape: "attention_fa2_fwd" / "attention_fa2_bwd"."""
     best: dict[tuple, dict] = {}
     for e in entries:
         if e.get("impl", "").endswith("reference") or not e.get("fwd_bwd_ms"):
@@ -165,12 +168,20 @@ def _attention_rows(entries: list[dict], rows: dict) -> None:
         if shape not in best or e["fwd_bwd_ms"] < best[shape]["fwd_bwd_ms"]:
             best[shape] = e
     for e in best.values():
-        b, s = e["batch"], e["seq"]
-        qo = b * s * e["q_heads"] * (e["head_dim"] + e["head_dim_v"]) * 2
-        kv = b * s * e["kv_heads"] * (e["head_dim"] + e["head_dim_v"]) * 2
-        rows.setdefault("attention_fwd", []).append((e["flops_fwd"], qo + kv, e["fwd_ms"] / 1e3))
-        backward_s = (e["fwd_bwd_ms"] - e["fwd_ms"]) / 1e3
-        rows.setdefault("attention_bwd", []).append((2.5 * e["flops_fwd"], 2 * (qo + kv), backward_s))
+        _attention_row(e, "attention", rows)
+    for e in entries:
+        if e.get("impl") == "raw:aten_flash" and e.get("fwd_bwd_ms"):
+            _attention_row(e, "attention_fa2", rows)
+
+
+def _attention_row(e: dict, kind: str, rows: dict) -> None:
+    """One bench entry as a forward row (its FLOPs, Q O K V bytes) and a backward row (2.5x the FLOPs, twice the
+    bytes) of `kind`_fwd / `kind`_bwd."""
+    b, s = e["batch"], e["seq"]
+    qo = b * s * e["q_heads"] * (e["head_dim"] + e["head_dim_v"]) * 2
+    kv = b * s * e["kv_heads"] * (e["head_dim"] + e["head_dim_v"]) * 2
+    rows.setdefault(f"{kind}_fwd", []).append((e["flops_fwd"], qo + kv, e["fwd_ms"] / 1e3))
+    rows.setdefault(f"{kind}_bwd", []).append((2.5 * e["flops_fwd"], 2 * (qo + kv), (e["fwd_bwd_ms"] - e["fwd_ms"]) / 1e3))
 
 
 def fit_kind(rows: list[tuple[float, float, float]], hbm_bytes_per_s: float) -> dict:

@@ -23,8 +23,9 @@ by where its peers are. What hides what:
   cp              the ring hides behind the attention core it feeds; the excess is exposed (under
                   parallel.cp_a2a > 1 the ring is cp_ring, and cp_a2a's all-to-alls are exposed in F and B)
   ep all-to-all   exposed in F and B; in DualPipe's F&B (parallel.overlap) one micro-batch's
-                  all-to-alls run beside the other's compute: F&B = max(compute, all-to-alls); under
-                  --impl fused_a2a_overlap every F and B pair likewise
+                  all-to-alls run beside the other's compute: F&B = max(all-to-alls, compute + 20/132 of
+                  them, the SMs their kernels take: COMM_SM_SHARE); under --impl fused_a2a_overlap every
+                  F and B pair likewise
   pp              the simulator's transfer latency (one hidden tensor); exposed = the makespan it adds
   ZeRO            gradient reduce-scatters hide behind one chunk's backward (ZeRO-1's, the last one, which
                   finishes the buckets) or every backward (ZeRO-2/3's rounds per micro-batch); ZeRO-3's unit
@@ -34,13 +35,13 @@ by where its peers are. What hides what:
                   sharing a kv head): exposed, after the pipeline
 Then the optimizer step (optimizer_time.py: one fused pass over the rank's optimizer state, or under "eager" this
 repo's ZeroOptimizer passes and Muon's Newton-Schulz, traced).
-Host costs (a CPU cluster's; 0 on the GPU ones, whose launches run ahead of the kernels; `eager` floors each
-phase at its ops x host_op_us instead): each aten op
+Host costs (a CPU cluster's; on the GPU ones each phase is instead floored at its traced ops x host_op_us, the
+dropless dispatcher's host read per MoE layer keeping the host from running ahead: compute.py): each aten op
 a part dispatches in F, B and W (tools/planner/block_trace.py's count) costs `op_us`, each collective call
 `call_us` + `link_latency_us` and its bytes a copy at `copy_gbps`; the host's part of the EP all-to-alls
 is on the rank's own path, so DualPipe's F&B hides only their link time. Not modelled: collective
-latencies on GPUs, SMs given to communication kernels, routing imbalance (the planner's all-to-all bytes are
-balanced routing), stage imbalance beyond the slowest rank, host syncs between phases.
+latencies on GPUs, SMs given to collectives other than the overlapped EP all-to-all, routing imbalance (the
+planner's all-to-all bytes are balanced routing), stage imbalance beyond the slowest rank.
 Stated with it: model TFLOP/s with attention counted causally (MFU's) and in full (flop_conventions.py), and a
 warning per group that would fit one NVLink domain but straddles two (nvlink_domains.py).
 """
@@ -66,6 +67,10 @@ from ..planner.pipeline_memory import stage_forwards
 
 ZERO_GROUPS = ("dp_cp", "edp", "dp_cp_tp", "dp", "world")
 IMPLEMENTATIONS = ("fused", "fused_a2a_overlap", "eager")  # (tools/step_time/compute.py; `_action_costs`)
+# The SMs an EP all-to-all overlapped with compute takes from it: DeepSeek-V3's dispatch and combine kernels run on
+# 20 of the H800's 132 SMs (DeepSeek-V3 report, arXiv 2412.19437, 3.2.2; DeepEP's default); Megatron's overlapped
+# all-to-all (NCCL, or DeepEP under its flex dispatcher) is taken to need as many
+COMM_SM_SHARE = 20 / 132
 
 
 def link_seconds(dims: ParallelDims, rank: int, group: str, op: str, nbytes: float, cluster: Cluster,
@@ -226,7 +231,7 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], impl: st
     ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers, "eager" if impl == "eager" else "fused")
     rc = max(ranks, key=lambda r: r.compute.F + r.compute.B + sum(r.comm_s.get(g, 0) for g in (
         "tp", "cp", "cp_a2a", "cp_ring", "ep")) / r.actions)
-    costs, per_action = _action_costs(cfg, rc, schedule, impl)
+    costs, per_action = _action_costs(cfg, rc, schedule, impl, 0.0 if cluster.name in ACHIEVED_RATES else COMM_SM_SHARE)
     hidden = t.micro_batch * t.seq_len // (deg["cp"] * deg["tp"]) * cfg.model.dim * act_bytes(cfg)
     pp_send = (link_seconds(ParallelDims.from_config(cfg.parallel, deg["world"]), rc.pp_rank * deg["world"] // deg["pp"],
                             "pp", "send", hidden, cluster, eff, calls=1.0) if schedule else 0.0)
@@ -261,12 +266,13 @@ def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], impl: st
             "mfu_peak": "bf16 dense" if cfg.precision.recipe != "fp32" else "fp32"}
 
 
-def _action_costs(cfg: Config, rc: RankCosts, schedule, impl: str) -> tuple[dict, dict]:
+def _action_costs(cfg: Config, rc: RankCosts, schedule, impl: str, sm_share: float = 0.0) -> tuple[dict, dict]:
     """(the simulator's cost per action kind, F/B/W/FB, and each group's exposed seconds per action): tp's
     collectives exposed, the cp ring beyond the attention it hides behind, hybrid cp's all-to-alls, the EP
     all-to-alls exposed, or beside the other micro-batch's compute in DualPipe's F&B pairs, and with
     `impl` "fused_a2a_overlap" in 1F1B's steady state too (Megatron-Core's --overlap-moe-expert-parallel-comm:
-    each F runs beside another micro-batch's B)."""
+    each F runs beside another micro-batch's B); `sm_share` the SMs the overlapped all-to-all kernels take from
+    the compute beside them (COMM_SM_SHARE on a GPU)."""
     c = rc.compute
     tp = _per_action(rc, "tp") / 2  # forward and backward each move half (all-gather <-> reduce-scatter)
     ring = "cp_ring" if cfg.parallel.cp_a2a > 1 else "cp"  # hybrid cp: the ring over cp / cp_a2a positions
@@ -278,10 +284,13 @@ def _action_costs(cfg: Config, rc: RankCosts, schedule, impl: str) -> tuple[dict
     Fc, Bc = c.F + tp + cp_f + a2a + ep_host, c.B + tp + cp_b + a2a + ep_host
     ep -= ep_host
     overlap = cfg.parallel.pp_schedule == "dualpipe" and cfg.parallel.overlap and schedule is not None
-    if impl == "fused_a2a_overlap" and not overlap:  # every F beside a B: each pair max(compute, all-to-alls)
-        ep = max(0.0, 2 * ep - (Fc + Bc)) / 2
-    costs = dict(F=Fc + ep, B=Bc + ep, W=c.W, FB=max(Fc + Bc, 2 * ep) if overlap else None)
-    ep_pairs = (max(0.0, 2 * ep - (Fc + Bc)) if overlap else 2 * ep) + 2 * ep_host
+    # a pair's all-to-alls (2 ep) beside its compute: the compute runs on the SMs the communication kernels leave,
+    # so the pair takes max(all-to-alls, compute + sm_share x all-to-alls); beyond the compute, max(those two - it)
+    beside = max(0.0, 2 * ep - (Fc + Bc), sm_share * 2 * ep)
+    if impl == "fused_a2a_overlap" and not overlap:  # every F beside a B
+        ep = beside / 2
+    costs = dict(F=Fc + ep, B=Bc + ep, W=c.W, FB=Fc + Bc + beside if overlap else None)
+    ep_pairs = (beside if overlap else 2 * ep) + 2 * ep_host
     return costs, {"tp": tp, ring: cp_f + cp_b, "ring": ring, "cp_a2a": a2a, "ep": ep + ep_host, "ep_pairs": ep_pairs}
 
 

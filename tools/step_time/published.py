@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 
 from moe_lc.config import load_config
+from .attention_impls import with_attention
 from .clusters import resolve
 from .model import predict
 from .published_runs import RUNS, Run
@@ -42,7 +43,7 @@ def run_one(run: Run) -> dict:
     cfg = load_config(run.recipe, [])
     p = plan(cfg, None, run.recipe)
     cluster, eff = resolve(run.cluster)
-    pred = predict(cfg, p, cluster, eff, run.impl)
+    pred = predict(cfg, p, cluster, with_attention(eff, run.attention), run.impl)
     pred["degrees"] = p.degrees
     pred["peak_gib"] = max(r.peak_bytes() for r in p.ranks) / 2**30
     return pred
@@ -95,6 +96,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(head)
 
 
+def notes(rows: list[dict]) -> str:
+    """The known reasons for the runs' misses (published_runs.Run.note) as a markdown section; "" when none."""
+    lines = [f"- {r['name']} ({r['loo_error']:+.0%}): {r['note']}" for r in rows if r.get("note")]
+    return "\nWhy the model misses where it is known:\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def summary(rows: list[dict]) -> dict:
     errors = [abs(r["loo_error"]) for r in rows]
     return {"runs": len(rows), "loo_mean_abs_error": sum(errors) / len(errors), "loo_max_abs_error": max(errors),
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
             f"{stats['loo_max_abs_error']:.1%}; beyond 30%: {', '.join(stats['beyond_30pct']) or 'none'}. "
             f"Overhead factor fitted on all runs: {stats['factor_all_runs']:.3f} (without it: mean absolute error "
             f"{stats['raw_mean_abs_error']:.1%}).\n\nSources:\n\n"
-            + "\n".join(f"- {r['name']}: {r['source']} ({r['recipe']})" for r in rows) + "\n")
+            + "\n".join(f"- {r['name']}: {r['source']} ({r['recipe']})" for r in rows) + "\n" + notes(rows))
     with open(os.path.join(args.out, "published.md"), "w") as fh:
         fh.write(text)
     print(table(rows))
