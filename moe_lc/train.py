@@ -39,6 +39,7 @@ from moe_lc.parallel.mesh import ParallelDims, init_distributed
 from moe_lc.parallel.zero.param_gather import install_holds
 from moe_lc.parallel.parallelize import full_state_dict, prepare_batch
 from moe_lc.parallel.pipeline.runtime import PipelineRuntime
+from moe_lc.model.residual_stream import stream_dims
 from moe_lc.parallel.zero.optimizer import ZeroOptimizer
 from moe_lc.parallel.zero.strategies import ZeroPlacement
 from moe_lc.job.preflight import preflight, refuse_unusable_fp8, resolve_device
@@ -91,7 +92,7 @@ class Trainer:
         if self.schedule is not None:
             seq_local = t.seq_len // self.dims.cp // self.dims.tp  # sequence-parallel shards between stages
             self.runtime = PipelineRuntime(self.schedule, self.dims.coords()["pp"], self.parallel.chunks,
-                                           self.dims["pp"], (t.micro_batch, seq_local, cfg.model.dim),
+                                           self.dims["pp"], (t.micro_batch, seq_local, *stream_dims(cfg.model)),
                                            p.compute_dtype, self.device, overlap=self.dims.overlap,
                                            store=self.parallel.wgrad_store)
         self.optimizer = ZeroOptimizer.from_config(cfg, self.parallel, self.dims)

@@ -66,13 +66,14 @@ def test_the_blocks_hand_v4_positions_not_rope_tables():
 @pytest.mark.parametrize("override, message", [
     ("parallel.cp=2", "parallel.cp=2 with model.attention = 'v4' is not built: context parallelism for V4's window "
                       "and compressed entries is the next issue's"),
-    ("parallel.tp=2", "parallel.tp=2 with model.attention = 'v4' is not built: no tensor-parallel rule yet"),
+    ("parallel.tp=4", "parallel.tp=4 must divide model.v4_attention.o_groups=2 (each tp rank projects whole output "
+                      "groups)"),
     ("data.document_mask=true", "data.document_mask = true with model.attention = 'v4' is not built"),
     ("model.mtp.depth=1", "model.mtp.depth=1 with model.attention = 'v4' is not built"),
     ("model.qk_norm=head", "model.qk_norm='head' is not read by model.attention = 'v4'"),
 ])
 def test_what_is_not_built_is_refused_in_one_line(override, message):
-    world = {"parallel.cp=2": 2, "parallel.tp=2": 2}.get(override)
+    world = {"parallel.cp=2": 2, "parallel.tp=4": 4}.get(override)
     overrides = [override, "parallel.dp=1"] if world else [override]
     with pytest.raises(ConfigError) as info:
         load_config(RECIPE, overrides, world_size=world)

@@ -315,8 +315,12 @@ def _v4_errors(m) -> list[str]:
 
 
 def _v4_tp_errors(m, tp: int) -> list[str]:
-    return [f"parallel.tp={tp} with model.attention = 'v4' is not built: no tensor-parallel rule yet (query heads and "
-            "the grouped output would split, the one KV head, compressors and indexer replicate)"]
+    """Query heads and the grouped output split, whole groups per rank (moe_lc/parallel/v4_plan.py)."""
+    g = m.v4_attention.o_groups
+    if g % tp:
+        return [f"parallel.tp={tp} must divide model.v4_attention.o_groups={g} (each tp rank projects whole output "
+                "groups)"]
+    return []
 
 
 def _v4_run_errors(m, p, data) -> list[str]:
@@ -333,19 +337,23 @@ def _v4_run_errors(m, p, data) -> list[str]:
 
 # DeepSeek-V4 (report arXiv 2606.19348 section 2.3): one module class for the three layer types, block i's type from
 # [model.v4_attention] layer_types (`build`), so its counts are per layer; it reads positions and keeps its own RoPE
-# tables (main / compress), so the model's `rope` hands it the positions. One device only for now: no TP rule, no
-# ring, packed documents refused; its decode cache keeps each layer's input (model/v4_decode.py).
+# tables (main / compress), so the model's `rope` hands it the positions. Its TP rule splits query heads and output
+# groups, replicating the shared KV head, compressors and indexer (parallel/v4_plan.py, which also plans the CSA
+# indexer loss's share and head sum; its metric is DSA's); no ring (cp refused), packed documents refused; its
+# decode cache keeps each layer's input (model/v4_decode.py).
 ATTENTION_KINDS["v4"] = AttentionSpec(
     name="v4", label="DeepSeek-V4 attention", attention="v4", variant=None,
     head_dims=_v4_head_dims, errors=_v4_errors, tp_errors=_v4_tp_errors, up_item=None,
     module="moe_lc.model.v4_attention:V4Attention", params="moe_lc.model.v4_counting:v4_params",
     vector_params="moe_lc.model.v4_counting:v4_vector_params", saved_bytes="moe_lc.model.v4_counting:v4_saved_bytes",
     decode="moe_lc.model.v4_decode:V4Decode",
-    tp_rule="moe_lc.model.v4_attention:v4_tp_rule", tp_groups=None, local=CoreSeams(), ring=CoreSeams(),
+    tp_rule="moe_lc.parallel.v4_plan:v4_tp_rule", tp_groups=None, local=CoreSeams(), ring=CoreSeams(),
     expanded_ring=None, hf_pieces="moe_lc.convert.hf_v4:v4_attention_pieces",
     hf_family="moe_lc.convert.hf_v4:v4_family", core_flops="moe_lc.model.v4_counting:v4_core_flops",
     build="moe_lc.model.v4_attention:v4_attention_for", per_layer=True,
-    positions="moe_lc.model.v4_rope:PositionsOnly", run_errors=_v4_run_errors)
+    positions="moe_lc.model.v4_rope:PositionsOnly", run_errors=_v4_run_errors,
+    extra_plan="moe_lc.parallel.v4_plan:v4_layer_plan", step_metrics="moe_lc.parallel.dsa_plan:dsa_step_metrics",
+    step_reductions=(("world", 24, "the CSA indexer-loss sums (3 fp64, DSA's)"),))
 
 
 def attention_kind(m) -> AttentionSpec:

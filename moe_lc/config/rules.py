@@ -239,19 +239,13 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
 
 
 def _v4_stream_and_routing_rules(cfg: Config) -> list[str]:
-    """What mHC (model.residual = 'mhc') and hash routing (model.moe.hash_layers) do not run with yet."""
-    m, p, e = cfg.model, cfg.parallel, []
-    mhc, hashed = m.residual == "mhc", m.has_moe and m.moe.hash_layers > 0
-    if mhc and p.pp > 1:
-        e.append(f"model.residual = 'mhc' with parallel.pp={p.pp} is not built: the pipeline sends (B, S, D) "
-                 "activations between stages, mHC's stream is (B, S, model.mhc.hc_mult, D)")
+    """What mHC (model.residual = 'mhc') does not run with yet (pp, tp and hash routing's token ids on every stage
+    and sequence shard are built: moe_lc/parallel/pipeline/stage.py, moe_lc/parallel/tp/plan.py)."""
+    m, e = cfg.model, []
+    mhc = m.residual == "mhc"
     if mhc and m.mtp.depth:
         e.append(f"model.residual = 'mhc' with model.mtp.depth={m.mtp.depth} is not built: the MTP modules read "
                  "a (B, S, D) hidden state")
-    for what, on in (("model.residual = 'mhc'", mhc), (f"model.moe.hash_layers={m.moe.hash_layers}", hashed)):
-        if on and p.tp > 1:
-            e.append(f"{what} with parallel.tp={p.tp} is not built: the tensor-parallel plan has no rule for mHC's "
-                     "maps or the hash router (and its token ids would need their sequence shard)")
     return e
 
 

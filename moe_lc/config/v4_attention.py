@@ -54,6 +54,9 @@ class V4AttentionConfig:
     yarn_original_seq_len: int = f(65536, "YaRN: the compress rope's original context length")
     yarn_beta_fast: float = f(32.0, "YaRN: dims with more than this many rotations keep their frequency")
     yarn_beta_slow: float = f(1.0, "YaRN: dims with fewer than this many rotations are interpolated")
+    index_loss_weight: float = f(1.0, "CSA: weight of the indexer's KL loss to the attention over the entries it "
+                                      "picked (V3.2's sparse stage; its input detached, so it trains the indexer only; "
+                                      "0: the indexer does not train)")
     attn_sink: bool = f(True, "a learned sink logit per head in every softmax (false: an ablation)")
     eps: float = f(1e-6, "RMSNorm epsilon of q, the KV entry and the compressors")
     layer_types: list[V4LayerType] = f([], "attention type per layer; empty = 2 window-only layers, then CSA / "
@@ -78,6 +81,8 @@ class V4AttentionConfig:
                      "csa_compress_rate", "hca_compress_rate", "index_n_heads", "index_head_dim", "index_topk",
                      "rope_theta", "compress_rope_theta", "yarn_original_seq_len", "eps"):
             positive(e, f"{p}.{name}", getattr(self, name))
+        if self.index_loss_weight < 0:
+            e.append(f"{p}.index_loss_weight={self.index_loss_weight} must be >= 0")
         if e:
             return e
         if self.rope_head_dim % 2:

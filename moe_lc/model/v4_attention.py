@@ -21,7 +21,12 @@ documents are not built (a window or an entry would cross a document boundary).
 
 Seams (moe_lc/model/seams.py): `core` (V4Core), `replay` around RoPE and the core, `run_region` around
 RoPE, `out_proj` (wo, attend): attend() returns wo_a's output (B, S, G, R), so wo is the one Linear that
-mixes the groups to D and `project_now` applies unchanged.
+mixes the groups to D and `project_now` applies unchanged. Under TP + SP (moe_lc/parallel/v4_plan.py): `gather`
+(x's sequence shards gathered, identity on one device), `n_heads` and `o_groups` (this rank's), `head_sum` (the
+indexer loss's target summed over the tp ranks' heads). `aux_loss_scale`: this micro-batch's share of the step.
+
+Training, a CSA layer's indexer learns from its own KL loss to the attention over the entries it picked
+(moe_lc/model/v4_index_loss.py, weight model.v4_attention.index_loss_weight; 0: the indexer is not trained).
 
 Parameter names (ours <- transformers' `self_attn.` names): wa <- cat(q_a_proj, kv_proj) rows; q_norm <-
 q_a_norm; wq_b <- q_b_proj; kv_norm <- kv_norm; wo_a (G, R, H d / G) <- o_a_proj viewed (G, R, -1); wo <-
@@ -34,12 +39,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_lc.config.v4_attention import V4_LAYER_TYPES, V4AttentionConfig
+from moe_lc.model.dsa import AttachLoss
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.seams import project_now, run_now
 from moe_lc.model.v4_compressor import Compressor, visible_entries
 from moe_lc.model.v4_core import V4Core
+from moe_lc.model.v4_index_loss import OneRankHeadSum, index_loss, picked_mass
 from moe_lc.model.v4_indexer import V4Indexer
 from moe_lc.model.v4_rope import V4Rope, apply_tail_rope
 from moe_lc.ops.linear import GroupedLinear, Linear
@@ -78,6 +86,10 @@ class V4Attention(nn.Module):
         self.rope = V4Rope(cfg, layer_type)
         self.softmax_scale = d ** -0.5
         self.core = V4Core()
+        self.gather = nn.Identity()  # the sequence all-gather of x under TP + SP
+        self.head_sum = OneRankHeadSum()
+        self.aux_loss_scale = 1.0
+        self.index_loss_weight = cfg.index_loss_weight
         self.replay = run_now
         self.run_region = run_now
         self.out_proj = project_now
@@ -86,48 +98,63 @@ class V4Attention(nn.Module):
                 stats=None) -> torch.Tensor:
         """A block calls every kind's module as (x, cos, sin, docs, stats); this kind's model `rope` is
         v4_rope.PositionsOnly, so `positions` arrives in cos's place (and again in sin's, unread). docs: must be
-        None (packed documents are not built for V4); stats: unused (no loss of its own)."""
+        None (packed documents are not built for V4); stats: the step's
+        ForwardStats, where a CSA layer books its indexer loss (in backward)."""
         if docs is not None:
             raise ValueError("packed documents (data.document_positions) are not built for DeepSeek-V4 attention: "
                              "its window and compressed entries would cross document boundaries")
-        return self.out_proj(self.wo, lambda: self.attend(x_BSD, positions))
+        return self.out_proj(self.wo, lambda: self.attend(x_BSD, positions, stats))
 
-    def attend(self, x_BSD: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x -> wo_a's output (B, S, G, R): everything before wo."""
+    def attend(self, x_BSD: torch.Tensor, positions: torch.Tensor, stats=None) -> torch.Tensor:
+        """x (B, S, D) (its sequence shard under SP) -> wo_a's output (B, S, G, R): everything before wo."""
+        x_BSD = self.gather(x_BSD)
         B, S, _ = x_BSD.shape
         c_q, kv = self.wa(x_BSD).split([self.q_lora_rank, self.head_dim], dim=-1)
         c_q = self.q_norm(c_q)
         q = self.wq_b(c_q).view(B, S, self.n_heads, self.head_dim)
         kv = self.kv_norm(kv)
-        entries, readable = self.compressed(x_BSD, c_q, positions)
-        o = self.replay(self._rope_and_core, q, kv, positions, entries, readable)
+        learn = self.indexer is not None and self.index_loss_weight > 0 and self.training and torch.is_grad_enabled()
+        # recomputed in backward: the loss keeps x and c_q (which wa and wq_b keep anyway), not the indexer's
+        # queries, keys or its (B, S, G, n) per-head scores
+        scores = checkpoint(self.indexer.scores, x_BSD.detach(), c_q.detach(), positions, self.rope,
+                            use_reentrant=False) if learn else None
+        entries, readable, picked = self.compressed(x_BSD, c_q, positions, scores)
+        o, lse = self.replay(self._rope_and_core, q, kv, positions, entries, readable)
+        if learn:  # the target: the attention's head-summed probabilities of the picked entries
+            with torch.no_grad():
+                q_roped = apply_tail_rope(unweighted_rms_norm(q, self.eps), *self.rope(positions))
+                mass = self.head_sum(picked_mass(q_roped, entries, lse, picked, self.softmax_scale))
+            share = self.index_loss_weight * self.aux_loss_scale / (B * S * self.head_sum.ranks)
+            o = AttachLoss.apply(o, index_loss(scores, picked, mass, share, self.head_sum.ranks, stats))
         return self.grouped_out(o)
 
-    def compressed(self, x_BSD, c_q, positions):
-        """(entries (B, n, d), readable (B, S, n) bool), or (None, None) for a window-only layer."""
+    def compressed(self, x_BSD, c_q, positions, scores=None):
+        """(entries (B, n, d), readable (B, S, n) bool, the indexer's picks (B, S, k) or None), or (None, None,
+        None) for a window-only layer. scores: the indexer's I (B, S, n) when training computed them already."""
         if self.compressor is None:
-            return None, None
+            return None, None, None
         B = x_BSD.shape[0]
         entries = self.compressor(x_BSD, self.rope)
         n = entries.shape[1]
         if self.indexer is None:  # HCA: every entry whose tokens are all in the past
             ready = visible_entries(positions, self.compressor.rate)
             ready = ready.expand(B, -1) if ready.dim() == 1 else ready
-            return entries, torch.arange(n, device=x_BSD.device) < ready[..., None]
-        picked = self.indexer(x_BSD, c_q, positions, self.rope)  # (B, S, k), -1: an empty slot
+            return entries, torch.arange(n, device=x_BSD.device) < ready[..., None], None
+        picked = self.indexer(x_BSD, c_q, positions, self.rope) if scores is None else \
+            self.indexer.pick(scores, positions)  # (B, S, k), -1: an empty slot
         readable = torch.zeros(*picked.shape[:2], n + 1, dtype=torch.bool, device=x_BSD.device)
         readable.scatter_(-1, torch.where(picked >= 0, picked, n), True)
-        return entries, readable[..., :n]
+        return entries, readable[..., :n], picked
 
     def _rope_and_core(self, q, kv, positions, entries, readable) -> torch.Tensor:
-        """Normalized q (B, S, H, d) before RoPE, kv (B, S, d) normalized -> core output (B, S, H, d), its
-        value rotation undone (RoPE at -position)."""
+        """Normalized q (B, S, H, d) before RoPE, kv (B, S, d) normalized -> (core output (B, S, H, d), its
+        value rotation undone (RoPE at -position); the core's lse (B, S, H) fp32, detached)."""
         B, S = kv.shape[:2]
         cos, sin = self.rope(positions)
         q = self.run_region(apply_tail_rope, unweighted_rms_norm(q, self.eps), cos, sin)
         kv = self.run_region(apply_tail_rope, kv.view(B, S, 1, self.head_dim), cos, sin).view(B, S, self.head_dim)
-        o = self.core(q, kv, self.window, self.softmax_scale, self.sinks, entries, readable)
-        return self.run_region(apply_tail_rope, o, cos, -sin)
+        o, lse = self.core(q, kv, self.window, self.softmax_scale, self.sinks, entries, readable, return_lse=True)
+        return self.run_region(apply_tail_rope, o, cos, -sin), lse
 
     def grouped_out(self, o_BSHd: torch.Tensor) -> torch.Tensor:
         """(B, S, H, d) -> (B, S, G, R): group g's H d / G channels through its own (R, H d / G) block."""
@@ -143,6 +170,3 @@ def v4_attention_for(m, layer_id: int) -> V4Attention:
     return V4Attention(m.dim, m.n_heads, m.v4_attention, m.v4_attention.layer_types_for(m.n_layers)[layer_id])
 
 
-def v4_tp_rule(module, tp: int):
-    """The kind's tensor-parallel rule: none yet (the recipe rules refuse parallel.tp > 1 first)."""
-    raise NotImplementedError("parallel.tp > 1 with model.attention = 'v4' is not built")

@@ -46,9 +46,12 @@ def window_keys(kv_BSd: torch.Tensor, W: int) -> torch.Tensor:
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, scale: float, sinks: torch.Tensor | None,
-                   entries: torch.Tensor | None = None, readable: torch.Tensor | None = None) -> torch.Tensor:
+                   entries: torch.Tensor | None = None, readable: torch.Tensor | None = None,
+                   return_lse: bool = False):
     """q (B, S, H, d), kv (B, S, d) roped; sinks (H,) or None; entries (B, n, d) and readable (B, S, n) bool,
-    or None for a window-only layer -> out (B, S, H, d) (module docstring)."""
+    or None for a window-only layer -> out (B, S, H, d) (module docstring); with return_lse, (out, lse) where lse
+    (B, S, H) fp32, detached, is the log-sum-exp of each query's logits (window, entries and sink): what the
+    indexer loss reads the attention's probabilities of the entries from (moe_lc/model/v4_index_loss.py)."""
     B, S, H, d = q.shape
     W = window
     nb = -(-S // W)
@@ -62,17 +65,20 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
         parts.append(s_c.masked_fill(~readable[:, :, None, :], float("-inf")))
     if sinks is not None:
         parts.append(sinks.float().view(1, 1, H, 1).expand(B, S, H, 1))
-    p = torch.cat(parts, dim=-1).softmax(dim=-1)
+    logits = torch.cat(parts, dim=-1)
+    p = logits.softmax(dim=-1)
     p_w = F.pad(p[..., :2 * W], (0, 0, 0, 0, 0, nb * W - S)).view(B, nb, W, H, 2 * W)
     out = torch.einsum("bnqhk,bnkd->bnqhd", p_w, keys).reshape(B, nb * W, H, d)[:, :S]
     if entries is not None:
         n = entries.shape[1]
         out = out + torch.einsum("bshn,bnd->bshd", p[..., 2 * W:2 * W + n], entries.float())
+    if return_lse:
+        return out.to(q.dtype), logits.detach().logsumexp(dim=-1)
     return out.to(q.dtype)
 
 
 class V4Core(nn.Module):
     """The `core` seam of a V4 attention module: `sink_attention` on one device."""
 
-    def forward(self, q, kv, window: int, scale: float, sinks, entries=None, readable=None) -> torch.Tensor:
-        return sink_attention(q, kv, window, scale, sinks, entries, readable)
+    def forward(self, q, kv, window: int, scale: float, sinks, entries=None, readable=None, return_lse=False):
+        return sink_attention(q, kv, window, scale, sinks, entries, readable, return_lse)

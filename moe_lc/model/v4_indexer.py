@@ -14,7 +14,7 @@ n compressed entries (S // m), k = index_topk.
 The top-k order is moe_lc/ops/dsa_select.py's (score, then earlier position), so a tie never depends on
 the kernel (torch.topk returns tied entries in no fixed order). Queries that see fewer than k entries keep
 all they see. Selection is an integer choice: no gradient reaches the indexer through the attention (as in
-transformers); training it needs an auxiliary loss (DeepSeek-V3.2's KL, moe_lc/model/dsa.py), not built here.
+transformers); it trains on its own KL loss to the attention (moe_lc/model/v4_index_loss.py).
 """
 
 from __future__ import annotations
@@ -63,9 +63,13 @@ class V4Indexer(nn.Module):
     @torch.no_grad()
     def forward(self, x_BSD, c_q, positions, rope) -> torch.Tensor:
         """-> selected entries (B, S, min(k, n)) int64, in top-k order, -1 in slots beyond what a query sees."""
-        B = x_BSD.shape[0]
-        scores = self.scores(x_BSD, c_q, positions, rope)
-        n = scores.shape[-1]
+        return self.pick(self.scores(x_BSD, c_q, positions, rope), positions)
+
+    @torch.no_grad()
+    def pick(self, scores, positions) -> torch.Tensor:
+        """Scores I (B, S, n) -> the selected entries (B, S, min(k, n)), as `forward` (training keeps the scores:
+        the indexer loss reads them, moe_lc/model/v4_index_loss.py)."""
+        B, n = scores.shape[0], scores.shape[-1]
         k = min(self.topk, n)
         if k == 0:
             return scores.new_zeros(*scores.shape[:2], 0, dtype=torch.int64)

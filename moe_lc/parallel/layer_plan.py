@@ -69,7 +69,8 @@ from moe_lc.parallel.placement import Placements
 DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn", "n_experts", "dispatcher", "core",
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
-                     "keep_latents", "count_loads", "mtp_embed", "run_region", "logit_guard"})
+                     "keep_latents", "count_loads", "mtp_embed", "run_region", "logit_guard",
+                     "o_groups", "head_sum", "token_shard"})
 
 
 @dataclass

@@ -40,7 +40,8 @@ class PipelineRuntime:
     """Runs `schedule.actions[rank]` over this rank's chunk modules, one optimizer step at a time.
 
     chunks: the rank's chunk modules (Transformer shells, see stage.py), indexed by local chunk.
-    hidden_shape: (micro_batch, local sequence, dim) of activations sent between stages.
+    hidden_shape: (micro_batch, local sequence, *stream dims) of activations sent between stages: the stream's
+    trailing dims are (dim,), or (hc_mult, dim) with mHC (moe_lc/model/residual_stream.py `stream_dims`).
     store: where the chunks' deferring Linears push their weight-gradient GEMMs (the layer plan's
     `wgrad_store`); a split B defers them there, W runs them.
     """

@@ -85,8 +85,9 @@ def _shell(full: Transformer, layer_ids: list[int], first: bool, last: bool) -> 
         shell.takes_tokens = False
         if not (last and full.cfg.tie_embeddings):
             shell.embed = None
-    if not last:
+    if not last:  # the residual stream's read-out (mHC's HyperHead) belongs to the head's stage too
         shell.head, shell.norm, shell.loss_fn, shell.mtp, shell.mtp_embed = None, None, None, None, None
+        shell.stream_head = None
     return shell
 
 

@@ -3,7 +3,7 @@ and which TP role its Linears take (the layout is described in tp/mappings.py). 
 the model and records each module type's entry: shards in the placements (which the optimizer,
 checkpoints and the planner read), roles and local head counts in the layer plan (layer_plan.py).
 An attention module's rule is its kind's `tp_rule` (moe_lc/config/attention_kinds.py): GQA's and MLA's
-are here.
+are here, DSA's in parallel/dsa_plan.py, DeepSeek-V4's in parallel/v4_plan.py.
 
     Attention      `gqa_rule`: wqkv column-parallel by heads (q | k | v sections; kv heads replicated
                    when K < N), wo row-parallel (its bias replicated, added after the sum); qk_norm
@@ -15,7 +15,11 @@ are here.
     MoE            its shared-expert gate (Qwen2-MoE) replicated on the sequence shard ("dp_cp_tp"), like
                    the router; the shared experts are a SwiGLU
     RMSNorm,       replicated; their gradient covers only this rank's sequence shard ("dp_cp_tp")
-    Router
+    Router,
+    HyperConnection, mHC's maps and read-out (moe_lc/model/residual_stream.py): per token, so on the sequence
+    HyperHead      shard; their projections are a few dozen rows
+    HashRouter     replicated too; its token ids cut to this rank's sequence shard (`token_shard`), as SP
+                   cuts the hidden states (contiguous chunks in tp rank order)
     RoutedExperts  not tensor-parallel (expert parallelism folds over dp x cp x tp)
     MTPModule      input projection eh_proj replicated on the shard ("dp_cp_tp"); its norms and block
                    are visited as modules of their own
@@ -31,10 +35,12 @@ from torch import nn
 
 from moe_lc.config.attention_kinds import attention_kind, load, module_kinds
 from moe_lc.model.ffn import SwiGLU
+from moe_lc.model.hash_router import HashRouter
 from moe_lc.model.moe import MoE, RoutedExperts, Router
 from moe_lc.model.mtp import MTPModule
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.qk_norm import WideRMSNorm
+from moe_lc.model.residual_stream import HyperConnection, HyperHead
 from moe_lc.ops.linear import Linear
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.placement import Placements, Shard
@@ -124,6 +130,24 @@ def _replicated(module: nn.Module, tp: _TP) -> list:
     return list(module.parameters())
 
 
+class SequenceShardOf:
+    """The hash router's `token_shard` under SP: token ids (B, S) -> this tp rank's contiguous chunk (B, S / tp)."""
+
+    def __init__(self, rank: int, ranks: int):
+        self.rank, self.ranks = rank, ranks
+
+    def __call__(self, tokens_BS):
+        return tokens_BS.chunk(self.ranks, dim=1)[self.rank]
+
+    def __repr__(self) -> str:
+        return f"SequenceShardOf({self.rank}/{self.ranks})"
+
+
+def _hash_router(router: HashRouter, tp: _TP) -> list:
+    tp.plan.set(router, token_shard=SequenceShardOf(tp.group.rank, tp.n))
+    return _replicated(router, tp)
+
+
 def _mtp_projection(module: MTPModule, tp: _TP) -> list:
     tp.placements.set_group([module.eh_proj.weight], "dp_cp_tp")
     return [module.eh_proj.weight]
@@ -135,7 +159,8 @@ def gqa_kv_groups(cfg, dims: ParallelDims) -> None:
         kv_share_group(dims, cfg.n_kv_heads)
 
 
-TP_PLAN = {SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated,
+TP_PLAN = {SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated, HashRouter: _hash_router,
+           HyperConnection: _replicated, HyperHead: _replicated,
            RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection, MoE: _moe}
 
 
