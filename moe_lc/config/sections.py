@@ -129,6 +129,9 @@ class PrecisionConfig:
     adam_moments: AdamMoments = f("fp32", "dtype of Adam moments (DeepSeek-V3 keeps them in bf16)")
     fp8_dispatch: bool = f(False, "tokens enter the experts FP8-rounded (1x128 tiles) and cross the EP all-to-all "
                                   "in FP8 (DeepSeek-V3); combine and gradients stay in the compute dtype")
+    fp8_weight_cache: bool = f(True, "fp8: each FP8 weight quantized once per optimizer step and kept (1 byte an "
+                                     "element + scales) instead of at every GEMM; the same numbers (not under "
+                                     "delayed scaling or the te backend)")
     fp8_cache: list[Fp8CacheItem] = f([], "activations kept for backward in FP8 (DeepSeek-V3 3.3.3): linear = FP8 "
                                           "Linears' inputs as their wgrad quantizes them (exact), swiglu = SwiGLU "
                                           "inputs, output recomputed, attn_out = the attention output (wo's input)")

@@ -181,9 +181,10 @@ class DelayedScaling:
 @dataclass(frozen=True)
 class Quantized:
     """A GEMM operand already quantized the way the GEMM here would quantize it: ``data`` fp8 (R, C) and
-    ``scale`` of ``granularity`` ("tile": (R, ceil(C/128)); "tensor": 0-dim), in the (lhs or rhs) layout
-    of ``gemm_operands``. Every GEMM path takes it in place of the tensor it came from and computes the
-    same numbers: FP8 activation caching keeps these for the weight gradient instead of the tensor."""
+    ``scale`` of ``granularity`` ("tile": (R, ceil(C/128)); "block": (ceil(R/128), ceil(C/128)); "tensor":
+    0-dim), in the (lhs or rhs) layout of ``gemm_operands``. Every GEMM path takes it in place of the tensor
+    it came from and computes the same numbers: FP8 activation caching keeps these for the weight gradient
+    instead of the tensor, the FP8 weight cache (moe_lc/ops/fp8_weights.py) fprop's and dgrad's weight."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -232,14 +233,15 @@ def gemm_operands(gemm: str, first: torch.Tensor, second: torch.Tensor) -> tuple
     """
     if gemm == "fprop":
         x, w = first, second
-        if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
             raise ValueError(f"fprop needs x (..., K) and w (N, K); got {tuple(x.shape)} and {tuple(w.shape)}")
         return x.reshape(-1, x.shape[-1]), w
-    if gemm == "dgrad":
+    if gemm == "dgrad":  # a Quantized w comes as its rhs w^T (K, N) already (the FP8 weight cache's)
         dy, w = first, second
-        if w.dim() != 2 or dy.shape[-1] != w.shape[0]:
+        n = w.shape[1] if isinstance(w, Quantized) else w.shape[0]
+        if len(w.shape) != 2 or dy.shape[-1] != n:
             raise ValueError(f"dgrad needs dy (..., N) and w (N, K); got {tuple(dy.shape)} and {tuple(w.shape)}")
-        return dy.reshape(-1, dy.shape[-1]), w.t()
+        return dy.reshape(-1, dy.shape[-1]), w if isinstance(w, Quantized) else w.t()
     dy, x = first, second  # either may come as its Quantized lhs / rhs, (N, M) / (K, M), see wgrad_operand
     lhs = dy if isinstance(dy, Quantized) else dy.reshape(-1, dy.shape[-1]).t()
     rhs = x if isinstance(x, Quantized) else x.reshape(-1, x.shape[-1]).t()
@@ -279,25 +281,19 @@ def unflatten_gemm_out(out: torch.Tensor, gemm: str, first: torch.Tensor) -> tor
 
 
 def fp8_linear_emulated(x, w, recipe, *, x_amax=None, w_amax=None) -> torch.Tensor:
-    """fprop y = Q(x) @ Q(w)^T by quantize -> dequantize to fp32 -> fp32 matmul.
-
-    x: (..., K), w: (N, K), any float dtypes. Returns y: (..., N) float32. ``recipe`` "blockwise": x 1x128
-    tiles along K, w 128x128 blocks; "tensorwise": one scale each (``x_amax`` / ``w_amax`` for delayed scaling)."""
+    """fprop y = Q(x) @ Q(w)^T (quantize, dequantize to fp32, fp32 matmul): x (..., K), w (N, K) -> y (..., N) fp32.
+    "blockwise": x 1x128 tiles along K, w 128x128 blocks; "tensorwise": one scale each (amaxes: delayed scaling)."""
     return fp8_gemm_emulated("fprop", x, w, recipe, x_amax, w_amax)
 
 
 def fp8_dgrad_emulated(dy, w, recipe, *, dy_amax=None, w_amax=None) -> torch.Tensor:
-    """dgrad dx = Q(dy) @ Q(w), emulated. dy: (..., N), w: (N, K) -> dx: (..., K) float32.
-
-    "blockwise": dy 1x128 tiles along N (the contraction dim here), w the same 128x128 blocks as fprop."""
+    """dgrad dx = Q(dy) @ Q(w), emulated: dy (..., N), w (N, K) -> dx (..., K) fp32; dy 1x128 tiles along N."""
     return fp8_gemm_emulated("dgrad", dy, w, recipe, dy_amax, w_amax)
 
 
 def fp8_wgrad_emulated(dy, x, recipe, *, dy_amax=None, x_amax=None) -> torch.Tensor:
-    """wgrad dw = Q(dy)^T @ Q(x), emulated. dy: (..., N), x: (..., K) -> dw: (N, K) float32.
-
-    "blockwise": the contraction runs over tokens M, so dy^T (N, M) and x^T (K, M) are both quantized in
-    1x128 tiles along M (128 tokens share a scale), not along N / K as in fprop and dgrad."""
+    """wgrad dw = Q(dy)^T @ Q(x), emulated: dy (..., N), x (..., K) -> dw (N, K) fp32. "blockwise": dy^T (N, M)
+    and x^T (K, M) in 1x128 tiles along the tokens M (the contraction), not along N / K as in fprop and dgrad."""
     return fp8_gemm_emulated("wgrad", dy, x, recipe, dy_amax, x_amax)
 
 
@@ -352,12 +348,16 @@ def scaled_mm_support(device, recipe: str) -> bool:
 
 def pad_rows_cols(t: torch.Tensor | Quantized, row_multiple: int, col_multiple: int) -> torch.Tensor | Quantized:
     """Zero-pad a 2-D tensor; zeros change no amax and add nothing to a product, so padding is exact. A
-    Quantized operand is padded as its tensor would quantize: zero codes, and scale 1 for all-zero rows."""
+    Quantized operand is padded as its tensor would quantize: zero codes, and scale 1 for all-zero rows (tiles);
+    128 x 128 blocks padded to multiples of 128 keep their scales (the zeros fall inside the edge blocks)."""
     pad = (0, -t.shape[1] % col_multiple, 0, -t.shape[0] % row_multiple)
     if not isinstance(t, Quantized):
         return F.pad(t, pad)
+    if not any(pad):
+        return t
     data = F.pad(t.data.view(torch.uint8), pad).view(FP8_DTYPE)  # code 0 is 0.0
-    scale = t.scale if t.granularity == "tensor" else F.pad(t.scale, (0, 0, 0, pad[3]), value=1.0)
+    assert t.granularity != "block" or row_multiple % BLOCK == 0 == col_multiple % BLOCK, "blocks pad whole only"
+    scale = t.scale if t.granularity != "tile" else F.pad(t.scale, (0, 0, 0, pad[3]), value=1.0)
     return Quantized(data, scale, t.granularity)
 
 
@@ -440,10 +440,10 @@ def fp8_linear_scaled_mm(x, w, recipe, *, x_amax=None, w_amax=None, out_dtype=to
 
 
 def fp8_dgrad_scaled_mm(dy, w, recipe, *, dy_amax=None, w_amax=None, out_dtype=torch.float32) -> torch.Tensor:
-    """dgrad dx = dy @ w like ``fp8_dgrad_emulated``, on real kernels where available. CUDA untested."""
+    """dgrad dx = dy @ w like ``fp8_dgrad_emulated``, on real kernels where available."""
     return fp8_gemm_scaled_mm("dgrad", dy, w, recipe, dy_amax, w_amax, out_dtype)
 
 
 def fp8_wgrad_scaled_mm(dy, x, recipe, *, dy_amax=None, x_amax=None, out_dtype=torch.float32) -> torch.Tensor:
-    """wgrad dw = dy^T @ x like ``fp8_wgrad_emulated``, on real kernels where available. CUDA untested."""
+    """wgrad dw = dy^T @ x like ``fp8_wgrad_emulated``, on real kernels where available."""
     return fp8_gemm_scaled_mm("wgrad", dy, x, recipe, dy_amax, x_amax, out_dtype)

@@ -12,6 +12,8 @@ the master-weight path. Backends (`precision.fp8_backend`):
     emulate     quantize and dequantize exactly, multiply in fp32 (the same numbers on any device)
     auto        te where it runs, else scaled_mm where it runs, else emulate
 All use the same scales (amax/448 per tile, block or tensor), so they differ only by fp32 rounding.
+Weights (`precision.fp8_weight_cache`): scaled_mm and emulate take fprop's and dgrad's weight from the
+Parameter's FP8 copy, quantized once per optimizer step (`moe_lc.ops.fp8_weights`; blockwise and tensorwise).
 The embedding, output head, router, norms and attention core never come here (fp8_eligible=False or
 not a Linear), as in DeepSeek-V3.
 """
@@ -22,8 +24,9 @@ import torch
 
 from moe_lc.config.choices import Fp8Backend, Fp8Scaling, names
 from moe_lc.ops import fp8, fp8_te
+from moe_lc.ops.fp8_weights import CachedWeight, WeightCache
 from moe_lc.ops.grouped_gemm import host_sizes
-from moe_lc.ops.linear import KeepInput
+from moe_lc.ops.linear import GroupedLinear, KeepInput, Linear
 
 SCALINGS = names(Fp8Scaling)
 BACKENDS = names(Fp8Backend)
@@ -37,7 +40,7 @@ def gemm_recipe(scaling: str) -> str:
 class Fp8Gemms:
     """fprop / dgrad / wgrad (and their grouped forms) with FP8 inputs. x: (T, K), w: (N, K), dy: (T, N)."""
 
-    def __init__(self, scaling: str = "blockwise", backend: str = "auto"):
+    def __init__(self, scaling: str = "blockwise", backend: str = "auto", cache_weights: bool = False):
         if scaling not in SCALINGS or backend not in BACKENDS:
             raise ValueError(f"fp8 scaling {scaling!r} / backend {backend!r}: expected one of {SCALINGS} / {BACKENDS}")
         self.scaling, self.backend = scaling, backend
@@ -45,6 +48,21 @@ class Fp8Gemms:
         self.name = f"fp8-{scaling}"
         # delayed scaling keeps an amax history per operand role
         self.history = {role: fp8.DelayedScaling() for role in ("x", "w", "dy")} if scaling == "delayed" else None
+        # the weights' FP8 copies, once per optimizer step (delayed scaling's weight scale changes at every GEMM)
+        self.weights = WeightCache(self.recipe) if cache_weights and self.history is None else None
+
+    def caches_weights(self, device) -> bool:
+        """Whether fprop and dgrad on ``device`` take the weight from its FP8 copy (not under TE, which
+        quantizes for itself)."""
+        return self.weights is not None and self.implementation(device) != "te"
+
+    def weight(self, weight: torch.Tensor, param, dtype: torch.dtype):
+        """The weight operand of fprop / dgrad (`moe_lc.ops.linear`'s hook): ``param``'s cached FP8 copy where
+        `caches_weights`, else ``weight`` cast to the compute dtype. ``param``: the Parameter itself (the saved
+        ``weight`` may be an alias of it in backward, under saved-tensor hooks: recomputation, offloading)."""
+        if isinstance(param, torch.nn.Parameter) and self.caches_weights(weight.device):
+            return CachedWeight(param, dtype, self.weights)
+        return weight.to(dtype)
 
     def implementation(self, device) -> str:
         """What runs on ``device``: "te", "scaled_mm" or "emulate" (see the module docstring)."""
@@ -66,6 +84,8 @@ class Fp8Gemms:
 
     def _run(self, gemm: str, a: torch.Tensor, b: torch.Tensor, roles: tuple[str, str], out_dtype) -> torch.Tensor:
         """a, b: the 2-D inputs of `gemm`, (x, w) / (dy, w) / (dy, x); delayed scaling reads their roles' amaxes."""
+        if isinstance(b, CachedWeight):  # fprop's w or dgrad's w^T, quantized once per optimizer step
+            b = b.operand(gemm)
         amaxes = self._amax(roles[0], a), self._amax(roles[1], b)
         impl = self.implementation(a.device)
         if impl == "te":  # TE quantizes for itself: a cached wgrad operand goes in dequantized (M, .) fp32
@@ -171,15 +191,28 @@ class SharedFp8ForWgrad(KeepFp8ForWgrad):
         return saved
 
 
-def fp8_gemms(n: int, scaling: str = "blockwise", backend: str = "auto", device=None) -> list[Fp8Gemms]:
+def fp8_gemms(n: int, scaling: str = "blockwise", backend: str = "auto", device=None,
+              cache_weights: bool = False) -> list[Fp8Gemms]:
     """FP8 GEMMs for `n` eligible Linears / GroupedLinears (the layer plan picks them,
     moe_lc/parallel/layer_plan.py): stateless recipes share one Fp8Gemms, delayed scaling gets one per
     layer (its amax histories). With ``device`` given, backend "te" is checked up front: ValueError with
-    the reason if it cannot run."""
+    the reason if it cannot run. ``cache_weights``: `precision.fp8_weight_cache` (`Fp8Gemms.weights`)."""
     if backend == "te" and device is not None:
         reason = fp8_te.unsupported_reason(device, gemm_recipe(scaling))
         if reason is not None:
             raise ValueError(reason)
     if scaling == "delayed":
         return [Fp8Gemms(scaling, backend) for _ in range(n)]
-    return [Fp8Gemms(scaling, backend)] * n
+    return [Fp8Gemms(scaling, backend, cache_weights)] * n
+
+
+def quantize_weights_now(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Every cached FP8 weight of `model` quantized now (for GEMMs in `dtype`), as after a step's first
+    micro-batch: what the planner's traces measure the later micro-batches' working sets from. -> how many."""
+    done = 0
+    for m in model.modules():
+        if isinstance(m, (Linear, GroupedLinear)) and isinstance(m.gemms, Fp8Gemms) \
+                and m.gemms.caches_weights(m.weight.device):
+            m.gemms.weights.entry(m.weight, dtype)
+            done += 1
+    return done

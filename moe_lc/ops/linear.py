@@ -8,7 +8,8 @@ Parallel and precision features plug in here instead of wrapping modules again a
              kept (a column-parallel layer under SP keeps the sequence shard and gathers it again in
              backward). None = not tensor parallel.
 - `gemms`  : the three GEMMs of a linear layer (forward, input-grad, weight-grad); `PlainGemms`
-             runs them in the compute dtype, an FP8 recipe (`moe_lc.ops.fp8`) quantizes their inputs.
+             runs them in the compute dtype, an FP8 recipe (`moe_lc.ops.fp8`) quantizes their inputs
+             (`gemms.weight` gives the weight operand: an FP8 recipe's copy kept per optimizer step).
 - `wgrad_store`: when it is deferring, the weight-gradient GEMM is queued instead of run, for a
              later "W" action of a zero-bubble / DualPipe schedule (`WeightGradStore`).
 - `keep_input`: how the input is kept for the weight-gradient GEMM (`KeepInput`: as is by default;
@@ -34,6 +35,11 @@ class PlainGemms:
     """The GEMMs of y = x W^T in the compute dtype. x: (T, in), W: (out, in), dy: (T, out)."""
 
     name = "plain"
+
+    def weight(self, weight, param, dtype):
+        """The weight operand of fprop / dgrad: the weight in the compute dtype (an FP8 recipe may give its
+        cached FP8 copy, quantized once per optimizer step: `Fp8Gemms.weight`)."""
+        return weight.to(dtype)
 
     def fprop(self, x, w):
         return x @ w.t()
@@ -159,7 +165,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, counts, gemms, store, param, keep):
-        w = weight.to(x.dtype)
+        w = gemms.weight(weight, param, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         y = gemms.fprop(x2, w) if counts is None else gemms.grouped_fprop(x2, w, counts)
         if bias is not None:
@@ -177,7 +183,7 @@ class _LinearFn(torch.autograd.Function):
         weight, counts, *kept = ctx.saved_tensors
         gemms, keep, dtype = ctx.gemms, ctx.keep, ctx.dtype
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
-        w = weight.to(dtype)
+        w = gemms.weight(weight, ctx.param, dtype)  # the Parameter: a recomputed region hits its FP8 copy too
         deferring = ctx.store is not None and ctx.store.is_deferring
         wgrad_now = ctx.needs_input_grad[1] and not deferring
         x_w = keep.begin_restore(kept, counts, gemms) if wgrad_now else None  # beside the dgrad GEMM

@@ -277,7 +277,8 @@ def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Modu
     if precision.recipe != "fp8":
         return {}
     eligible = [m for m in model.modules() if isinstance(m, (Linear, GroupedLinear)) and m.fp8_eligible]
-    return dict(zip(eligible, fp8_gemms(len(eligible), precision.fp8_scaling, precision.fp8_backend, device)))
+    return dict(zip(eligible, fp8_gemms(len(eligible), precision.fp8_scaling, precision.fp8_backend, device,
+                                        precision.fp8_weight_cache)))
 
 
 def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], cp: int,

@@ -6,10 +6,12 @@ recipe), at DeepSeek-V3's projection and expert shapes with M = 8192 tokens.
 Each FP8-eligible (K in, N out) of recipes/deepseek_v3_671b.toml's model (tools/bench/gemm.py `linear_shapes`;
 an expert's GEMM as one Linear of its shape) runs as `moe_lc.ops.linear.Linear` with its GEMMs chosen by the
 layer plan under precision "bf16" and "fp8" (what training runs: the activation's quantization, the FP8 GEMMs
-of forward, input gradient and weight gradient, the cached FP8 weight, reused by every timed call as by the
-micro-batches of one optimizer step). Entries: M, K, N, variant ("bf16" / "fp8"), fwd_bwd_ms, tflops (3 GEMMs:
-6 M K N FLOPs). tools/bench/ratios.py takes the lowest bf16 / FP8 time ratio over the shapes (issue #64:
->= 1.3).
+of forward, input gradient and weight gradient, and the weight's FP8 copy from `precision.fp8_weight_cache`,
+quantized at the first call and reused by every timed call as by a step's micro-batches after its first:
+moe_lc/ops/fp8_weights.py), and "fp8_uncached" (`precision.fp8_weight_cache = false`: the weight quantized
+at every fprop and dgrad, as before the cache). Entries: M, K, N, variant ("bf16" / "fp8" / "fp8_uncached"),
+fwd_bwd_ms, tflops (3 GEMMs: 6 M K N FLOPs). tools/bench/ratios.py takes the lowest bf16 / FP8 (cached) time
+ratio over the shapes (issue #64: >= 1.3).
 
 Each FP8 row also times the activation quantization alone, x (M, K) -> x and x^T in 1x128 FP8 tiles (what the
 Linear's input needs for fprop and for the weight gradient): quant_torch_ms (moe_lc.ops.fp8's torch ops, two
@@ -46,12 +48,17 @@ COLUMNS = [("M", "M", "{:d}"), ("K", "K", "{:d}"), ("N", "N", "{:d}"), ("layers"
            ("quant_triton_hw_ms", "triton hw-cast ms", "{:.3f}")]
 
 
-def linear_for(ctx: Context, k: int, n: int, recipe: str, dtype: torch.dtype) -> nn.Module:
-    """A Linear (k -> n) on the device with the GEMMs the layer plan gives it under precision `recipe`."""
+# variant -> the recipe's precision overrides
+VARIANTS = {"bf16": ["precision.recipe=bf16"], "fp8": ["precision.recipe=fp8", "precision.fp8_weight_cache=true"],
+            "fp8_uncached": ["precision.recipe=fp8", "precision.fp8_weight_cache=false"]}
+
+
+def linear_for(ctx: Context, k: int, n: int, variant: str, dtype: torch.dtype) -> nn.Module:
+    """A Linear (k -> n) on the device with the GEMMs the layer plan gives it under the precision of `variant`."""
     holder = nn.Sequential(Linear(k, n))
     torch.nn.init.normal_(holder[0].weight, std=k ** -0.5)
     holder = holder.to(device=ctx.device, dtype=dtype)
-    precision = load_config(ROOT / RECIPE, [f"precision.recipe={recipe}"], check=False).precision
+    precision = load_config(ROOT / RECIPE, VARIANTS[variant], check=False).precision
     apply_layer_plan(holder, options=LayerPlanOptions(precision=precision), device=ctx.device)
     return holder
 
@@ -63,7 +70,7 @@ def run(ctx: Context, rec: Recorder) -> None:
     # on the CPU the FP8 path is an fp32 emulation: fp32 there, bf16 on the GPU
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     for s in shapes:
-        for variant in ("bf16", "fp8"):
+        for variant in VARIANTS:
             params = {"M": m, "K": s["K"], "N": s["N"], "layers": ",".join(s["layers"]), "variant": variant}
             rec.measure(params, lambda: _measure(ctx, m, s["K"], s["N"], variant, dtype), _line)
             free_memory(ctx.device)
@@ -100,7 +107,7 @@ def _measure(ctx: Context, m: int, k: int, n: int, variant: str, dtype: torch.dt
 
     timing = Timing(warmup=0, iters=1, min_iters=1, max_s=0.0) if ctx.dry_run else Timing(2, 10, 5, 1.0)
     t = time_fn(fwd_bwd, ctx.device, timing)
-    quant = _quantize_times(ctx, x.detach(), timing) if variant == "fp8" else {}
+    quant = _quantize_times(ctx, x.detach(), timing) if variant == "fp8" else {}  # (the same for both FP8 rows)
     return {"fwd_bwd_ms": t["s"] * 1e3, "iters": t["n"], "tflops": tflops(6.0 * m * k * n, t["s"]), **quant}
 
 

@@ -46,6 +46,7 @@ from moe_lc.config import Config, ModelConfig, ParallelConfig
 from moe_lc.model.block import run_phases
 from moe_lc.ops.attention import resolved_backend
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
+from moe_lc.ops.fp8_linear import quantize_weights_now
 from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
 from moe_lc.parallel.comm import CommCounter
@@ -243,6 +244,9 @@ def _trace(cfg: Config, loss_mask: bool, backward: bool, head: bool) -> TracedPa
         built = build_rank_model(small, dims, META, pipeline=(None, None), materialized=True,
                                  route=balanced_select, defer_wgrad=backward)
         with StepTracer() as tracer, HostLiterals():
+            # the weights' FP8 copies made first, as after a step's first micro-batch: live before any part runs,
+            # they are the planner's "fp8 weight cache" row (tools/planner/fp8_weights.py), no part's working set
+            quantize_weights_now(built.module, small.precision.compute_dtype)
             return _trace_pieces(built.module, built.wgrad_store, m, cfg.train, dims, loss_mask, head, tracer)
 
 

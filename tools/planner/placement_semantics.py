@@ -35,14 +35,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MODES = {"R": "replicated", "S": "sharded", "SG": "sharded-with-gather", "M": "materialized", "O": "offloaded"}
-STATES = ("params", "grads", "optimizer", "activations")
+STATES = ("params", "grads", "optimizer", "activations", "fp8 weight cache")  # the last: tools/planner/fp8_weights.py
 
 
 @dataclass(frozen=True)
 class StatePlacement:
     """One row of the placement table: a training state (of one part of the model) on each dim."""
 
-    state: str  # params | grads | optimizer | activations
+    state: str  # params | grads | optimizer | activations | fp8 weight cache
     part: str  # e.g. dense | experts | all
     numel: float  # elements over all ranks of the dims in `on`
     bytes_per_elem: float

@@ -41,6 +41,7 @@ from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, s
 from .layout import (RankLayout, gathered_unit_bytes, host_transfers, rank_layouts, traced_traffic, trainer_traffic,
                      zero_placement)
 from .zero_trace import zero_traffic
+from .fp8_weights import cache_rows, gathered_cache_bytes
 
 __all__ = ["Plan", "RankPlan", "plan", "zero_memory"]
 
@@ -80,10 +81,10 @@ class RankPlan:
 
     def peak_bytes(self) -> float:
         """Peak memory of a training step: the states that live through it (parameters, gradients,
-        optimizer) plus the larger of the forward/backward peak (saved activations at their most and
+        optimizer, FP8 weight copies) plus the larger of the forward/backward peak (saved activations at their most and
         the working set of that moment) and the optimizer step's working set (activations freed)."""
         mem, t = self.memory, self.transients
-        static = mem["params"] + mem["grads"] + mem["optimizer"]
+        static = mem["params"] + mem["grads"] + mem["optimizer"] + mem["fp8 weight cache"]
         return static + max(mem["activations"] + t.get("step", 0.0), t.get("optimizer step", 0.0))
 
     def comm_per_step(self) -> dict[str, float]:
@@ -206,7 +207,7 @@ def _activations(cfg: Config, deg, stages: list[dict], pp_rank: int, schedule,
 
 
 def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[int]], pp_rank: int, schedule,
-                per_stage: list, buckets_by_unit: dict) -> dict[str, float]:
+                per_stage: list, buckets_by_unit: dict, fp8_copies: float = 0.0) -> dict[str, float]:
     """Working sets that live only for a moment but add to the peak (the dry run, tools/dryrun.py,
     showed them and checks these figures):
 
@@ -231,7 +232,8 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
       gathered units     ZeRO-3 (parallel.placement.params = "sharded_gather"): the units whose parameters are
                          gathered at once: the one running and the one prefetched, twice that under a
                          schedule that runs one micro-batch's forward beside another's backward (DualPipe,
-                         DualPipeV): an estimate by the largest unit; added to "step"
+                         DualPipeV): an estimate by the largest unit; added to "step"; with the FP8 weight
+                         cache, their weights' FP8 copies ("gathered fp8 copies", `fp8_copies`) too
       offload fetch      train.offload: backward copies a module call's offloaded tensors back (and the
                          call's before it, prefetched): at most one block's host bytes; added to "step"
       optimizer step     per ZeRO shard, processed one after another: the grad norm's fp32 squares and
@@ -258,6 +260,9 @@ def _transients(cfg: Config, deg, stages: list[dict], buckets: dict[str, list[in
     if z.params_gathered:  # ZeRO-3: the units gathered at once (param_gather.py)
         out["gathered units"] = gathered_unit_bytes(cfg, schedule, buckets_by_unit, compute_bytes(cfg))
         out["step"] += out["gathered units"]
+        if fp8_copies:  # their weights' FP8 copies, made once per gather (tools/planner/fp8_weights.py)
+            out["gathered fp8 copies"] = fp8_copies
+            out["step"] += fp8_copies
     if z.grads_sharded:  # ZeRO-2's staging (grad_rounds.py): per group, the round being filled (a bucket) and a
         # reduced output; at backward's start, the peak, none is in flight (the last bucket's launch folded them)
         out["gradient rounds"] = sum(4 * max(b) * (1 + 1 / deg[grad_group_of_zero(g)].size)
@@ -323,6 +328,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLIC
     for pp_rank, layout in enumerate(layouts):
         stages = layout.stages
         rows, buckets = _zero_rows(cfg, layout)
+        rows += cache_rows(cfg, layout)
         estimates = {p: _estimates(cfg, stages, p) for p in policies}
         acts, status = _activations(cfg, deg, stages, pp_rank, schedule, estimates)
         act_dims = {"pp": (deg.pp, "S"), "dp": (deg.dp, "S"), "cp": (deg.cp, "S"), "tp": (deg.tp, "S")}
@@ -336,7 +342,7 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLIC
         layers = [i for st in stages for i in st["layers"]]
         ranks.append(RankPlan(pp_rank, layers, rows, acts, status, sends, buckets,
                               _transients(cfg, deg, stages, buckets, pp_rank, schedule, estimates[policy],
-                                          layout.zero_bucket_units(cfg)),
+                                          layout.zero_bucket_units(cfg), gathered_cache_bytes(cfg, layout, schedule)),
                               # train.offload's host bytes, walked through the schedule as the device's are
                               rank_saved_peak(schedule, pp_rank, stages, [e.on_host() for e in estimates[policy]]),
                               host_transfers(cfg, layout, buckets, compute_bytes(cfg))))
@@ -346,7 +352,11 @@ def plan(cfg: Config, world: int | None = None, recipe: str = "", policies=POLIC
     if cfg.precision.recipe == "fp8":
         kept = (f"precision.fp8_cache {list(cfg.precision.fp8_cache)} keeps those in FP8, the rest in bf16"
                 if cfg.precision.fp8_cache else "activations are kept in bf16")
-        notes.append(f"fp8: {kept}; the FP8 copies of a GEMM's operands live only during that GEMM (transients)")
+        weights = ("the weights' FP8 copies are made once per step and kept (row 'fp8 weight cache'; under ZeRO-3 "
+                   "once per gather)" if any(r.memory["fp8 weight cache"] or "gathered fp8 copies" in r.transients
+                                              for r in ranks) else "the weights' too")
+        notes.append(f"fp8: {kept}; the FP8 copies of a GEMM's activation operands live only during that GEMM "
+                     f"(transients), {weights}")
     degrees = dict(world=deg.world, pp=deg.pp, dp=deg.dp, cp=deg.cp, tp=deg.tp, ep=deg.ep, edp=deg.edp,
                    mirror=deg.pp_mirror, cp_a2a=deg.cp_a2a)
     return Plan(recipe, degrees, policy, ranks, notes)
@@ -383,14 +393,16 @@ def render(p: Plan, cfg: Config, terms: bool = False) -> str:
         dims = [dim for dim in DIM_ORDER if any(dim in row.on for row in r.table)]
         out.append(f"Placement ({legend}; N = group size, - = not placed on that dim)")
         w = max(15, 2 + max(len(row.part) for row in r.table))
-        header = f"{'state':<12}{'part':<{w}}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"
+        sw = max(12, 2 + max(len(row.state) for row in r.table))
+        header = f"{'state':<{sw}}{'part':<{w}}{'dtype':<28}" + "".join(f"{x:>9}" for x in dims) + f"{'MiB/rank':>12}"
         out.append(header)
         for row in r.table:  # an offloaded row's MiB are host memory
-            out.append(f"{row.state:<12}{row.part:<{w}}{row.dtype:<28}" + "".join(f"{_mode(row, x):>9}" for x in dims)
+            out.append(f"{row.state:<{sw}}{row.part:<{w}}{row.dtype:<28}" + "".join(f"{_mode(row, x):>9}" for x in dims)
                        + f"{_mib(row.host_bytes_per_rank() or row.bytes_per_rank()):>12}"
                        + (f"   {row.note}" if row.note else ""))
         mem = r.memory
-        out.append("Memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items())
+        out.append("Memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()
+                                                          if v or k != "fp8 weight cache")
                    + f", total {_mib(r.total_bytes)}")
         if r.host_transfers:
             out.append("Host memory per rank (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in r.host_memory.items() if v)

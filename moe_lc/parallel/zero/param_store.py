@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lc.ops.fp8_weights import forget as forget_fp8_weights
 from moe_lc.parallel import comm
 from moe_lc.parallel.comm import Group
 from moe_lc.parallel.memory.trace_hooks import tell
@@ -58,7 +59,9 @@ class ParamStore:
         return self.gather(b)
 
     def gather(self, b: Bucket):
-        """Bucket b's parameters all-gathered from every rank's shard -> the work."""
+        """Bucket b's parameters all-gathered from every rank's shard -> the work. Their FP8 copies are dropped:
+        the gather writes their storage behind their version counters (moe_lc/ops/fp8_weights.py)."""
+        forget_fp8_weights(p for p, _ in b.params)
         return comm.all_gather(b.full, self.own(b), self.group, async_op=True)
 
     def free(self, b: Bucket) -> None:
@@ -116,6 +119,7 @@ class GatheredParams(ParamStore):
 
     def publish(self, b: Bucket, shard: torch.Tensor):
         """The shard written; the next forward gathers it, unit by unit (param_gather.py)."""
+        forget_fp8_weights(p for p, _ in b.params)  # (a unit gathered across the update: its copies are stale)
         self.own(b).copy_(shard, non_blocking=True)
         return None
 
@@ -124,7 +128,9 @@ class GatheredParams(ParamStore):
         return super().gather(b)
 
     def free(self, b: Bucket) -> None:
-        """Bucket b's storage released (its parameters' views stay, sized 0, until gathered again)."""
+        """Bucket b's storage released (its parameters' views stay, sized 0, until gathered again), and their
+        FP8 copies with it: a gathered unit's weights are quantized once per gather."""
+        forget_fp8_weights(p for p, _ in b.params)
         resize_storage(b.full, 0)
 
     def tensors(self) -> list[torch.Tensor]:
