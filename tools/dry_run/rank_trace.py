@@ -42,6 +42,7 @@ from moe_lc.ops.device import GpuSpec
 from moe_lc.parallel.memory.trace_hooks import watch
 from moe_lc.train import Trainer
 from ..planner.block_trace import on_traced_device
+from .hash_routing import balance_hash_tables, trace_tokens
 from .microbatches import input_bytes
 from .trace import HostLiterals, SavedActivations, StepTracer, balanced_select, position_priority
 
@@ -51,20 +52,21 @@ EXACT = ("params", "grads", "optimizer")
 
 class MetaLoader:
     """Micro-batches of a step as the StepLoader shapes them: token ids on the meta device (all zeros
-    as far as routing and counts are concerned), a CPU loss mask when the data mix has one. One source,
-    one document per sequence (`samples_consumed`, `dataset`: what the trainer reads besides the batches)."""
+    as far as routing and counts are concerned; 0, 1, 2, ... where hash layers read them: hash_routing.py), a
+    CPU loss mask when the data mix has one. One source, one document per sequence (`samples_consumed`,
+    `dataset`: what the trainer reads besides the batches)."""
 
     samples_consumed = 0
     dataset = None
 
     def __init__(self, cfg, microbatches: int):
         t = cfg.train
-        self.n, self.shape = microbatches, (t.micro_batch, t.seq_len + 1)
+        self.n, self.shape, self.model = microbatches, (t.micro_batch, t.seq_len + 1), cfg.model
         self.masked = cfg.data.has_loss_mask
 
     def next_step(self) -> list[dict]:
         mask = (lambda: torch.ones(self.shape[0], self.shape[1] - 1)) if self.masked else (lambda: None)
-        return [{"tokens": torch.zeros(self.shape, dtype=torch.int64, device=META), "loss_mask": mask()}
+        return [{"tokens": trace_tokens(self.model, self.shape, META), "loss_mask": mask()}
                 for _ in range(self.n)]
 
     def state_dict(self) -> dict:
@@ -95,6 +97,7 @@ def trace_rank(cfg, world: int, rank: int, spec: GpuSpec = GpuSpec()) -> dict:
         with device, tracer, HostLiterals(), watch("host_work", tracer.memory.on_host), \
                 watch("resized", tracer.memory.resized):
             trainer = DryTrainer(cfg, device=META)
+            balance_hash_tables(trainer.model, tracer)  # (hash layers: the tables the planner traces with)
             built = time.perf_counter()
             static = _label_states(trainer, tracer)
             tracer.memory.reset_peak()

@@ -4,7 +4,8 @@ Nothing here describes the model: each block kind's bytes come from tracing one 
 forward on the meta device (tools/planner/block_trace.py), the model built as the trainer builds it for the
 recipe's layout, precision, recompute policy and FP8 caching. A stage of one micro-batch keeps
 
-    layers   the bytes of each of its blocks' kind ("dense" or "moe", `block_trace.block_kind`)
+    layers   the bytes of each of its blocks' kind ("dense" or "moe"; DeepSeek-V4's also by attention layer
+             type and hash routing: `block_trace.block_kind`)
     embed    on the first stage: what the embedding keeps (token ids; vocab-parallel masks under TP)
     rope     the cos / sin tables the blocks keep (once per micro-batch)
     head     on the last stage: final norm, output head, loss and the MTP modules (blocks included)
@@ -22,6 +23,7 @@ traced figures to it, byte for byte).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -29,6 +31,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from moe_lc.model.residual_stream import HyperConnection
 
 from moe_lc.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig, TrainConfig
 from moe_lc.config.choices import RecomputePolicy, names
@@ -89,19 +93,24 @@ def replay_working(cfg: Config, loss_mask: bool = False) -> dict[str, float]:
         cfg = cfg.replace(recompute=RecomputeConfig("selective", items))
     kept = trace_parts(policy_config(cfg, fp8_cache=False), loss_mask, head=False)
     none = trace_parts(policy_config(cfg, "none", fp8_cache=False), loss_mask, head=False)
-    return {kind: float(_dropped(none.tensors.get(kind, []), kept.tensors.get(kind, []))) for kind in ("dense", "moe")}
+    kinds = {block_kind(cfg.model, i) for i in range(cfg.model.n_layers)}
+    return {kind: float(_dropped(none.tensors.get(kind, []), kept.tensors.get(kind, []))) for kind in kinds}
 
 
 def _dropped(none: list[tuple[int, str]], kept: list[tuple[int, str]]) -> int:
     """Bytes of the tensors a block keeps under policy "none" but not under the policy: what its backward
     re-creates. Tensors are matched by what they are (saving module, op, dtype) and their storage's bytes
     (a view's shape depends on which op saved it first); the replays' inputs, which only the policy
-    keeps, re-create nothing."""
-    left = Counter((what.split("[")[0], nbytes) for nbytes, what in kept)
+    keeps, re-create nothing. A replay's inputs named by no module ("<part> replay inputs") match as the
+    part's phases' tensors ("<part> phases")."""
+    def key(nbytes: int, what: str) -> tuple[str, int]:
+        return what.split("[")[0].replace(" replay inputs: ", " phases: ", 1), nbytes
+
+    left = Counter(key(nbytes, what) for nbytes, what in kept)
     total = 0
     for nbytes, what in none:
-        if left[(what.split("[")[0], nbytes)]:
-            left[(what.split("[")[0], nbytes)] -= 1
+        if left[key(nbytes, what)]:
+            left[key(nbytes, what)] -= 1
         else:
             total += nbytes
     return total
@@ -165,8 +174,10 @@ def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict
     """Run `forward()` (which calls `model`) under saved-tensor hooks and count the unique storage
     bytes autograd keeps, parameters excluded, plus the inputs held by non-reentrant checkpoints
     (recomputation). Each storage is attributed to the part that saved it first: "layer<i>"
-    (model.layers[i]), "rope" (the cos/sin tables), "embed" (before the first block), "head" (final
-    norm, head and loss); a checkpointed call's inputs are claimed by the part whose module it runs first. Returns {part: bytes}."""
+    (model.layers[i], mHC's maps around its sublayers included), "rope" (the cos/sin tables), "embed" (before the
+    first block), "head" (the stream's read-out, final norm, head and loss); a checkpointed call's inputs are
+    claimed by the part whose module it runs first. A storage that dies before the forward ends was not kept
+    (a checkpoint's inputs inside another's forward). Returns {part: bytes}."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     owner: dict[int, tuple[str, int]] = {}
     where = ["embed"]
@@ -183,14 +194,19 @@ def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict
     # Every module of block i marks "layer<i>" when it runs, so the tagging does not depend on how the
     # model sequences its blocks (plain calls or pipeline phases).
     parts = [(f"layer{name}", blk) for name, blk in model.layers.items()]
-    parts += [("head", mod) for mod in (getattr(model, "norm", None), getattr(model, "head", None),
-                                       getattr(model, "loss_fn", None)) if mod is not None]
+    heads = ("stream_head", "norm", "head", "loss_fn")
+    parts += [("head", mod) for mod in (getattr(model, name, None) for name in heads) if mod is not None]
     handles = [sub.register_forward_pre_hook(enter(part)) for part, mod in parts for sub in mod.modules()]
+    streams = [(part, sub) for part, mod in parts for sub in mod.modules() if isinstance(sub, HyperConnection)]
+    for part, sub in streams:  # mHC's split / merge run outside forward: they mark their block too
+        for method in ("split", "merge"):
+            setattr(sub, method, _marking(getattr(sub, method), enter(part)))
 
     def claim(t: torch.Tensor, part: str) -> None:
         storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in params:
-            owner.setdefault(storage.data_ptr(), (part, storage.nbytes()))
+        if storage.nbytes() and storage.data_ptr() not in params and storage.data_ptr() not in owner:
+            owner[storage.data_ptr()] = (part, storage.nbytes())
+            weakref.finalize(storage, owner.pop, storage.data_ptr(), None)
 
     def claim_rope(module, args, out) -> None:
         for t in out:
@@ -207,13 +223,24 @@ def measure_saved_bytes(model: nn.Module, forward: Callable[[], object]) -> dict
 
     try:
         with held_checkpoint_inputs(pending.append), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
+            out = forward()  # (held while counting: its graph keeps what is saved)
         for t in pending:
             claim(t, where[0])
+        totals: dict[str, int] = {}
+        for part, nbytes in owner.values():
+            totals[part] = totals.get(part, 0) + nbytes
+        del out
     finally:
         for h in handles:
             h.remove()
-    totals: dict[str, int] = {}
-    for part, nbytes in owner.values():
-        totals[part] = totals.get(part, 0) + nbytes
+        for _, sub in streams:
+            del sub.split, sub.merge  # (the instance attributes: the class's methods again)
     return totals
+
+
+def _marking(fn, mark):
+    """fn, calling mark() before it runs."""
+    def run(*args):
+        mark()
+        return fn(*args)
+    return run

@@ -13,15 +13,19 @@ dropping by position) on meta tensors of the rank's local shapes:
     dense   one dense block, run as the model chains its phases (`Block.phases`); its input is a
             fresh tensor shaped like the embedding's output (B, S/cp, D) (S/(cp tp) under SP)
     moe     one MoE block, likewise
-    head    the head phase: final norm, output head, loss and the MTP modules (their blocks included)
-    rope    the cos / sin tables (B-independent, (S/cp, rope_dim / 2) each), counted once
+    ...     DeepSeek-V4: one block of each kind by attention type and router instead ("csa moe", "sliding moe
+            hash": tools/planner/block_kinds.py), on mHC's widened stream (B, S, hc_mult, D); hash layers read
+            the micro-batch's token ids through a balanced table (tools/dry_run/hash_routing.py)
+    head    the head phase: the stream's read-out (mHC), final norm, output head, loss and the MTP modules
+            (their blocks included)
+    rope    the cos / sin tables (B-independent, (S/cp, rope_dim / 2) each), counted once (V4: the positions)
 
 It counts what autograd keeps, as `activation_memory.measure_saved_bytes` does on a real forward: the
 storages packed by saved-tensor hooks and the inputs held by non-reentrant checkpoints, each once (by
-the first piece that keeps it), parameters excluded. With `backward`, each piece then runs its backward
-as a split schedule does, B then W: what B leaves for W is measured, and every collective the piece
-called forward, backward (a recomputation's replays) and in W is what comm.py counted on the mesh's
-groups, by (group, op). Bytes are per micro-batch on one rank.
+the first piece that keeps it) and only if it lives to the forward's end, parameters excluded. With
+`backward`, each piece then runs its backward as a split schedule does, B then W: what B leaves for W
+is measured, and every collective the piece called forward, backward (a recomputation's replays) and in
+W is what comm.py counted on the mesh's groups, by (group, op). Bytes are per micro-batch on one rank.
 
 Layout: a block keeps and sends what it does whatever the pipeline is, so the model is built with one
 block of each kind (plus the MTP modules, which keep their kind) and no pipeline split, on the recipe's
@@ -37,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -44,6 +49,7 @@ import torch.distributed as dist
 
 from moe_lc.config import Config, ModelConfig, ParallelConfig
 from moe_lc.model.block import run_phases
+from moe_lc.model.residual_stream import HyperConnection
 from moe_lc.ops.attention import resolved_backend
 from moe_lc.ops.device import GpuSpec, meta_as_gpu
 from moe_lc.ops.fp8_linear import quantize_weights_now
@@ -53,7 +59,9 @@ from moe_lc.parallel.comm import CommCounter
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.memory.trace_hooks import watch
 from moe_lc.parallel.parallelize import prepare_batch
+from ..dry_run.hash_routing import balance_hash_tables, trace_tokens
 from ..dry_run.trace import HostLiterals, StepTracer, balanced_select, held_checkpoint_inputs, position_priority
+from .block_kinds import block_kind, one_block_of_each_kind  # (the kinds' rule; imported from here by many)
 
 PARTS = ("embed", "dense", "moe", "head", "rope")
 META = torch.device("meta")
@@ -61,7 +69,7 @@ META = torch.device("meta")
 
 @dataclass(frozen=True)
 class TracedParts:
-    """One micro-batch on one rank, by part (`PARTS`):
+    """One micro-batch on one rank, by part (`PARTS`, and the model's block kinds: block_kinds.py):
 
     saved     bytes autograd keeps from the forward to the backward
     tensors   what they are: [(bytes, "module: op dtype[shape]")], largest first (plan.py --terms)
@@ -140,22 +148,6 @@ def on_traced_device(cfg: Config, spec: GpuSpec = GpuSpec()) -> tuple[Config, co
     return cfg.replace(model=m), contextlib.nullcontext()
 
 
-def block_kind(m: ModelConfig, layer_id: int) -> str:
-    """"moe" or "dense": the kind of block `layer_id` (the model's own rule, `is_moe_layer`)."""
-    return "moe" if m.is_moe_layer(layer_id) else "dense"
-
-
-def one_block_of_each_kind(m: ModelConfig) -> ModelConfig:
-    """m with one dense block (where m has any) and one MoE block (where m has any) in its main stack;
-    its MTP modules (layer ids n_layers + d) keep the kind they have in m."""
-    if not m.moe.n_routed_experts:
-        return replace(m, n_layers=1)
-    if not m.n_moe_layers:  # every main block dense: shift the first MoE id by as much as n_layers shrinks
-        return replace(m, n_layers=1, moe=replace(m.moe, n_dense_layers=m.moe.n_dense_layers - m.n_layers + 1))
-    dense = min(m.moe.n_dense_layers, 1)
-    return replace(m, n_layers=dense + 1, moe=replace(m.moe, n_dense_layers=dense))
-
-
 def _trace_parallel(p: ParallelConfig) -> ParallelConfig:
     """The layout the pieces run on: the recipe's own mesh, every group at its real size (what the
     traffic needs: a balance loss's sum over "dp_cp_tp" spans dp, and DualPipe's mirror ranks); where dp
@@ -190,28 +182,31 @@ def _trace_mesh(p: ParallelConfig):
 class _SavedCounter:
     """Claims every storage a forward keeps for backward (saved-tensor hooks, checkpoint inputs) for the
     part running now, once, skipping `skip` (parameters, the rope tables); names each by the innermost
-    module running when it was saved. Holds the storages, so that no key is reused while it counts."""
+    module running when it was saved. A claimed storage that dies is forgotten (its key may then be reused): a
+    checkpoint's inputs inside another checkpoint's forward (an RMSNorm's under full recomputation, where its
+    input is no phase's: mHC's collapsed stream) are claimed but not kept, as a traced step sees."""
 
     def __init__(self, model: torch.nn.Module, tracer: StepTracer):
         self.tracer, self.part, self.skip = tracer, "embed", {p.untyped_storage()._cdata for p in model.parameters()}
         self.owner: dict[int, tuple[str, int, str]] = {}
         self.host: dict[str, int] = {}  # part -> bytes offloaded (train.offload): each pack copies its view
-        self.held: list = []
         self.modules: list[str] = ["?"]
         self.handles = [h for name, mod in model.named_modules() for h in (
             mod.register_forward_pre_hook(lambda *_, n=name: self.modules.append(n or "model")),
             mod.register_forward_hook(lambda *_: self.modules.pop() and None))]  # None: keep the output
+        self.streams = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, HyperConnection)]
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor, outside: str = "phases") -> torch.Tensor:
+        """Claim t's storage; saved outside any module, it is named "<part> <outside>"."""
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             storage = t.untyped_storage()
             if storage._cdata not in self.skip and storage._cdata not in self.owner and storage.nbytes():
                 entry = self.tracer.memory.live.get(id(storage))
                 made = entry[3].split(" ")[0] if entry else "input"
-                module = self.modules[-1] if len(self.modules) > 1 else f"{self.part} phases"  # e.g. MoE dispatch
+                module = self.modules[-1] if len(self.modules) > 1 else f"{self.part} {outside}"  # e.g. MoE dispatch
                 what = f"{module}: {made} {str(t.dtype)[6:]}{list(t.shape)}"
                 self.owner[storage._cdata] = (self.part, storage.nbytes(), what)
-                self.held.append(storage)
+                weakref.finalize(storage, self.owner.pop, storage._cdata, None)
         return t
 
     def book_host(self, t: torch.Tensor) -> None:
@@ -219,11 +214,26 @@ class _SavedCounter:
 
     @contextlib.contextmanager
     def counting(self):
-        with held_checkpoint_inputs(self.pack), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), \
+        for name, mod in self.streams:  # mHC's split / merge run outside forward: named as their module too
+            for method in ("split", "merge"):
+                setattr(mod, method, self._named(getattr(mod, method), name))
+        replayed = lambda t: self.pack(t, "replay inputs")  # a checkpoint's (a block's phases under full recompute)
+        with held_checkpoint_inputs(replayed), torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), \
                 watch("offloaded", self.book_host):
             yield self
         for h in self.handles:
             h.remove()
+        for _, mod in self.streams:
+            del mod.split, mod.merge  # (the instance attributes: the class's methods again)
+
+    def _named(self, fn, name: str):
+        def run(*args):
+            self.modules.append(name)
+            try:
+                return fn(*args)
+            finally:
+                self.modules.pop()
+        return run
 
     def by_part(self) -> tuple[dict[str, int], dict[str, list[tuple[int, str]]]]:
         saved, tensors = {}, {}
@@ -256,12 +266,13 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
     input (B, S', D) shaped like the embedding's output, counting what each keeps; with a `store` (the
     split backward's), then each one's backward as B, measuring what it leaves for W, and its W, counting
     what each part sends in all."""
-    tokens = torch.zeros(t.micro_batch, t.seq_len + 1, dtype=torch.int64, device=META)
+    tokens = trace_tokens(m, (t.micro_batch, t.seq_len + 1), META)  # ids a hash layer reads (hash_routing.py)
+    balance_hash_tables(model, tracer)
     mask = torch.ones(t.micro_batch, t.seq_len, device=META) if loss_mask else None
     batch = prepare_batch(tokens, mask, dims, m.mtp.depth)
-    tables = []  # cos, sin: made once per micro-batch, read by every block
+    tables = []  # cos, sin (V4: positions, twice): made once per micro-batch, read by every block
     hook = model.rope.register_forward_hook(lambda mod, args, out: tables.extend(out))
-    chain = model.phases(batch["positions"], batch["labels"], batch["loss_mask"], batch["mtp"])
+    chain = model.phases(batch["positions"], batch["labels"], batch["loss_mask"], batch["mtp"], tokens=batch["inputs"])
     hook.remove()
     counter = _SavedCounter(model, tracer)
     counter.skip |= {x.untyped_storage()._cdata for x in tables}
@@ -281,26 +292,26 @@ def _trace_pieces(model: torch.nn.Module, store: WeightGradStore | None, m: Mode
             kind = counter.part = block_kind(m, int(i))
             x = torch.empty_like(h).requires_grad_()
             with sent(kind), _ops(tracer, ops, kind, "F"), _working(tracer, working, kind, "F"):
-                outputs.append((kind, x, run_phases(block.phases(*tables), x)))
+                outputs.append((kind, x, run_phases(block.phases(*tables, tokens=batch["inputs"]), x)))
         if head:
             counter.part = "head"
             x = torch.empty_like(h).requires_grad_()
             with sent("head"), _ops(tracer, ops, "head", "F"), _working(tracer, working, "head", "F"):
                 outputs.append(("head", x, chain[-1](x)[0]))
     held, kept = {}, {}
-    counter.held.clear()  # counted: each backward may now free what its forward saved, as in a step
+    saved, tensors = counter.by_part()  # what the forwards keep; each backward may now free it, as in a step
     if store is not None:
         for part, x, y in outputs:
             with sent(part):
                 held[part], kept[part] = _backward(model, tracer, store, x, y, ops.setdefault(part, {}), working,
                                                    part)
-    saved, tensors = counter.by_part()
     working["F"] = {part: max(0, n - saved.get(part, 0)) for part, n in working["F"].items()}
     rope = {x.untyped_storage()._cdata: (x.untyped_storage().nbytes(), f"rope: {str(x.dtype)[6:]}{list(x.shape)}")
             for x in tables}
     saved["rope"], tensors["rope"] = sum(n for n, _ in rope.values()), sorted(rope.values(), reverse=True)
     backward = store is not None
-    return TracedParts({k: saved.get(k, 0) for k in PARTS}, tensors, held, comm if backward else {},
+    kinds = [block_kind(m, int(i)) for i in model.layers]
+    return TracedParts({k: saved.get(k, 0) for k in (*PARTS, *kinds)}, tensors, held, comm if backward else {},
                        h.numel() * h.element_size(), calls if backward else {}, ops,
                        dict(counter.host), working, kept)
 

@@ -28,26 +28,34 @@ from .block_trace import block_kind, trace_parts
 
 MEGATRON_TERMS = {"attention": 11, "MLP": 19, "norms": 4}  # x s b h / t bytes per layer (16-bit)
 ROUTING = "MoE routing"
+STREAM = "mHC"  # DeepSeek-V4's hyper-connections around each sublayer (model.residual = "mhc")
+REPLAY = "replay inputs"  # what a recomputed phase keeps to run again (a block's phases under full recompute)
 
 
 def term_of(module: str) -> str:
     """The Megatron term a saved tensor belongs to, from the module that saved it (`layers.<i>.<path>`)."""
     path = module.split(".", 2)[2] if module.startswith("layers.") and module.count(".") >= 2 else module
     head = path.split(".", 1)[0]
+    if module.endswith(" " + REPLAY):
+        return REPLAY
     if head in ("attn_norm", "ffn_norm"):
         return "norms"
+    if head in ("attn_res", "ffn_res"):
+        return STREAM
     if head == "attn":
         return "attention"
     if head == "ffn":
         rest = path.split(".")[1:2]
         return ROUTING if rest and rest[0] in ("router", "gate", "dispatcher") else "MLP"
-    # "moe phases": the MoE layer's own phases (scores, sort order, the rows copied in expert order)
-    return ROUTING if module == "moe phases" or "router" in path or "dispatch" in path else "MLP"
+    # "<kind> phases" of a MoE kind ("moe phases", "csa moe phases"): the MoE layer's own phases (scores, sort
+    # order, the rows copied in expert order)
+    phases = module.endswith(" phases") and "moe" in module.split()
+    return ROUTING if phases or "router" in path or "dispatch" in path else "MLP"
 
 
 @dataclass
 class SavedTable:
-    kind: str  # "dense" or "moe"
+    kind: str  # `block_kind`: "dense", "moe", or V4's "csa moe", ...
     tokens: int  # B S / cp: the micro-batch's tokens on this rank
     h: int
     t: int
@@ -96,7 +104,7 @@ def render(tables: list[SavedTable], cfg: Config) -> list[str]:
     for table in tables:
         lines.append(f"  {table.kind} block")
         lines.append(f"    {'term':<13}{'ours':>12}{'Megatron':>12}{'ratio':>8}")
-        for term in [*MEGATRON_TERMS, ROUTING]:
+        for term in [*MEGATRON_TERMS, STREAM, ROUTING, REPLAY]:
             if term not in table.by_term and term not in MEGATRON_TERMS:
                 continue
             ours, theirs = table.by_term.get(term, 0) / table.tokens, table.megatron(term)

@@ -36,8 +36,24 @@ def full_attention_core_flops(m: ModelConfig, seq_len: int) -> float:
         indexer = seq_len * 2 * d.index_n_heads * (d.index_head_dim + 1)
         keys = seq_len if d.stage == "warmup" else min(d.index_topk, seq_len)
         return indexer + attention_score_flops(m) * keys
+    if kind.per_layer:  # DeepSeek-V4, the one kind whose layers differ: its layers' mean (`_v4_full_core_flops`)
+        types = m.v4_attention.layer_types_for(m.n_layers)
+        return sum(_v4_full_core_flops(m, seq_len, t) for t in types) / m.n_layers
     raise ValueError(f"attention kind {kind.name!r} has its own causal FLOP count but no full one "
                      "(tools/step_time/flop_conventions.py)")
+
+
+def _v4_full_core_flops(m: ModelConfig, seq_len: int, layer_type: str) -> float:
+    """One V4 layer's core and indexer with no causal mask, in moe_lc/model/v4_counting.py's units (4 d per head
+    per key, key = value; the indexer 2 E + 2 per head and entry): every query reads its whole window and all
+    S/m entries (CSA: index_topk of them, its indexer scoring all S/m)."""
+    a = m.v4_attention
+    rate = a.compress_rate(layer_type)
+    n = seq_len // rate if rate else 0
+    csa = layer_type == "compressed_sparse_attention"
+    keys = min(a.sliding_window, seq_len) + (min(a.index_topk, n) if csa else n)
+    indexer = n * a.index_n_heads * (2 * a.index_head_dim + 2) if csa else 0
+    return 4 * a.head_dim * m.n_heads * keys + indexer
 
 
 def train_flops_per_token_both(m: ModelConfig, seq_len: int) -> dict[str, float]:

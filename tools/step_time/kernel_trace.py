@@ -44,6 +44,7 @@ from moe_lc.ops.linear import WeightGradStore
 from moe_lc.parallel.build import build_rank_model
 from moe_lc.parallel.mesh import ParallelDims
 from moe_lc.parallel.parallelize import prepare_batch
+from ..dry_run.hash_routing import balance_hash_tables, trace_tokens
 from ..dry_run.trace import HostLiterals, StepTracer, balanced_select, position_priority
 from ..planner.block_trace import block_kind, on_traced_device, one_block_of_each_kind
 
@@ -228,7 +229,8 @@ def _trace(cfg: Config) -> TracedKernels:
         small = cfg.replace(model=m, parallel=parallel)
         built = build_rank_model(small, dims, META, pipeline=(None, None), materialized=True,
                                  route=balanced_select, defer_wgrad=True)
-        with StepTracer(), HostLiterals(), KernelRecorder(out) as rec:
+        with StepTracer() as tracer, HostLiterals(), KernelRecorder(out) as rec:
+            balance_hash_tables(built.module, tracer)  # hash layers route as the planner traces them
             _run_parts(built.module, built.wgrad_store, m, cfg, dims, rec)
         for name, p in built.module.named_parameters():
             out.params.setdefault(_param_part(m, name), []).append((name, tuple(p.shape)))
@@ -247,13 +249,14 @@ def _run_parts(model, store, m, cfg: Config, dims: ParallelDims, rec: KernelReco
     """F of the embedding, one block of each kind and the head (each block and the head on a fresh input),
     then each one's B (weight gradients deferred) and W."""
     t = cfg.train
-    tokens = torch.zeros(t.micro_batch, t.seq_len + 1, dtype=torch.int64, device=META)
+    tokens = trace_tokens(m, (t.micro_batch, t.seq_len + 1), META)  # ids a hash layer reads
     mask = torch.ones(t.micro_batch, t.seq_len, device=META) if cfg.data.has_loss_mask else None
     with rec.booking("embed", "F"):
         batch = prepare_batch(tokens, mask, dims, m.mtp.depth)
         tables = []
         hook = model.rope.register_forward_hook(lambda mod, args, o: tables.extend(o))
-        chain = model.phases(batch["positions"], batch["labels"], batch["loss_mask"], batch["mtp"])
+        chain = model.phases(batch["positions"], batch["labels"], batch["loss_mask"], batch["mtp"],
+                             tokens=batch["inputs"])
         hook.remove()
         h = chain[0](batch["inputs"])[0]
     outputs = [("embed", batch["inputs"], h)]
@@ -261,7 +264,7 @@ def _run_parts(model, store, m, cfg: Config, dims: ParallelDims, rec: KernelReco
         kind = block_kind(m, int(i))
         x = torch.empty_like(h).requires_grad_()
         with rec.booking(kind, "F"):
-            outputs.append((kind, x, run_phases(block.phases(*tables), x)))
+            outputs.append((kind, x, run_phases(block.phases(*tables, tokens=batch["inputs"]), x)))
     x = torch.empty_like(h).requires_grad_()
     with rec.booking("head", "F"):
         outputs.append(("head", x, chain[-1](x)[0]))
