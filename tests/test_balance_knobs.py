@@ -147,7 +147,8 @@ def test_dropped_copies_add_nothing_and_the_rest_is_the_dense_routing(weighted_s
     sent = moe.router.drop_over_capacity(idx, scores)
     moe.router.capacity_factor = 0.0
     real = moe.router.route_and_score
-    moe.router.route_and_score = lambda x_TD, stats=None: (idx, w.masked_fill(sent == 8, 0.0), scores, logits)
+    moe.router.route_and_score = lambda x_TD, stats=None, tokens=None: (idx, w.masked_fill(sent == 8, 0.0), scores,
+                                                                        logits)
     torch.testing.assert_close(out, moe(x))
     moe.router.route_and_score = real
 

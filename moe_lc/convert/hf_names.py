@@ -82,7 +82,7 @@ def to_theirs(piece: Piece, box: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return t
 
 
-def _rows(ours: str, parts: list[tuple[str, tuple[int, ...]]], **kw) -> list[Piece]:
+def stacked_rows(ours: str, parts: list[tuple[str, tuple[int, ...]]], **kw) -> list[Piece]:
     """Pieces stacked along rows of `ours` in the order given."""
     out, row = [], 0
     for theirs, shape in parts:
@@ -92,7 +92,7 @@ def _rows(ours: str, parts: list[tuple[str, tuple[int, ...]]], **kw) -> list[Pie
 
 
 def _swiglu(ours: str, theirs: str, hidden: int, dim: int) -> list[Piece]:
-    return (_rows(f"{ours}.w13.weight", [(f"{theirs}.gate_proj.weight", (hidden, dim)),
+    return (stacked_rows(f"{ours}.w13.weight", [(f"{theirs}.gate_proj.weight", (hidden, dim)),
                                          (f"{theirs}.up_proj.weight", (hidden, dim))])
             + [Piece(f"{ours}.w2.weight", (0, 0), f"{theirs}.down_proj.weight", (dim, hidden))])
 
@@ -102,9 +102,9 @@ def gqa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
     D, H = cfg.dim, cfg.n_heads
     hd, kv = cfg.head_size, cfg.n_kv_heads
     qkv = [(f"{theirs}.{n}_proj.weight", (h * hd, D)) for n, h in (("q", H), ("k", kv), ("v", kv))]
-    out = _rows(f"{ours}.wqkv.weight", qkv)
+    out = stacked_rows(f"{ours}.wqkv.weight", qkv)
     if cfg.qkv_bias:
-        out += _rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
+        out += stacked_rows(f"{ours}.wqkv.bias", [(f"{theirs}.{n}_proj.bias", (h * hd,)) for n, h in
                                            (("q", H), ("k", kv), ("v", kv))])
     if cfg.qk_norm != "none":  # "head": one (Dh,) weight for every head; "full": over all of q, all of k
         q, k = (hd, hd) if cfg.qk_norm == "head" else (H * hd, kv * hd)
@@ -132,7 +132,7 @@ def mla_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
                 Piece(f"{ours}.wq_b.weight", (0, 0), f"{theirs}.q_b_proj.weight", (H * qk, a.q_lora_rank), **rope_q)]
     else:
         out.append(Piece(f"{ours}.wq.weight", (0, 0), f"{theirs}.q_proj.weight", (H * qk, D), **rope_q))
-    out += _rows(f"{ours}.wa.weight", latent, **{kv_a: rope_kv})
+    out += stacked_rows(f"{ours}.wa.weight", latent, **{kv_a: rope_kv})
     return out + [
         Piece(f"{ours}.kv_norm.weight", (0,), f"{theirs}.kv_a_layernorm.weight", (a.kv_lora_rank,)),
         Piece(f"{ours}.wkv_b.weight", (0, 0), f"{theirs}.kv_b_proj.weight",
@@ -147,7 +147,7 @@ def dsa_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: bool) -> l
     d, a = cfg.dsa, cfg.mla
     G, E, D = d.index_n_heads, d.index_head_dim, cfg.dim
     x, y = f"{ours}.indexer", f"{theirs}.indexer"
-    return mla_pieces(cfg, ours, theirs, interleaved) + _rows(
+    return mla_pieces(cfg, ours, theirs, interleaved) + stacked_rows(
         f"{x}.wkw.weight", [(f"{y}.wk.weight", (E, D)), (f"{y}.weights_proj.weight", (G, D))]) + [
         Piece(f"{x}.wq.weight", (0, 0), f"{y}.wq_b.weight", (G * E, a.q_lora_rank)),
         Piece(f"{x}.k_norm.weight", (0,), f"{y}.k_norm.weight", (E,)),

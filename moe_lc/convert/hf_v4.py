@@ -25,7 +25,7 @@ from moe_lc.config import ModelConfig, MoEConfig
 from moe_lc.config.model_sections import MHCConfig
 from moe_lc.config.v4_attention import V4AttentionConfig
 from moe_lc.convert.hf_fields import ConvertError, refuse
-from moe_lc.convert.hf_names import Piece, _rows
+from moe_lc.convert.hf_names import Piece, stacked_rows
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 _TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
@@ -158,7 +158,8 @@ def v4_attention_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: b
     layer_id = int(ours.split(".")[1]) if layer_id is None else layer_id
     kind = a.layer_types_for(cfg.n_layers)[layer_id]
     d, G, R = a.head_dim, a.o_groups, a.o_lora_rank
-    out = _rows(f"{ours}.wa.weight", [(f"{theirs}.wq_a.weight", (a.q_lora_rank, D)), (f"{theirs}.wkv.weight", (d, D))])
+    out = stacked_rows(f"{ours}.wa.weight", [(f"{theirs}.wq_a.weight", (a.q_lora_rank, D)),
+                                             (f"{theirs}.wkv.weight", (d, D))])
     out += [Piece(f"{ours}.q_norm.weight", (0,), f"{theirs}.q_norm.weight", (a.q_lora_rank,)),
             Piece(f"{ours}.wq_b.weight", (0, 0), f"{theirs}.wq_b.weight", (H * d, a.q_lora_rank)),
             Piece(f"{ours}.kv_norm.weight", (0,), f"{theirs}.norm.weight", (d,)),
@@ -180,7 +181,7 @@ def v4_attention_pieces(cfg: ModelConfig, ours: str, theirs: str, interleaved: b
 def _compressor(ours: str, theirs: str, D: int, d: int, m: int, overlap: bool) -> list[Piece]:
     width = (2 if overlap else 1) * d
     kv_gate = [(f"{theirs}.wkv.weight", (width, D)), (f"{theirs}.wgate.weight", (width, D))]
-    return _rows(f"{ours}.wkv_gate.weight", kv_gate) + [
+    return stacked_rows(f"{ours}.wkv_gate.weight", kv_gate) + [
         Piece(f"{ours}.position_bias", (0, 0), f"{theirs}.ape", (m, width)),
         Piece(f"{ours}.kv_norm.weight", (0,), f"{theirs}.norm.weight", (d,))]
 
@@ -207,7 +208,7 @@ def _ffn(cfg: ModelConfig, ours: str, theirs: str, layer_id: int) -> list[Piece]
                 Piece(f"{ours}.experts.w2.weight", (e, 0, 0), f"{x}.w2.weight", (D, F), expert=True)]
     shared = f"{theirs}.shared_experts"
     gate_up = [(f"{shared}.w1.weight", (F, D)), (f"{shared}.w3.weight", (F, D))]
-    return out + _rows(f"{ours}.shared.w13.weight", gate_up) + [
+    return out + stacked_rows(f"{ours}.shared.w13.weight", gate_up) + [
         Piece(f"{ours}.shared.w2.weight", (0, 0), f"{shared}.w2.weight", (D, F))]
 
 
