@@ -195,6 +195,8 @@ class DSAttention(MLAttention):
         sel, scores = select(core.ring, core.layout(S, docs), q_idx, w_idx, k_idx, self.indexer.scale,
                              self.indexer.topk)
         prepare = partial(self._queries_and_rows, cos=cos, sin=sin)
+        if train:  # the indexer's target: the attention's probabilities, kept by its forward where it has them
+            sel.probs = {}
         attend = partial(_sparse_attention, self, sel)
         guard = self.logit_guard if self.training else None
         if guard is not None:  # each call's lse noted inside, the first (what the weights give) among them

@@ -22,7 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moe_lc.ops.dsa_select import Selection, indexer_scores, merge_topk, selection_from_keys, tile_topk, visible
+from moe_lc.ops.dsa_select import (Selection, indexer_scores, key_positions, key_scores, merge_topk,
+                                   selection_from_keys, tile_topk, visible)
+from moe_lc.ops.dsa_select_cpu import block_topk
+from moe_lc.ops.sparse_attention_cpu import cpu_form
 
 KEY_TILE = 4096  # key columns scored at once by the selection pass (it merges top-k per tile)
 QUERY_TILE = 4096
@@ -141,12 +144,15 @@ def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: flo
     """The indexer's top-k of this rank's queries over every visible key of the ring: q (B, Q, G, E),
     w (B, Q, G), k (B, T, E) this rank's keys (they travel). -> (the selection, its scores (B, Q, topk) fp32).
     Tiles of QUERY_TILE x KEY_TILE; a tile whose keys all lie after its queries is skipped. On the meta device
-    (a dry run) each block's first tile is scored, for its working memory, and the selection has no values."""
+    (a dry run) each block's first tile is scored, for its working memory, and the selection has no values.
+    On a CPU each block's exact top-k comes from dsa_select_cpu.block_topk (small tiles, no sort per tile)."""
     q_pos = layout.positions(layout.rank, q.device)
     q_doc = layout.doc_ids(q_pos)
+    T = k.shape[1]
+    if cpu_form(q):
+        return _select_cpu(ring, layout, q, w, k, scale, topk, q_pos, q_doc)
     tiles = row_tiles(q.shape[1], QUERY_TILE)
     best = [None] * len(tiles)
-    T = k.shape[1]
 
     def visit(src, blocks):
         if q.is_meta:
@@ -170,3 +176,36 @@ def select(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: flo
         return (Selection(torch.empty(shape, dtype=torch.int32, device=q.device), layout.locate, ring.size, T),
                 torch.empty(shape, dtype=torch.float32, device=q.device))
     return selection_from_keys(torch.cat(best, dim=1), layout.locate, ring.size, T)
+
+
+def _select_cpu(ring, layout: RingLayout, q: Tensor, w: Tensor, k: Tensor, scale: float, topk: int, q_pos: Tensor,
+                q_doc: Tensor | None) -> tuple[Selection, Tensor]:
+    """`select` on a CPU: every visiting block's exact top-k (dsa_select_cpu.block_topk), merged block by block a
+    tile of rows at a time (no full-size temporaries: a fresh large tensor costs its page faults)."""
+    B, Q = q.shape[:2]
+    qf, wf = q.float(), w.float()
+    positions = torch.empty(B, Q, topk, dtype=torch.int32)
+    scores = torch.empty(B, Q, topk)
+    best = torch.empty(B, Q, topk, dtype=torch.int64) if ring.size > 1 else None
+
+    def final(lo, hi, keys):
+        positions[:, lo:hi] = key_positions(keys)
+        scores[:, lo:hi] = key_scores(keys)
+
+    def merge(lo, hi, keys):
+        best[:, lo:hi] = keys if step == 0 else merge_topk(best[:, lo:hi], keys, topk)
+
+    step = 0
+
+    def visit(src, blocks):
+        nonlocal step
+        k_pos = layout.positions(src, q.device)
+        block_topk(qf, wf, blocks[0].float(), q_pos, k_pos, q_doc, layout.doc_ids(k_pos), scale, topk,
+                   merge if best is not None else final)
+        step += 1
+
+    ring_visit(ring, [k], visit)
+    if best is not None:
+        for lo in range(0, Q, QUERY_TILE):
+            final(lo, lo + QUERY_TILE, best[:, lo:lo + QUERY_TILE])
+    return Selection(positions, layout.locate, ring.size, k.shape[1]), scores

@@ -54,23 +54,30 @@ def indexer_scores(q: Tensor, w: Tensor, k: Tensor, scale: float) -> Tensor:
     return out
 
 
+def key_low(pos: Tensor) -> Tensor:
+    """The low half of the keys of positions `pos`: 2^32 - 1 - position, so the earlier position ranks higher."""
+    return _LOW - pos.to(torch.int64)
+
+
 def order_keys(scores: Tensor, k_pos: Tensor, seen: Tensor) -> Tensor:
     """scores (B, Q, K) fp32, k_pos (K,) or (B, Q, K) int64, seen (B or 1, Q, K) -> int64 keys (B, Q, K): the
     exact top-k order (module docstring); HIDDEN where not seen."""
     bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 and 0.0 tie, as floats do
     ordered = torch.where(bits >= 0, bits, -1 - (bits & 0x7FFFFFFF))  # negative floats: larger magnitude lower
-    keys = (ordered << 32) | (_LOW - k_pos.to(torch.int64))
+    keys = (ordered << 32) | key_low(k_pos)
     return torch.where(seen, keys, torch.full_like(keys, HIDDEN))
 
 
 def tile_topk(scores: Tensor, k_pos: Tensor, seen: Tensor, k: int, best: Tensor | None = None) -> Tensor:
     """Keys (B, Q, m) of one tile's candidates for the running top-k `best` (B, Q, k) (None: none yet):
-    scores (B, Q, K) fp32, k_pos (K,) ascending, seen (B or 1, Q, K); `merge_topk(best, candidates, k)` is
-    then the exact top-k of both. With a full `best`, only scores >= its k-th score can enter (ties too: an
-    earlier position may win), usually few: they are packed with nonzero. Otherwise the tile's own exact
-    top-k: a float topk finds each row's k-th score v; scores above v win, and of those equal to v the
-    earliest positions fill the rest (a cumsum over the tie mask ranks them). Hidden columns score -inf."""
-    scores = scores.masked_fill(~seen, float("-inf"))
+    scores (B, Q, K) fp32, k_pos (K,) ascending, seen (B or 1, Q, K), or None where hidden scores are -inf
+    already; `merge_topk(best, candidates, k)` is then the exact top-k of both. With a full `best`, only
+    scores >= its k-th score can enter (ties too: an earlier position may win), usually few: they are packed
+    with nonzero. Otherwise the tile's own exact top-k: a float topk finds each row's k-th score v; scores
+    above v win, and of those equal to v the earliest positions fill the rest (a cumsum over the tie mask
+    ranks them). Hidden columns score -inf."""
+    if seen is not None:
+        scores = scores.masked_fill(~seen, float("-inf"))
     if best is not None:
         floor = key_scores(best[..., -1:])
         cand = scores >= floor
@@ -166,12 +173,16 @@ class Selection:
     """What the indexer selected for this rank's queries: positions (B, Q, k) int32 global positions in the
     top-k order, -1 for an empty slot (fewer visible keys than k: the query attends to all it sees); what
     DeepSeek Sparse Attention keeps from forward to backward (4 bytes per query and slot). locate(positions
-    (N,)) -> (ring rank holding each, its row there); n_ranks, block_rows: the ring's size and rows per rank."""
+    (N,)) -> (ring rank holding each, its row there); n_ranks, block_rows: the ring's size and rows per rank.
+    probs: None, or a dict the caller hands the sparse attention to keep its forward's head-summed
+    probabilities in ({"lse": the lse it returned, "p": (B, Q, k) fp32}) where that forward has them anyway (a
+    CPU ring of one rank), for `selected_probs` to take instead of another pass."""
 
     positions: Tensor
     locate: object
     n_ranks: int
     block_rows: int
+    probs: dict | None = None
 
     @property
     def valid(self) -> Tensor:

@@ -17,13 +17,17 @@ merged by their LSE (linear in the latent output, so merging after W_UV is the s
 gets out 0 and lse -inf. The backward recomputes each tile from (out, lse), as flash attention does; the
 latent output it needs for W_UV's gradient is recomputed per tile, and D = sum(dout * out) is taken in the
 Dv space (it equals the latent space's). Tiles of query rows keep the gathered (rows, m, Dk) keys and the
-(rows, H, m) scores near TILE_ELEMS elements; arithmetic in fp32.
+(rows, H, m) scores near TILE_ELEMS elements; arithmetic in fp32. On a CPU each function hands over to its
+form in moe_lc/ops/sparse_attention_cpu.py (the same numbers to fp32 rounding, in tiles that fit a CPU's
+caches); idx may be int32 there.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from moe_lc.ops import sparse_attention_cpu
 
 TILE_ELEMS = 1 << 23
 
@@ -60,6 +64,8 @@ def _probs(q_abs: Tensor, keys: Tensor, pad: Tensor, lse: Tensor | None, scale: 
 def latent_forward(q: Tensor, kv: Tensor, idx: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float
                    ) -> tuple[Tensor, Tensor]:
     """q (B, Q, H, Dn + Dr), kv (B, T, Dk), idx (B, Q, m) -> out (B, Q, H, Dv) fp32, lse (B, H, Q) fp32."""
+    if sparse_attention_cpu.cpu_form(q):  # the same numbers, shaped for a CPU
+        return sparse_attention_cpu.latent_forward(q, kv, idx, w_uk, w_uv, scale)
     B, Q, H, _ = q.shape
     C = w_uk.shape[-1]
     out = q.new_zeros(B, Q, H, w_uv.shape[1], dtype=torch.float32)
@@ -76,6 +82,8 @@ def latent_forward(q: Tensor, kv: Tensor, idx: Tensor, w_uk: Tensor, w_uv: Tenso
 def latent_probs(q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, w_uk: Tensor, scale: float) -> Tensor:
     """The attention probabilities of each (query, slot) under the final lse (B, H, Q), summed over the heads:
     (B, Q, m) fp32, 0 at padding (the DSA indexer's target in the sparse stage)."""
+    if sparse_attention_cpu.cpu_form(q):  # the same numbers, shaped for a CPU
+        return sparse_attention_cpu.latent_probs(q, kv, idx, lse, w_uk, scale)
     B, Q, H, _ = q.shape
     out = q.new_zeros(B, Q, idx.shape[-1], dtype=torch.float32)
     pad = idx < 0
@@ -91,6 +99,8 @@ def latent_backward(dout: Tensor, q: Tensor, kv: Tensor, idx: Tensor, out: Tenso
     """Gradients of `latent_forward` given the final out (B, Q, H, Dv) and lse (B, H, Q) of every block merged:
     -> dq (B, Q, H, Dn + Dr), dkv (B, T, Dk) (rows never selected get 0), dW_UK (H, Dn, C), dW_UV (H, Dv, C),
     all fp32."""
+    if sparse_attention_cpu.cpu_form(q):  # the same numbers, shaped for a CPU
+        return sparse_attention_cpu.latent_backward(dout, q, kv, idx, out, lse, w_uk, w_uv, scale)
     B, Q, H, _ = q.shape
     T, Dk = kv.shape[1], kv.shape[-1]
     Dn, C = w_uk.shape[1], w_uk.shape[2]
