@@ -20,7 +20,7 @@ from moe_lc.ops.linear import GroupedLinear, Linear
 from moe_lc.parallel.parallelize import grad_group_of_zero, param_lr_scale, tie_group_of_zero, zero_group_of
 from moe_lc.parallel.zero.param_gather import unit_of
 from .layout import zero_placement
-from .placement_semantics import StatePlacement
+from .placement_semantics import StatePlacement, model_shard_dims
 
 STATE = "fp8 weight cache"
 
@@ -58,14 +58,7 @@ def cache_rows(cfg: Config, layout) -> list[StatePlacement]:
     rows: dict[str, list] = {}
     for zero_group, nbytes in sorted(by_group.items()):
         group = grad_group_of_zero(zero_group)
-        model_dims = {} if tie_group_of_zero(zero_group) is not None else {"pp": (dims.pp, "S")}
-        if group == "dp_cp":
-            model_dims["tp"] = (dims.tp, "S")
-        elif group == "edp":
-            model_dims["ep"] = (dims.ep, "S")
-        scale = 1
-        for size, _ in model_dims.values():
-            scale *= size
+        model_dims, scale = model_shard_dims(dims, group, tie_group_of_zero(zero_group) is not None)
         key = parts[group]
         rows.setdefault(key, [0, {**model_dims, group: (dims[group].size, "R")}])[0] += nbytes * scale
     return [StatePlacement(STATE, part, numel, 1, "fp8 e4m3 + fp32 scales", on,

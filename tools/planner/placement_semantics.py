@@ -100,6 +100,20 @@ class Traffic:
         return f"comm/{self.group}/{self.op}_bytes"
 
 
+def model_shard_dims(dims, group: str, tied: bool) -> tuple[dict, int]:
+    """({mesh dim: (size, "S")} a ZeRO group's parameters are sharded over besides their ZeRO group, their product):
+    pp (not a tied embedding's copies, which count once), and tp for "dp_cp" or ep for "edp"."""
+    model_dims = {} if tied else {"pp": (dims.pp, "S")}
+    if group == "dp_cp":
+        model_dims["tp"] = (dims.tp, "S")
+    elif group == "edp":
+        model_dims["ep"] = (dims.ep, "S")
+    scale = 1
+    for size, _ in model_dims.values():
+        scale *= size
+    return model_dims, scale
+
+
 def _div(n, size):
     return n // size if isinstance(n, int) and n % size == 0 else n / size
 

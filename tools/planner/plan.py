@@ -35,7 +35,8 @@ from moe_lc.optim import build_rule
 from moe_lc.parallel.parallelize import frozen_zero_group, grad_group_of_zero, tie_group_of_zero
 from moe_lc.parallel.tp.mappings import VOCAB_CE_ROWS
 from moe_lc.parallel.zero.optimizer import GRAD_NORM_BYTES_PER_ELEMENT, GRAD_NORM_CHUNK
-from .placement_semantics import MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state, zero_memory
+from .placement_semantics import (MODES, StatePlacement, Traffic, host_memory_by_state, memory_by_state,
+                                  model_shard_dims, zero_memory)
 from .pipeline_memory import (phase_count, pipeline_schedule, rank_saved_peak, schedule_peak,
                               stage_sizes, wgrad_held_bytes, working_spikes)
 from .layout import (RankLayout, gathered_unit_bytes, host_transfers, rank_layouts, traced_traffic, trainer_traffic,
@@ -152,14 +153,7 @@ def _zero_rows(cfg: Config, layout: RankLayout) -> tuple[list[StatePlacement], d
         group, tied = grad_group_of_zero(zero_group), tie_group_of_zero(zero_group) is not None  # a tied embedding
         n = dims[group].size
         local = sum(buckets[zero_group])
-        model_dims = {} if tied else {"pp": (dims.pp, "S")}  # the tied copies on two stages count once
-        if group == "dp_cp":
-            model_dims["tp"] = (dims.tp, "S")
-        elif group == "edp":
-            model_dims["ep"] = (dims.ep, "S")
-        scale = 1
-        for size, _ in model_dims.values():
-            scale *= size
+        model_dims, scale = model_shard_dims(dims, group, tied)
         part = PARTS[group] + (FROZEN if lr_scale == "0" else f" (lr x {lr_scale})" if lr_scale else "") + \
             (TIED if tied else "")
         numel = local * scale
