@@ -195,6 +195,6 @@ def test_to_hf_refuses_a_v4_without_mhc(v4, tmp_path):
     from moe_lc.config import load_config
     from moe_lc.convert.hf_config import family_of
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "v4_tiny_cpu.toml", ["model.residual=plain"])
+    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "debug_v4_cpu.toml", ["model.residual=plain"])
     with pytest.raises(ConvertError, match="model.residual='plain' .* has no deepseek_v4 form"):
         family_of(cfg.model)

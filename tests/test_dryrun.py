@@ -169,7 +169,7 @@ def test_reduced_128k_peak_within_3_percent_of_the_planner(reduced_128k):
 # with the CPU's fused attention kernel (an H100 would fall back to the O(S^2) reference math in fp32).
 CPU_RECIPES = ["debug_cpu.toml", "dense_cpu.toml", "overlap_cpu.toml", "longctx/base.toml", "longctx/extend_2k.toml",
                "longctx/extend_2k_mix.toml", "longctx/extend_4k.toml", "longctx/dsa_warmup.toml",
-               "longctx/dsa_sparse.toml", "v4_tiny_cpu.toml"]
+               "longctx/dsa_sparse.toml", "debug_v4_cpu.toml"]
 
 
 # fp32 recipes the planner cannot trace yet, each with why (the issue that extends it)

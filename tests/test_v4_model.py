@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention as a registry kind (model.attention = "v4", recipes/v4_tiny_cpu.toml): each block builds
+"""DeepSeek-V4's attention as a registry kind (model.attention = "v4", recipes/debug_v4_cpu.toml): each block builds
 its layer type's module, the blocks hand it positions (its own rope tables), counts follow the types, sinks and
 position biases start at zero, what is not built is refused in one line, decoding with its cache equals the
 uncached model, and the tiny recipe trains."""
@@ -17,7 +17,7 @@ from moe_lc.model.counting import attention_core_flops, attention_params, param_
 from moe_lc.model.memory_floor import block_floor
 from moe_lc.model.transformer import build_model
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "v4_tiny_cpu.toml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug_v4_cpu.toml"
 TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
          "compressed_sparse_attention"]
 

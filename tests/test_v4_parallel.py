@@ -1,4 +1,4 @@
-"""The tiny DeepSeek-V4 recipe (recipes/v4_tiny_cpu.toml: every attention layer type, the CSA indexer training on
+"""The tiny DeepSeek-V4 recipe (recipes/debug_v4_cpu.toml: every attention layer type, the CSA indexer training on
 its KL loss, mHC's 4 streams, hash-routed MoE layers) equals one process under pipeline parallelism (1F1B and
 DualPipe: mHC's (B, S, 4, D) stream crosses the stage boundary, the hash layers sit on both stages and read the
 micro-batch's token ids there, the HyperHead on the last stage only) and under tensor + sequence parallelism
@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import RECIPES, reference, run_layout
 
-RECIPE = RECIPES / "v4_tiny_cpu.toml"
+RECIPE = RECIPES / "debug_v4_cpu.toml"
 SMALL = ["train.steps=3", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=1", "train.warmup_steps=1",
          "train.optimizer=sgd", "train.lr=0.05"]
 # three hash layers over a [2, 2] split: both stages route by token id

@@ -26,7 +26,7 @@ from tools.planner.activation_memory import measure_saved_bytes, stage_estimate
 from tools.planner.block_trace import block_kind, one_block_of_each_kind, trace_parts
 from tools.planner.saved_table import REPLAY, STREAM, saved_tables
 
-TINY = str(RECIPES / "v4_tiny_cpu.toml")
+TINY = str(RECIPES / "debug_v4_cpu.toml")
 FLASH = str(RECIPES / "deepseek_v4_flash.toml")
 SMALL = ["train.seq_len=64", "train.micro_batch=2"]
 
