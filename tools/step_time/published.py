@@ -38,12 +38,14 @@ COMMAND = "python -m tools.step_time.published --out docs/results/steptime"
 
 
 def run_one(run: Run) -> dict:
-    """The run planned on its cluster and predicted with its implementation: the `predicted` block, its layout
-    and the planned peak."""
+    """The run planned on its cluster and predicted with its implementation and its attention (the kernels its
+    stack runs, at its model's head dim, over its sliding window if any): the `predicted` block, its layout and the
+    planned peak."""
     cfg = load_config(run.recipe, [])
     p = plan(cfg, None, run.recipe)
     cluster, eff = resolve(run.cluster)
-    pred = predict(cfg, p, cluster, with_attention(eff, run.attention), run.impl)
+    eff = with_attention(eff, run.attention, cfg.model.qk_head_dim, run.window, cfg.train.seq_len)
+    pred = predict(cfg, p, cluster, eff, run.impl)
     pred["degrees"] = p.degrees
     pred["peak_gib"] = max(r.peak_bytes() for r in p.ranks) / 2**30
     return pred

@@ -3,15 +3,18 @@
 Each run: its recipe (the header cites the source and says what the recipe cannot express), the cluster it ran
 on, the published figure (tokens/s/GPU, or model TFLOP/s/GPU with the convention the source counts attention in:
 "causal", "full", or "unstated"), the implementation it ran (tools/step_time/compute.py: "fused" kernels, and
-"fused_a2a_overlap" where the source's configuration overlaps the EP all-to-all with 1F1B), its source, and the
+"fused_a2a_overlap" where the source's configuration overlaps the EP all-to-all with 1F1B), its source, the
 attention kernels its stack runs where they are not cuDNN's (attention_impls.py: NeMo AutoModel's GPT-OSS configs,
-examples/benchmark/configs/gptoss_*_te_deepep.yaml, set `attn: flex`).
+examples/benchmark/configs/gptoss_*_te_deepep.yaml, set `attn: flex`), and the model's sliding window where it
+has one (moe_lc's config cannot state one for GQA: GPT-OSS's 128 tokens on every other layer).
 tools/step_time/published.py predicts each and fits what the model fits from them leave-one-out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .attention_impls import SlidingWindow
 
 MB = ("Megatron-Bridge performance summary, 25.11 container, DGX-H100 table "
       "(docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html; github.com/NVIDIA-NeMo/Megatron-Bridge "
@@ -21,14 +24,30 @@ AM = ("NeMo AutoModel performance summary, pre-training table \"System: DGX-H100
       "its file performance-summary.md under docs, and its examples/benchmark/configs/), row ")
 
 
-# GPT-OSS in both stacks: what the recipes cannot express, and the evidence that it is the model, not one figure
-GPT_OSS_NOTE = ("the recipe cannot express GPT-OSS's attention (learnable sinks, a 128-token window on every other "
-                "layer, head_dim 64: the H100 bench has no head_dim-64 rows) nor its biased experts and clamped "
-                "activation; both stacks' GPT-OSS runs miss the same way while their Qwen3-30B-A3B runs (hidden 2,048, "
-                "similar expert GEMMs) do not, and Megatron-Bridge's same model on 64 B200 (PP1 EP8, MBS 4, 8,213 "
-                "tokens/s/GPU in the same 25.11 table) is 43% slower than this model predicts there too (11,739: "
-                "`python tools/plan.py recipes/published/gpt_oss_120b_4k_h100.toml --cluster b200 --set parallel.pp=1 "
-                "--set parallel.dp=64`)")
+# GPT-OSS's attention (openai/gpt-oss-120b and -20b config.json: `sliding_window` 128, `layer_types` alternating
+# "sliding_attention" and "full_attention"); its heads of 64 come from the recipe (attention_impls.py prices both)
+GPT_OSS_WINDOW = SlidingWindow(tokens=128, every=2)
+# what is still left out of both stacks' GPT-OSS runs
+GPT_OSS_NOTE = ("not modelled: the learned attention sinks (no public measurement of their cost in a fused kernel), "
+                "the biases of attention and experts (both stacks add an expert GEMM's bias per local expert in "
+                "Python: Megatron-Core on the second GEMM, megatron/core/transformer/moe/experts.py _apply_bias, "
+                "NeMo AutoModel on both, nemo_automodel/components/moe/layers.py GroupedExpertsDeepEP._apply_bias: "
+                "launches and a split, add and concatenation over the expert activations) and the SwiGLU clamp (fused "
+                "with the bias and the routing weight: Megatron-Core's weighted_bias_quick_geglu_impl, AutoModel's "
+                "torch.compile'd quick_geglu_deepep)")
+# what is left of Megatron-Bridge's GPT-OSS miss, and what would tell its causes apart
+MB_GPT_OSS_NOTE = (GPT_OSS_NOTE + ". Megatron-Bridge's GPT-OSS rows miss alike: its 64-B200 row (PP1 EP8, MBS 4, "
+                   "8,213 tokens/s/GPU in the same 25.11 table) is predicted 11,822 with this attention (+44%; "
+                   "`python tools/plan.py recipes/published/gpt_oss_120b_4k_h100.toml --cluster b200 "
+                   "--set parallel.pp=1 --set parallel.dp=64 --set parallel.pp_stage_layers=[] "
+                   "--set train.micro_batch=4` gives 11,739 with causal heads of 128), while NeMo AutoModel's "
+                   "GPT-OSS runs land within 16% and Megatron-Bridge's Llama and Qwen3 runs within 22%. What only "
+                   "Megatron's GPT-OSS runs: Transformer "
+                   "Engine's cuDNN attention with learnable sinks (cuDNN 9.13.1 and later; its cost is not published), "
+                   "Transformer Engine 2.9's GroupedLinear (one cuBLAS GEMM per local expert over 4 streams, "
+                   "nvte_multi_stream_cublas_gemm) with biases, and the NCCL all-to-all. A device run timing "
+                   "DotProductAttention with softmax_type learnable and window (128, 0) at heads of 64 against the "
+                   "vanilla softmax would say whether the attention is it")
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,7 @@ class Run:
     precision: str  # as published
     source: str
     attention: str = "cudnn"  # the attention kernels its stack runs (tools/step_time/attention_impls.py)
+    window: SlidingWindow | None = None  # the model's sliding window, where its recipe cannot state it
     note: str = ""  # what is known about why the model misses it, printed under the table
 
 
@@ -73,10 +93,10 @@ RUNS = [
         233.0, "causal", "fused_a2a_overlap", "FP8-CS", MB + "Qwen3_235B_a22B: TP2 PP8 VP4 EP32, GBS 2048, MBS 1; "
         "the release's preset sets moe_a2a_overlap"),
     Run("MB GPT-OSS 120B, 64 H100", "recipes/published/gpt_oss_120b_4k_h100.toml", "h100", 5630.0, 153.0, "causal",
-        "fused", "BF16", MB + "GPT OSS 120B: PP4 EP8, GBS 512, MBS 4",
-        note=GPT_OSS_NOTE + "; the H100 row's GA 2 does not match PP4 x DP16 x MBS 4 (GA 8), and the release's preset "
-        "(scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py, GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16) "
-        "says MBS 1 (predicted 12% faster still)"),
+        "fused", "BF16", MB + "GPT OSS 120B: PP4 EP8, GBS 512, MBS 4 (GA 2); the release's H100 preset (branch r0.2.0, "
+        "scripts/performance/configs/gpt_oss/workload_base_configs.py, GPT_OSS_120B_H100_BF16_BASE_CONFIG) runs MBS 1, "
+        "which the recipe takes (the row's MBS 4 and GA 2 are the B200 row's)", window=GPT_OSS_WINDOW,
+        note=MB_GPT_OSS_NOTE),
     Run("AutoModel Qwen3-30B-A3B, 8 H100", "recipes/published/automodel_qwen3_30b_a3b_4k_h100.toml", "h100", 12040.0,
         277.0, "unstated", "fused", "BF16", AM + "Qwen3 MoE 30B: EP8 FSDP8, GBS 512, MBS 4"),
     Run("AutoModel DeepSeek-V3, 256 H100", "recipes/published/automodel_deepseek_v3_4k_h100_256.toml", "h100", 1002.0,
@@ -86,7 +106,10 @@ RUNS = [
     Run("AutoModel Kimi K2, 256 H100", "recipes/published/automodel_kimi_k2_4k_h100.toml", "h100", 924.0, 189.0,
         "unstated", "fused", "BF16", AM + "Kimi K2: PP8 VP4 EP32 FSDP32, GBS 512"),
     Run("AutoModel GPT-OSS 120B, 64 H100", "recipes/published/automodel_gpt_oss_120b_4k_h100.toml", "h100", 7626.0,
-        231.0, "unstated", "fused", "BF16", AM + "GPT-OSS 120B: EP64 FSDP64, GBS 512, MBS 2", attention="flex"),
+        231.0, "unstated", "fused", "BF16", AM + "GPT-OSS 120B: EP64 FSDP64, GBS 512, MBS 2", attention="flex",
+        window=GPT_OSS_WINDOW, note=GPT_OSS_NOTE),
     Run("AutoModel GPT-OSS 20B, 8 H100", "recipes/published/automodel_gpt_oss_20b_4k_h100.toml", "h100", 13058.0,
-        279.0, "unstated", "fused", "BF16", AM + "GPT-OSS 20B: EP8 FSDP8, GBS 256, MBS 2", attention="flex", note=GPT_OSS_NOTE),
+        279.0, "unstated", "fused", "BF16",
+        AM + "GPT-OSS 20B: EP8 FSDP8, GBS 256, MBS 2; its config as published checkpoints every block",
+        attention="flex", window=GPT_OSS_WINDOW, note=GPT_OSS_NOTE),
 ]
