@@ -40,6 +40,7 @@ from moe_lc.config import Config
 from .clusters import Cluster, PRECISION
 from .kernel_rates import kernel_seconds
 from .kernel_trace import trace_kernels
+from ..planner.block_kinds import block_kind
 from .work import Seconds, part_work, tokens_per_rank
 
 
@@ -104,7 +105,7 @@ def part_seconds(cfg: Config, part: str, layer_id: int, cluster: Cluster, eff: d
 def stage_parts(cfg: Config, layers: list[int], first: bool, last: bool) -> list[tuple[str, int]]:
     """(part, layer id) of every part a stage runs: the embedding, its blocks, the head."""
     m = cfg.model
-    blocks = [("moe" if m.is_moe_layer(i) else "dense", i) for i in layers]
+    blocks = [(block_kind(m, i), i) for i in layers]  # the kinds kernel_trace books under (V4: "csa moe", ...)
     return [("embed", 0)] * first + blocks + [("head", m.n_layers - 1)] * last
 
 

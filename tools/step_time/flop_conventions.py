@@ -12,6 +12,8 @@ DSA (model.dsa, sparse stage): the sparse core attends index_topk = k keys per q
 first k positions see only t + 1 (moe_lc/model/dsa.py `dsa_core_flops`), in full every query sees min(k, S).
 Its lightning indexer scores every earlier key causally (S/2 on average) and all S keys in full. The warm-up
 stage attends densely: its core as dense attention, its indexer as in the sparse stage.
+DeepSeek-V4 (per layer type: the window, CSA's picked entries and its indexer, HCA's dense entries, and the
+projections, compressors and mHC beside them): tools/step_time/v4_flops.py, under the same two conventions.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ tables; clusters.py scales them to each cluster's peaks). `--impl` says whose me
 counts), "fused_a2a_overlap" (the same, and the EP all-to-all beside the other micro-batch's compute in 1F1B's
 steady state: Megatron-Core's --overlap-moe-expert-parallel-comm) or "eager" (this repo's trainer: every traced
 aten op a kernel of its own, and the host's dispatch as a floor). On the `cpu` cluster each Work's FLOPs over one
-measured rate per kind, plus the host's cost per aten op (work.py `flop_seconds`). The rank whose stages cost most
+measured rate per kind, plus the host's cost per aten op (work.py `flop_seconds`); on a GPU cluster the same with
+`predict(..., formulas=True)`, at the cluster's peak x the kind's efficiency, for a layout the model code cannot
+trace yet (DeepSeek-V4 under cp: tools/planner/v4_context.py). The rank whose stages cost most
 sets every chunk's cost (the simulator takes one cost per action kind).
 
 Communication: the planner's bytes per group and op (tools/plan.py: what this rank sends per step),
@@ -115,11 +117,13 @@ class RankCosts:
     compute_by_kind: dict[str, float] = field(default_factory=dict)  # kernel kind -> F + B seconds per step
 
 
-def stage_cost(cfg: Config, stage: tuple, cluster: Cluster, eff: dict[str, float], impl: str) -> tuple[Seconds, dict]:
+def stage_cost(cfg: Config, stage: tuple, cluster: Cluster, eff: dict[str, float], impl: str,
+               formulas: bool = False) -> tuple[Seconds, dict]:
     """(Seconds, {kind: F + B seconds}) of one micro-batch through `stage` (layers, first, last): its traced kernels
     at their shapes' rates on a GPU cluster (tools/step_time/compute.py), or the Work at one measured rate per
-    kind plus the host's op costs on the `cpu` cluster."""
-    if cluster.name in ACHIEVED_RATES:
+    kind plus the host's op costs on the `cpu` cluster. `formulas`: the Work at the cluster's rate per kind on a GPU
+    cluster too, for a layout the model code cannot trace yet (DeepSeek-V4 under cp: tools/planner/v4_context.py)."""
+    if cluster.name in ACHIEVED_RATES or formulas:
         sec = _with_ops(flop_seconds(cfg, stage_work(cfg, *stage), cluster, eff), cfg, stage, cluster)
         return sec, {"compute": sec.F + sec.B}
     sec, kinds = stage_seconds(cfg, *stage, cluster, eff, impl)
@@ -130,7 +134,7 @@ def stage_cost(cfg: Config, stage: tuple, cluster: Cluster, eff: dict[str, float
 
 
 def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], schedule, layers,
-               impl: str = "fused") -> list[RankCosts]:
+               impl: str = "fused", formulas: bool = False) -> list[RankCosts]:
     """Every pipeline rank's mean cost per action and its communication per step."""
     p, deg = cfg.parallel, plan.degrees
     out = []
@@ -142,7 +146,7 @@ def rank_costs(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], sched
             runs = stage_forwards(schedule, rp.pp_rank)
             stages = {s: (layers[s], s == 0, s == schedule.n_stages - 1) for s in runs}
         n = sum(runs.values())
-        costs = {s: stage_cost(cfg, stages[s], cluster, eff, impl) for s in runs}
+        costs = {s: stage_cost(cfg, stages[s], cluster, eff, impl, formulas) for s in runs}
         k = [runs[s] / n for s in runs]
         total = [costs[s][0] for s in runs]
         mean = Seconds(*(sum(w * getattr(x, f) for w, x in zip(k, total)) for f in Seconds.__dataclass_fields__))
@@ -222,13 +226,15 @@ def _action_counts(schedule, rank: int) -> Counter:
     return kinds
 
 
-def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], impl: str = "fused") -> dict:
-    """The `predicted` block of tools/plan.py --cluster (see the module doc); `impl` one of IMPLEMENTATIONS."""
+def predict(cfg: Config, plan, cluster: Cluster, eff: dict[str, float], impl: str = "fused",
+            formulas: bool = False) -> dict:
+    """The `predicted` block of tools/plan.py --cluster (see the module doc); `impl` one of IMPLEMENTATIONS;
+    `formulas`: compute from the model's counts (work.py) instead of traced kernels (`stage_cost`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r}: one of {', '.join(IMPLEMENTATIONS)}")
     deg, t = plan.degrees, cfg.train
     schedule, layers = pipeline_plan(cfg, t.microbatches(deg["dp"]))
-    ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers, "eager" if impl == "eager" else "fused")
+    ranks = rank_costs(cfg, plan, cluster, eff, schedule, layers, "eager" if impl == "eager" else "fused", formulas)
     rc = max(ranks, key=lambda r: r.compute.F + r.compute.B + sum(r.comm_s.get(g, 0) for g in (
         "tp", "cp", "cp_a2a", "cp_ring", "ep")) / r.actions)
     costs, per_action = _action_costs(cfg, rc, schedule, impl, 0.0 if cluster.name in ACHIEVED_RATES else COMM_SM_SHARE)

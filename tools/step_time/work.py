@@ -5,7 +5,9 @@ dense FFN and shared experts; the router and the output head kept in 16 bits und
 experts' grouped GEMMs and of the causal attention core, and the bytes of the memory-bound work a fused
 implementation moves (two RMSNorms, SwiGLU, two residual adds, the MoE permutation in and out, the loss), plus
 what the recompute policy replays in backward; times the tokens one rank computes per micro-batch
-(micro_batch x seq_len / (cp x tp)).
+(micro_batch x seq_len / (cp x tp)). DeepSeek-V4's blocks add mHC (its maps' GEMMs, kept in fp32, and the bytes of
+its widened stream: tools/step_time/v4_flops.py) and split the indexer's scores from the core (`scores`: attention
+kernels with no backward, their gradient being the indexer loss's over the picked entries alone).
 
 Two users: the memory-bound bytes are the "fused" implementation's (tools/step_time/compute.py: Megatron's
 and Transformer Engine's fused norms, SwiGLU, RoPE, permutation and cross-entropy move about these bytes), and
@@ -22,6 +24,7 @@ from moe_lc.config.attention_kinds import attention_kind
 from moe_lc.model.counting import attention_core_flops, attention_params, attention_vector_params, \
     shared_expert_params
 from .clusters import Cluster
+from .v4_flops import mhc_flops, mhc_memory_bytes, v4_indexer_flops
 
 ATTENTION_BWD = 2.5  # flash attention's backward recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2 paper)
 LOSS_BYTES = 12  # per vocabulary entry per token beside the logits: fp32 copy, log-softmax write and read
@@ -38,23 +41,26 @@ class Work:
     attention: float = 0.0  # the attention core, forward
     memory: float = 0.0  # bytes
     recomputed: "Work | None" = None
+    scores: float = 0.0  # attention-kernel FLOPs with no backward: V4's indexer scores (they take no gradient)
 
     def __add__(self, o: "Work") -> "Work":
         rep = (self.recomputed or Work()) + (o.recomputed or Work()) if (self.recomputed or o.recomputed) else None
         return Work(self.gemm + o.gemm, self.gemm_bf16 + o.gemm_bf16, self.grouped + o.grouped,
-                    self.attention + o.attention, self.memory + o.memory, rep)
+                    self.attention + o.attention, self.memory + o.memory, rep, self.scores + o.scores)
 
     def scaled(self, k: float) -> "Work":
         return Work(self.gemm * k, self.gemm_bf16 * k, self.grouped * k, self.attention * k, self.memory * k,
-                    self.recomputed.scaled(k) if self.recomputed else None)
+                    self.recomputed.scaled(k) if self.recomputed else None, self.scores * k)
 
 
 def block_work(cfg: Config, layer_id: int) -> Work:
     """Forward work per token of block `layer_id` (before any split over ranks)."""
     m, c = cfg.model, act_bytes(cfg)
     D, seq = m.dim, cfg.train.seq_len
-    attn = 2 * (attention_params(m) - attention_vector_params(m))
-    core = attention_core_flops(m, seq)
+    attn = 2 * (attention_params(m, layer_id) - attention_vector_params(m, layer_id))  # (V4: this block's type)
+    core = attention_core_flops(m, seq, layer_id)
+    scores = v4_indexer_flops(m, seq, layer_id)  # (0 but for V4's CSA layers: in `core`, forward only)
+    core -= scores
     if m.is_moe_layer(layer_id):
         e = m.moe
         hidden, permute = e.topk * e.ffn_dim + e.shared_hidden, 4 * e.topk * D  # dispatch in and out, read + write
@@ -65,6 +71,9 @@ def block_work(cfg: Config, layer_id: int) -> Work:
         w = Work(gemm=attn + 2 * 3 * D * m.ffn_dim, attention=core)
     norms, swiglu = 4 * D, 3 * hidden  # two RMSNorms read + write; SwiGLU reads gate and up, writes one
     w.memory = c * (norms + 6 * D + swiglu + permute)  # + two residual adds (read 2, write 1)
+    w.memory += mhc_memory_bytes(m, c)  # DeepSeek-V4's widened stream (0 under the plain one)
+    w.scores = scores
+    w.gemm_bf16 += mhc_flops(m)  # its maps, kept in fp32 (moe_lc/model/residual_stream.py)
     w.recomputed = _replay(cfg, w, norms * c, swiglu * c)
     return w
 
@@ -73,7 +82,7 @@ def _replay(cfg: Config, w: Work, norm_bytes: float, swiglu_bytes: float) -> Wor
     """What backward recomputes of one block's forward under the recompute policy."""
     policy, items, m = cfg.recompute.policy, cfg.recompute.selective, cfg.model
     if policy == "full":
-        return Work(w.gemm, w.gemm_bf16, w.grouped, w.attention, w.memory)
+        return Work(w.gemm, w.gemm_bf16, w.grouped, w.attention, w.memory, scores=w.scores)
     if policy != "selective":
         return None
     r = Work(memory=norm_bytes * ("norm" in items) + swiglu_bytes * ("swiglu" in items))
@@ -146,7 +155,8 @@ def flop_seconds(cfg: Config, w: Work, cluster: Cluster, eff: dict[str, float]) 
         return g, x.attention / (wide * eff["attention_fwd"]), x.memory / (cluster.hbm_gbps * 1e9 * eff["memory"])
 
     g, a, mem = parts(w)
-    replay = sum(parts(w.recomputed)) if w.recomputed else 0.0
-    return Seconds(g + a + mem, 2 * g + ATTENTION_BWD * a + 2 * mem + replay, g, a, ATTENTION_BWD * a)
+    s = w.scores / (wide * eff["attention_fwd"])  # forward only (and again in a replay)
+    replay = sum(parts(w.recomputed)) + w.recomputed.scores / (wide * eff["attention_fwd"]) if w.recomputed else 0.0
+    return Seconds(g + a + s + mem, 2 * g + ATTENTION_BWD * a + 2 * mem + replay, g, a + s, ATTENTION_BWD * a)
 
 
