@@ -11,6 +11,15 @@ What a layer caches, and how it attends over its cache, is its attention kind's 
        `GQADecode`).
   MLA  c (B, T, C): the normalized latent; k_r (B, T, Dr): the shared key's RoPE part, roped; a step
        attends over them in DeepSeek-V3's "absorbed" form (model/mla.py `MLADecode`).
+  V4   its own layer cache (`new_layer`): the window's last W-1 rows, the compressed entries, the compressors'
+       partial windows, CSA's indexer keys; the prompt is a step from an empty cache
+       (model/v4_decode.py `V4Decode`).
+
+The residual stream and the routing are the model's own too: the embedding widened into the stream
+(`model.stream.widen`: mHC's hc_mult copies), each sublayer read from it and written back by its block's
+residual (`attn_res` / `ffn_res`: plain h + f(norm(h)), or mHC's maps), the stream read out by
+`model.stream_head` (mHC's HyperHead) before the final norm; an MoE layer gets the new tokens' ids (a
+hash-routed layer routes by them).
 
 Every piece of the model's math is the module's own: embedding, norms, projections, the rope tables
 (`model.rope`), `out_proj`, the FFN / MoE modules and the head. Only the attention over the cache is
@@ -27,7 +36,8 @@ prompt (one all-gather per cached tensor and layer), the padding that made the p
 2 cp is cut off, and from then on every rank decodes identically on the full cache, with no further
 communication. That keeps the per-token work replicated (cp ranks do the same
 decode) and the cache unsharded (each rank holds the whole prompt's cache); decoding is memory-bound
-and short next to a 128K prompt, so the prompt is what the ring is for.
+and short next to a 128K prompt, so the prompt is what the ring is for. A kind that keeps its own cache
+(V4) runs the whole prompt on every rank instead, in query chunks of its window (model/v4_decode.py).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lc.config.attention_kinds import kind_of_module, load
+from moe_lc.model.moe import MoE
 
 
 @dataclass
@@ -67,6 +78,9 @@ class KVCache:
     def rewind(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        for layer in self.layers.values():  # a kind's own layer cache (V4's) rewinds itself
+            if hasattr(layer, "rewind"):
+                layer.rewind(length)
         self.length = length
 
 
@@ -96,7 +110,11 @@ def new_cache(model, batch: int, capacity: int) -> KVCache:
     p = next(model.parameters())
     layers = {}
     for name, block in model.layers.items():
-        shapes = decoder(block.attn).shapes(block.attn)
+        kind = decoder(block.attn)
+        if hasattr(kind, "new_layer"):  # the kind keeps its own layer cache (V4)
+            layers[name] = kind.new_layer(block.attn, batch, capacity, p)
+            continue
+        shapes = kind.shapes(block.attn)
         layers[name] = LayerCache({k: torch.zeros(batch, capacity, *s, dtype=p.dtype, device=p.device)
                                    for k, s in shapes.items()})
     return KVCache(layers, capacity)
@@ -104,15 +122,36 @@ def new_cache(model, batch: int, capacity: int) -> KVCache:
 
 def decoder(attn):
     """The decode cache of `attn`'s attention kind: shapes(attn), prefill(attn, x, cos, sin) -> (out, {cached
-    name: (B, S, ...)}), step(attn, x, cos, sin, cache, start) -> out (its docstrings in the kind's file)."""
+    name: (B, S, ...)}), step(attn, x, cos, sin, cache, start) -> out (its docstrings in the kind's file); or, a
+    kind that keeps its own layer cache, new_layer(attn, batch, capacity, like) and step (the prompt a step at 0)."""
     kind = kind_of_module(attn)
     if kind is None:
         raise TypeError(f"no cache layout for attention module {type(attn).__name__}")
     return load(kind.decode)
 
 
-def _logits(model, h_BnD) -> torch.Tensor:
-    return model.head(model.norm(h_BnD)).float()
+def _logits(model, h) -> torch.Tensor:
+    """The stream h (B, n, D) or mHC's (B, n, N, D) -> fp32 logits (B, n, V)."""
+    if model.stream_head is not None:
+        h = model.stream_head(h)
+    return model.head(model.norm(h)).float()
+
+
+def _embed(model, tokens_Bn: torch.Tensor) -> torch.Tensor:
+    """Token ids -> the residual stream (B, n, D), or mHC's hc_mult copies (B, n, N, D)."""
+    return model.stream.widen(model.cfg, model.embed(tokens_Bn))
+
+
+def _block(block, h, attend, tokens_Bn: torch.Tensor):
+    """One block on the stream h: attention (`attend(x)` (B, n, D) -> out, the kind's cache path) and the FFN, each
+    reading the stream and writing back to it through the block's residual (plain: h + f(norm(h)); mHC: its
+    maps); an MoE layer gets the tokens' ids (B, n) (a hash-routed one routes by them)."""
+    x, *carried = block.attn_res.split(h)
+    h = block.attn_res.merge(h, attend(block.attn_norm(x)), *carried)
+    x, *carried = block.ffn_res.split(h)
+    x = block.ffn_norm(x)
+    out = block.ffn(x, tokens=tokens_Bn) if isinstance(block.ffn, MoE) else block.ffn(x)
+    return block.ffn_res.merge(h, out, *carried)
 
 
 # --------------------------------------------------------------------------- prefill, extend, generate
@@ -128,16 +167,27 @@ def prefill(model, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
     S = tokens_BS.shape[1]
     if S > cache.capacity:
         raise ValueError(f"a prompt of {S} tokens does not fit a cache of {cache.capacity}")
+    if not all(isinstance(layer, LayerCache) for layer in cache.layers.values()):
+        layout = WholeSequence()  # a kind's own cache (V4's) is filled from the whole prompt, on every cp rank
     local_BS, positions = layout.shard(tokens_BS.to(device))
     cos, sin = model.rope(positions)
-    h = model.embed(local_BS)
+    h = _embed(model, local_BS)
     kept = {}
     for name, block in model.layers.items():
-        out, kept[name] = decoder(block.attn).prefill(block.attn, block.attn_norm(h), cos, sin)
-        h = h + out
-        h = h + block.ffn(block.ffn_norm(h))
+        kind, layer = decoder(block.attn), cache.layers[name]
+
+        def attend(x, kind=kind, layer=layer, name=name, attn=block.attn):
+            if isinstance(layer, LayerCache):
+                out, kept[name] = kind.prefill(attn, x, cos, sin)
+                return out
+            return kind.step(attn, x, cos, sin, layer, 0)  # the prompt: a step from the empty cache
+
+        h = _block(block, h, attend, local_BS)
     for name, held in kept.items():
         cache.layers[name].write(0, **{k: layout.gather(t, S) for k, t in held.items()})
+    for layer in cache.layers.values():  # what a kind's own cache rewinds to (V4: the prompt's end)
+        if hasattr(layer, "mark"):
+            layer.mark()
     h = layout.gather(h, S)
     cache.length, cache.gathered_from_cp = S, layout.parts
     return _logits(model, h[:, -1:])[:, 0]
@@ -153,10 +203,10 @@ def extend(model, tokens_Bn: torch.Tensor, cache: KVCache) -> torch.Tensor:
     if start + n > cache.capacity:
         raise ValueError(f"{start} cached + {n} new tokens exceed the cache's {cache.capacity}")
     cos, sin = model.rope(torch.arange(start, start + n, device=device))
-    h = model.embed(tokens_Bn)
+    h = _embed(model, tokens_Bn)
     for name, block in model.layers.items():
-        h = h + decoder(block.attn).step(block.attn, block.attn_norm(h), cos, sin, cache.layers[name], start)
-        h = h + block.ffn(block.ffn_norm(h))
+        step, layer = decoder(block.attn).step, cache.layers[name]
+        h = _block(block, h, lambda x: step(block.attn, x, cos, sin, layer, start), tokens_Bn)
     cache.length = start + n
     return _logits(model, h)
 
