@@ -2,7 +2,7 @@
 attention layer type, two hash-routed and two learned MoE layers, mHC of 3 streams, top-6 of up to 24 CSA entries,
 YaRN on the compress rope past its original 64), converted from-hf: logits within 1e-5 of max |logit| at 96 tokens
 and every gradient transformers computes; to-hf gives back every tensor bit for bit (tid2eid tables included), and
-DeepSeek's own checkpoint names (and its MTP layer, left out) convert too.
+DeepSeek's own checkpoint names (and its MTP layer, both ways) convert too.
 
 The indexer's top-k: ReLU'd scores tie (at 0) across the cut, and the two top-ks break ties differently. Each CSA
 layer's selection is checked to be a top-k of the same scores as transformers' own (the same multiset of selected
@@ -93,9 +93,9 @@ def test_logits_and_gradients_match_transformers(v4):
     for i, block in ours.layers.items():
         indexer = block.attn.indexer
         if indexer is not None:
-            hooks.append(indexer.register_forward_hook(lambda m, a, out, i=int(i): picks.__setitem__(i, out)))
-            real = indexer.scores
-            indexer.scores = lambda *a, i=int(i), real=real: scores.setdefault(i, real(*a))
+            # the picks, and every entry's scores from the same inputs (the tiled top-k keeps none of them)
+            hooks.append(indexer.register_forward_hook(
+                lambda m, a, out, i=int(i): picks.__setitem__(i, out) or scores.__setitem__(i, m.scores(*a))))
 
     def hand_ours(i):
         def hook(module, args, out):
@@ -170,7 +170,10 @@ def test_from_hf_then_to_hf_is_bit_identical(v4, tmp_path):
 
 def test_deepseek_names_and_mtp_layer(v4, tmp_path):
     """A checkpoint under DeepSeek's own names (no "model." prefix, hc_head_fn, ...) with an MTP layer converts to
-    the same weights; the MTP layer's tensors are left out with a message saying so."""
+    the same main weights plus our mtp.0. The MTP layer is named as DeepSeek's inference/model.py names its MTPBlock
+    (a Block: attn.*, ffn.*, hc_attn_* ..., plus e_proj, h_proj, enorm, hnorm, norm, hc_head_*), built here from
+    layer 0's window-only attention and layer 3's learned-routed MoE, random values. to-hf writes it back bit for bit
+    and transformers loads the result, skipping it."""
     from moe_lc.convert.hf_v4 import _TOP
 
     _, base = v4
@@ -181,14 +184,30 @@ def test_deepseek_names_and_mtp_layer(v4, tmp_path):
             (hub / f.name).write_bytes(f.read_bytes())
     tensors = load_file(base / "hf" / "model.safetensors")
     renamed = {_TOP.get(k, k.removeprefix("model.")): t for k, t in tensors.items()}
-    renamed["mtp.0.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(renamed, hub / "model.safetensors")
-    lines = []
-    from_hf(hub, tmp_path / "ours", log=lines.append)
-    assert any("left out the checkpoint's MTP layer (1 mtp.* tensors)" in line for line in lines)
+    torch.manual_seed(1)
+    mtp = {"mtp.0." + k.split(".", 2)[2]: torch.randn_like(t) for k, t in renamed.items()
+           if k.startswith("layers.0.attn.") or (k.startswith("layers.3.") and not k.startswith("layers.3.attn."))}
+    D, n = 64, 3
+    mtp |= {f"mtp.0.{name}.weight": 1 + 0.1 * torch.randn(D) for name in ("enorm", "hnorm", "norm")}
+    mtp |= {f"mtp.0.{name}.weight": 0.1 * torch.randn(D, D) for name in ("e_proj", "h_proj")}
+    mtp |= {"mtp.0.hc_head_fn": torch.randn(n, n * D), "mtp.0.hc_head_base": torch.randn(n),
+            "mtp.0.hc_head_scale": torch.randn(1)}
+    assert "mtp.0.ffn.gate.bias" in mtp and "mtp.0.attn.wq_a.weight" in mtp and "mtp.0.hc_ffn_fn" in mtp
+    save_file(renamed | mtp, hub / "model.safetensors")
+    from_hf(hub, tmp_path / "ours", log=quiet)
     a, _ = our_model(base / "ours")
-    b, _ = our_model(tmp_path / "ours")
+    b, cfg = our_model(tmp_path / "ours")
+    assert cfg.model.mtp.depth == 1 and b.mtp[0].block.attn.layer_type == "sliding_attention"
     assert all(torch.equal(t, b.state_dict()[k]) for k, t in a.state_dict().items())
+    assert torch.equal(b.mtp[0].e_proj.weight, mtp["mtp.0.e_proj.weight"])
+    assert torch.equal(b.mtp[0].stream_head.fn.weight, mtp["mtp.0.hc_head_fn"])
+    to_hf(tmp_path / "ours", tmp_path / "back", log=quiet)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert {k: t for k, t in back.items() if k.startswith("mtp.")}.keys() == mtp.keys()
+    assert [k for k, t in mtp.items() if not torch.equal(back[k], t)] == []
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "back").num_nextn_predict_layers == 1
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    assert not any(k.startswith("mtp.") for k in theirs.state_dict())
 
 
 def test_to_hf_refuses_a_v4_without_mhc(v4, tmp_path):

@@ -214,7 +214,7 @@ def test_tracer_remembers_meta_kernels_only_where_they_make_fresh_tensors():
 
 def test_policies_keep_less_and_replay_more_from_none_to_selective_to_full():
     """On the debug model (fp32 and bf16) every block keeps less under selective recomputation than under
-    none and less again under full (only its phases' inputs), and its backward re-creates more."""
+    none and less again under full (only its input), and its backward re-creates more."""
     for precision in ("fp32", "bf16"):
         cfg = load_config(RECIPE, [f"precision.recipe={precision}"])
         none, selective, full = (_traced(cfg, p, ("norm", "swiglu") if p == "selective" else ()) for p in POLICIES)

@@ -25,7 +25,7 @@ RECIPE = ROOT / "recipes" / "debug_cpu.toml"
 SHIPPED = sorted((ROOT / "recipes").rglob("*.toml"))
 GPU_RECIPES = {"deepseek_v3_671b.toml", "moe16b_128k.toml", "longctx/moe16b_extend_32k.toml",
                "longctx/moe16b_extend_128k.toml", "megatron_deepseek_v3_h100.toml",
-               "qwen3_235b_a22b_128k.toml"}  # and recipes/published/; the rest run on CPU (tests, tools/extend.py)
+               "qwen3_235b_a22b_128k.toml", "longctx/v4_flash_1m.toml"}  # and recipes/published/; the rest run on CPU (tests, tools/extend.py)
 CPU_BUDGET = 4 * 2**30  # per rank: a small laptop's share, well under what the CPU recipes get
 
 

@@ -46,10 +46,11 @@ def test_v4_bits_under_layouts_equal_one_process(layout):
 
 
 def test_refused_layouts_say_why():
-    """MTP with mHC is refused in one line; tp and pp with mHC and hash layers are built (tests/test_v4_parallel.py)."""
+    """MTP with 1F1B is refused in one line (tests/test_v4_mtp.py); tp and pp with mHC and hash layers are built
+    (tests/test_v4_parallel.py)."""
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPE, V4_BITS + ["model.mtp.depth=1", "parallel.tp=2", "parallel.dp=1"], world_size=2)
-    assert err.value.errors == ["model.residual = 'mhc' with model.mtp.depth=1 is not built: the MTP modules read a "
-                                "(B, S, D) hidden state"]
+        load_config(RECIPE, V4_BITS + ["model.mtp.depth=1", "parallel.pp=2", "parallel.dp=1"], world_size=2)
+    assert err.value.errors == ["model.mtp.depth=1 with parallel.pp=2 needs pp_schedule 'dualpipe' or 'dualpipev' (the "
+                                "MTP modules share the embedding, which must sit on the last stage's rank)"]
     for layout in (["parallel.tp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.pp_schedule=dualpipe"]):
         load_config(RECIPE, V4_BITS + layout + ["parallel.dp=1"], world_size=2)

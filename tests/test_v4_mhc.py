@@ -164,3 +164,13 @@ def test_mhc_model_trains_its_maps():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     errors = dataclasses.replace(CFG, mhc=MHCConfig(hc_mult=0, sinkhorn_iters=-1)).errors()
     assert [e.split("=")[0] for e in errors] == ["model.mhc.hc_mult", "model.mhc.sinkhorn_iters"], errors
+
+
+def test_mhc_gains_and_biases_are_not_weight_decayed():
+    from moe_lc.parallel.parallelize import no_weight_decay_names
+
+    model = build_model(dataclasses.replace(CFG, n_layers=2, n_heads=2, n_kv_heads=1), seed=0)
+    kept = no_weight_decay_names(model)
+    mhc = {n for n, _ in model.named_parameters() if "_res." in n or n.startswith("stream_head.")}
+    assert mhc and {n for n in mhc if n.rsplit(".", 1)[-1] in ("scale", "bias")} <= kept
+    assert not {n for n in mhc if n.endswith(".fn.weight")} & kept  # the maps' projections decay

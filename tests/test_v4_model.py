@@ -64,16 +64,14 @@ def test_the_blocks_hand_v4_positions_not_rope_tables():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("parallel.cp=2", "parallel.cp=2 with model.attention = 'v4' is not built: context parallelism for V4's window "
-                      "and compressed entries is the next issue's"),
     ("parallel.tp=4", "parallel.tp=4 must divide model.v4_attention.o_groups=2 (each tp rank projects whole output "
                       "groups)"),
-    ("data.document_mask=true", "data.document_mask = true with model.attention = 'v4' is not built"),
-    ("model.mtp.depth=1", "model.mtp.depth=1 with model.attention = 'v4' is not built"),
+    ("data.document_mask=true", "data.document_mask=true and data.document_positions=false with model.attention = "
+                                "'v4': set both"),
     ("model.qk_norm=head", "model.qk_norm='head' is not read by model.attention = 'v4'"),
 ])
 def test_what_is_not_built_is_refused_in_one_line(override, message):
-    world = {"parallel.cp=2": 2, "parallel.tp=4": 4}.get(override)
+    world = {"parallel.tp=4": 4}.get(override)
     overrides = [override, "parallel.dp=1"] if world else [override]
     with pytest.raises(ConfigError) as info:
         load_config(RECIPE, overrides, world_size=world)
@@ -81,8 +79,8 @@ def test_what_is_not_built_is_refused_in_one_line(override, message):
 
 
 def test_cached_decoding_equals_the_uncached_model():
-    # decode.py's loop adds to a plain stream and hands the FFN no token ids: mHC and hash layers do not decode yet
-    cfg = tiny("model.residual=plain", "model.moe.hash_layers=0").model
+    # mHC's stream and the hash layer included (V4's own caches: tests/test_v4_decode.py)
+    cfg = tiny().model
     model = build_model(cfg, seed=0).eval()
     prompt = torch.randint(0, 256, (2, 21))  # past an HCA entry (16) and several CSA entries
     assert torch.equal(decode.generate_greedy(model, prompt, 6), decode.generate_uncached(model, prompt, 6))

@@ -115,9 +115,9 @@ def test_saved_table_puts_mhc_in_a_term_of_its_own_alike_in_every_kind():
     assert tables["csa moe"].by_term["attention"] > tables["sliding moe hash"].by_term["attention"]  # its indexer
 
 
-def test_under_full_recompute_a_v4_block_keeps_its_phases_inputs_alone():
-    """--saved under full recomputation: nothing but what each phase runs again from (the stream, mHC's carried
-    maps, the dispatched rows), listed as its own term."""
+def test_under_full_recompute_a_v4_block_keeps_its_replay_inputs_alone():
+    """--saved under full recomputation: nothing but what the block runs again from (its input stream:
+    tests/test_v4_recompute.py), listed as its own term."""
     cfg = load_config(TINY, SMALL + ["recompute.policy=full"])
     for table in saved_tables(cfg):
         assert set(table.by_term) == {REPLAY}, (table.kind, table.by_term)

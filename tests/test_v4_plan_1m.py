@@ -1,5 +1,6 @@
 """DeepSeek-V4 at a million tokens on the planner's side: its attention FLOPs per layer type against a hand count,
-the cp bytes of its design and of V3.2's DSA ring against a hand count and the planner's traced ring, the step-time
+its cp bytes (the runtime's `v4_cp_bytes` with the replay) against a hand count and against what the dry run and
+the planner's trace count, V3.2's DSA ring against the planner's traced ring, the step-time
 model pricing V4 blocks' kernels, and the 1M recipe's plan under 80 GB (tools/step_time/v4_flops.py,
 tools/planner/v4_context.py)."""
 
@@ -9,8 +10,8 @@ import pytest
 
 from moe_lc.config import load_config
 from moe_lc.model.v4_counting import v4_attention_flops
-from tools.planner.v4_context import (dsa_ring_layer_bytes, efficient_core_bytes, equivalent_config,
-                                      v4_cp_layer_bytes)
+from tools.planner.v4_context import (cp_step_traffic, dsa_ring_layer_bytes, efficient_core_bytes,
+                                      equivalent_config, layer_cp_bytes)
 from tools.step_time.v4_flops import LAYER_TYPES, v4_layer_flops
 
 SWA, CSA, HCA = LAYER_TYPES
@@ -55,20 +56,62 @@ def test_full_convention_counts_every_key(tiny):
         v4_layer_flops(tiny, CSA, 64, "half")
 
 
-def test_cp_bytes_match_a_hand_count(tiny):
-    """S = 256 on cp 2, B = 2, fp32. Zig-zag: 2 chunks of 64 tokens a rank; CSA 64 / 4 + 1 = 17 entries a chunk, 34
-    a rank, of which the other rank receives all: 1 x 2 x 34 x 32 x 4 bytes, its keys 1 x 2 x 34 x 16 x 4; HCA
-    2 (64 / 16 + 1) = 10 entries; each chunk's last 16 rows of 64: 2 x 2 x 16 x 64 x 4. Contiguous: one chunk of
-    128 tokens, 33 CSA entries, rows once."""
-    z = {t: v4_cp_layer_bytes(tiny, t, 256, 2, 2, 4, "zigzag") for t in LAYER_TYPES}
-    assert z[CSA] == {"entries": 2 * 34 * 32 * 4, "index_keys": 2 * 34 * 16 * 4, "rows": 2 * 2 * 16 * 64 * 4}
-    assert z[HCA] == {"entries": 2 * 10 * 32 * 4, "index_keys": 0, "rows": 2 * 2 * 16 * 64 * 4}
-    assert z[SWA] == {"entries": 0, "index_keys": 0, "rows": 2 * 2 * 16 * 64 * 4}
-    c = v4_cp_layer_bytes(tiny, CSA, 256, 2, 2, 4, "contiguous")
-    assert c == {"entries": 2 * 33 * 32 * 4, "index_keys": 2 * 33 * 16 * 4, "rows": 2 * 16 * 64 * 4}
-    # cp 4 sends (cp - 1) x its padded entries: chunks of 32 tokens, 9 entries each
-    assert v4_cp_layer_bytes(tiny, CSA, 256, 4, 1, 2)["entries"] == 3 * 18 * 32 * 2
-    assert v4_cp_layer_bytes(tiny, CSA, 256, 1, 1, 2) == {"entries": 0.0, "index_keys": 0.0, "rows": 0.0}
+def test_cp_bytes_are_the_runtimes_with_the_replay():
+    """S = 128 on cp 2 (zig-zag), B = 8, fp32: a rank pools 64 / 4 = 16 CSA entries (32 values, index keys 16) and
+    64 / 16 = 4 HCA entries, all sent to the other rank; every layer type's halo is 15 rows (W - 1 = 15 >= 2 x 4 - 1,
+    16 - 1) of 64, one sent and one received a layer (rank 0: chunk 0's tail to chunk 1, chunk 2's tail from rank
+    1). Full recomputation's replay gathers and sends the forward's again; none does not."""
+    sets = ["parallel.cp=2", "parallel.dp=1"]
+    halo = 8 * 15 * 64 * 4
+    for policy, again in (("full", 1), ("none", 0)):
+        cfg = load_config(TINY, sets + [f"recompute.policy={policy}"], world_size=2)
+        csa, hca, swa = (layer_cp_bytes(cfg, t) for t in (CSA, HCA, SWA))
+        assert (csa["all_gather"], csa["reduce_scatter"]) == (8 * 16 * (32 + 16) * 4,) * 2
+        assert (hca["all_gather"], swa["all_gather"]) == (8 * 4 * 32 * 4, 0)
+        assert csa["send"] == hca["send"] == swa["send"] == 2 * halo
+        assert csa["replay"] == again * (8 * 16 * 48 * 4 + halo)
+        rows = {t.op: t.bytes for t in cp_step_traffic(cfg, [0, 1, 2, 3], 3)}  # SWA, CSA, HCA, CSA; 3 micro-batches
+        gathered = 2 * 8 * 16 * 48 * 4 + 8 * 4 * 32 * 4
+        assert rows == {"all_gather": 3 * (1 + again) * gathered, "reduce_scatter": 3 * gathered,
+                        "send": 3 * 4 * (2 + again) * halo}
+    # the keys' gradients are reduce-scattered only where the indexer loss trains
+    frozen = load_config(TINY, sets + ["model.v4_attention.index_loss_weight=0"], world_size=2)
+    assert layer_cp_bytes(frozen, CSA)["reduce_scatter"] == 8 * 16 * 32 * 4
+    assert layer_cp_bytes(load_config(TINY, ["parallel.dp=1"]), CSA)["step"] == 0
+
+
+def _counted_cp_bytes(sets: list[str], cp: int, rank: int) -> tuple[dict, dict]:
+    """(the dry run's "cp" bytes of global rank `rank`, one step of the tiny V4 on cp ranks, counted by comm.py; this
+    file's rows for that cp rank)."""
+    from tools.dry_run.rank_trace import trace_rank
+
+    cfg = load_config(TINY, [f"parallel.cp={cp}", "parallel.dp=1", *sets], world_size=cp)
+    report = trace_rank(cfg, cp, rank)
+    counted = {k: v for k, v in report["comm"].items() if k.startswith("comm/cp/")}
+    runs = cfg.train.microbatches(cfg.parallel.dp)
+    return counted, {t.key: t.bytes for t in cp_step_traffic(cfg, list(range(cfg.model.n_layers)), runs, rank)}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_counted_cp_bytes_equal_the_planners_rows(layout, policy):
+    """Must-show 1's counted = planned: the dry run of the tiny V4 (every layer type, cp 2) counts exactly this file's
+    all-gather, reduce-scatter and send rows on cp rank 1, and the planner's trace (tools/plan.py) of rank 0 the same."""
+    from tools.planner.plan import plan
+
+    sets = [f"parallel.cp_layout={layout}", f"recompute.policy={policy}"]
+    counted, planned = _counted_cp_bytes(sets, 2, 1)
+    assert counted == planned and len(counted) == 3, (counted, planned)
+    cfg = load_config(TINY, ["parallel.cp=2", "parallel.dp=1", *sets], world_size=2)
+    traced = {t.key: t.bytes for t in plan(cfg, 2).ranks[0].traffic if t.group == "cp"}
+    assert traced == {t.key: t.bytes for t in cp_step_traffic(cfg, [0, 1, 2, 3], 1)}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_counted_cp_bytes_on_a_middle_rank_of_cp_4(layout):
+    """cp 4, rank 1: a middle zig-zag rank exchanges 4 halos a layer pass, a contiguous one 2 (rank 0: 2 and 1)."""
+    counted, planned = _counted_cp_bytes([f"parallel.cp_layout={layout}", "recompute.policy=full"], 4, 1)
+    assert counted == planned, (counted, planned)
 
 
 def test_efficient_core_keeps_no_probabilities(tiny):
@@ -127,10 +170,11 @@ def test_v4_flash_1m_plans_under_80_gb():
     assert pl.degrees["cp"] == 256 and pl.degrees["world"] == 256
     assert max(r.peak_bytes() for r in pl.ranks) <= 80e9
     sent = {t.op: t.bytes for t in pl.ranks[0].traffic if t.group == "cp"}
-    per_layer = details[0]["cp_bytes_per_layer"]
-    types = cfg.model.v4_attention.layer_types_for(cfg.model.n_layers)
-    gathered = sum(per_layer[t]["entries"] + per_layer[t]["index_keys"] for t in types) * 16
+    # what the trace of the real layout counts at 1M (tools/plan.py, 3 minutes): a CSA layer gathers 255 x 1,024
+    # entries of 512 + 128 bf16 values, an HCA layer 255 x 32 of 512; 16 micro-batches, the replay's again
+    gathered = 16 * 255 * (21 * 1024 * 640 + 20 * 32 * 512) * 2
     assert sent["all_gather"] == 2 * gathered and sent["reduce_scatter"] == gathered
+    assert details[0]["cp_bytes_per_layer"][CSA]["all_gather"] == 255 * 1024 * 640 * 2
 
 
 def test_work_prices_the_indexer_forward_only():

@@ -60,6 +60,8 @@ class CoreSeams:
     core: str | None = None       # the core class under cp, built as (cp group, backend); None: LocalAttention stays
     attend: str | None = None     # the module's `attend` seam; None: the module has no such seam
     attend_up: str | None = None  # the `attend` seam under the kind's selective `up_item`
+    context: str | None = None    # the module's `context` seam under cp, built as (cp group, parallel.cp_layout);
+    #                               None: the module has none (DeepSeek-V4's: its halo rows and gathered entries)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ class AttentionSpec:
     per_layer: bool = False        # params, vector_params, core_flops and saved_bytes take a trailing layer_id
     positions: str | None = None   # m -> the model's `rope`: positions -> the pair every block hands the module in
     #                                place of (cos, sin); None: RotaryEmbedding of [model.rope] (model/transformer.py)
-    run_errors: Callable | None = None  # (m, parallel, data) -> layouts and data it does not run with (rules)
+    run_errors: Callable | None = None  # (m, parallel, data, seq_len) -> layouts and data it does not run with
+    cp_layouts: tuple[str, ...] = ("zigzag", "balanced")  # the parallel.cp_layout values its cp builds (rules)
 
     def new_module(self, m, layer_id: int):
         """Block `layer_id`'s attention module (call from the model layer or above: it imports the module)."""
@@ -308,9 +311,6 @@ def _v4_errors(m) -> list[str]:
         if on:
             e.append(f"model.{key} is not read by model.attention = 'v4' (its norms, biases and ropes are "
                      "[model.v4_attention]'s)")
-    if m.mtp.depth:
-        e.append(f"model.mtp.depth={m.mtp.depth} with model.attention = 'v4' is not built: the MTP block's attention "
-                 "type is not settled here (and mHC, V4's stream, refuses MTP too)")
     return e
 
 
@@ -323,31 +323,52 @@ def _v4_tp_errors(m, tp: int) -> list[str]:
     return []
 
 
-def _v4_run_errors(m, p, data) -> list[str]:
-    e = []
-    if p.cp > 1:
-        e.append(f"parallel.cp={p.cp} with model.attention = 'v4' is not built: context parallelism for V4's window "
-                 "and compressed entries is the next issue's")
-    for key in ("document_mask", "document_positions"):
-        if getattr(data, key):
-            e.append(f"data.{key} = true with model.attention = 'v4' is not built: its window and compressed entries "
-                     "would cross document boundaries")
+def _v4_run_errors(m, p, data, seq_len: int) -> list[str]:
+    """Its context-parallel spans (moe_lc/parallel/cp/v4_context.py): a multiple of every compress rate, at least the
+    rows before a span that its window and pooling windows read; packed documents with positions restarting."""
+    e, a = [], m.v4_attention
+    if p.cp > 1 and p.cp_a2a <= 1 and p.cp_layout in ("zigzag", "contiguous") and seq_len % (2 * p.cp) == 0:
+        span = seq_len // (2 * p.cp) * (2 if p.cp_layout == "contiguous" else 1)
+        used = a.layer_types_for(m.n_layers)
+        rates = sorted({a.compress_rate(t) for t in used} - {0})
+        halo = max([a.sliding_window - 1] + [(2 if t == "compressed_sparse_attention" else 1) * a.compress_rate(t) - 1
+                                             for t in used if a.compress_rate(t)])  # model/v4_layout.py halo_rows
+        bad = [r for r in rates if span % r]
+        if bad:
+            e.append(f"train.seq_len={seq_len} under parallel.cp={p.cp} ({p.cp_layout}) gives spans of {span} rows: "
+                     f"must be a multiple of the compress rates {bad} (each rank pools whole windows)")
+        if span < halo:
+            e.append(f"train.seq_len={seq_len} under parallel.cp={p.cp} ({p.cp_layout}) gives spans of {span} rows: "
+                     f"must be >= {halo}, the earlier rows a span's window and pooling windows read")
+    if data.document_mask != data.document_positions:
+        e.append(f"data.document_mask={str(data.document_mask).lower()} and data.document_positions="
+                 f"{str(data.document_positions).lower()} with model.attention = 'v4': set both (each document is "
+                 "compressed on its own grid, from its own position 0)")
     return e
+
+
+def _v4_cp_a2a_errors(m, a2a: int) -> list[str]:
+    return [f"parallel.cp_a2a={a2a} with model.attention = 'v4' is not built: its context parallelism gathers the "
+            "compressed entries (one shared KV head, nothing to split by head); use parallel.cp_a2a = 1"]
 
 
 # DeepSeek-V4 (report arXiv 2606.19348 section 2.3): one module class for the three layer types, block i's type from
 # [model.v4_attention] layer_types (`build`), so its counts are per layer; it reads positions and keeps its own RoPE
 # tables (main / compress), so the model's `rope` hands it the positions. Its TP rule splits query heads and output
 # groups, replicating the shared KV head, compressors and indexer (parallel/v4_plan.py, which also plans the CSA
-# indexer loss's share and head sum; its metric is DSA's); no ring (cp refused), packed documents refused; its
-# decode cache keeps each layer's input (model/v4_decode.py).
+# indexer loss's share and head sum; its metric is DSA's); under cp no ring: its `context` seam exchanges the rows
+# before each span and all-gathers the compressed entries (parallel/cp/v4_context.py), zig-zag or contiguous; packed
+# documents stay inside each document (model/v4_layout.py); its decode cache keeps each layer's input
+# (model/v4_decode.py).
 ATTENTION_KINDS["v4"] = AttentionSpec(
     name="v4", label="DeepSeek-V4 attention", attention="v4", variant=None,
     head_dims=_v4_head_dims, errors=_v4_errors, tp_errors=_v4_tp_errors, up_item=None,
     module="moe_lc.model.v4_attention:V4Attention", params="moe_lc.model.v4_counting:v4_params",
     vector_params="moe_lc.model.v4_counting:v4_vector_params", saved_bytes="moe_lc.model.v4_counting:v4_saved_bytes",
     decode="moe_lc.model.v4_decode:V4Decode",
-    tp_rule="moe_lc.parallel.v4_plan:v4_tp_rule", tp_groups=None, local=CoreSeams(), ring=CoreSeams(),
+    tp_rule="moe_lc.parallel.v4_plan:v4_tp_rule", tp_groups=None, local=CoreSeams(),
+    ring=CoreSeams(context="moe_lc.parallel.cp.v4_context:V4ContextRows"), cp_layouts=("zigzag", "contiguous"),
+    cp_a2a_errors=_v4_cp_a2a_errors,
     expanded_ring=None, hf_pieces="moe_lc.convert.hf_v4:v4_attention_pieces",
     hf_family="moe_lc.convert.hf_v4:v4_family", core_flops="moe_lc.model.v4_counting:v4_core_flops",
     build="moe_lc.model.v4_attention:v4_attention_for", per_layer=True,

@@ -238,27 +238,21 @@ def _batch_and_pipeline_rules(cfg: Config, d: dict) -> list[str]:
     return e
 
 
-def _v4_stream_and_routing_rules(cfg: Config) -> list[str]:
-    """What mHC (model.residual = 'mhc') does not run with yet (pp, tp and hash routing's token ids on every stage
-    and sequence shard are built: moe_lc/parallel/pipeline/stage.py, moe_lc/parallel/tp/plan.py)."""
-    m, e = cfg.model, []
-    mhc = m.residual == "mhc"
-    if mhc and m.mtp.depth:
-        e.append(f"model.residual = 'mhc' with model.mtp.depth={m.mtp.depth} is not built: the MTP modules read "
-                 "a (B, S, D) hidden state")
-    return e
-
-
 def cross_section_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Rules that tie sections together. `world_size` None = the recipe's own."""
     d, e = layout_errors(cfg.parallel, world_size)
     if DEGREES_RULE in e:
         return e[:-1]  # the section rules already name the bad degree
     e += _expert_rules(cfg, d) + tensor_parallel_errors(cfg) + hybrid_cp_errors(cfg) + _batch_and_pipeline_rules(cfg, d)
-    e += _v4_stream_and_routing_rules(cfg)
     m, data, t = cfg.model, cfg.data, cfg.train
-    if m.attention in names(AttentionKind) and attention_kind(m).run_errors is not None:  # V4: no cp, no documents
-        e += attention_kind(m).run_errors(m, cfg.parallel, data)
+    if m.attention in names(AttentionKind) and attention_kind(m).run_errors is not None:  # V4: its cp spans, documents
+        e += attention_kind(m).run_errors(m, cfg.parallel, data, t.seq_len)
+    if m.attention in names(AttentionKind) and cfg.parallel.cp > 1 and \
+            cfg.parallel.cp_layout not in attention_kind(m).cp_layouts:
+        kind = attention_kind(m)
+        e.append(f"parallel.cp_layout={cfg.parallel.cp_layout!r} with {kind.label} is not built: its context "
+                 f"parallelism places the sequence as {' or '.join(map(repr, kind.cp_layouts))} (the zig-zag ring "
+                 "assumes two chunks per rank)")
     if m.vocab_size < 259 and data.tokenizer == "byte":
         e.append(f"model.vocab_size={m.vocab_size} must be >= 259 for the byte tokenizer")
     if data.has_loss_mask and t.seq_len < 64:

@@ -64,8 +64,9 @@ class ParallelConfig:
     mla_ring: MlaRing = f("latent", "MLA's ring under cp moves the KV latent (up-projected on arrival) or expanded K, V")
     cp_a2a: int = f(1, "hybrid cp: a Ulysses all-to-all over this many consecutive cp ranks (heads split), the "
                        "zig-zag ring over cp / cp_a2a of them; 1 = the ring alone, cp = all-to-all alone")
-    cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), or balanced "
-                                      "(data.document_mask: per micro-batch, heaviest chunk paired with lightest)")
+    cp_layout: CpLayout = f("zigzag", "which 2 of the 2cp chunks a cp rank holds: zigzag (r, 2cp-1-r), balanced "
+                                      "(data.document_mask: per micro-batch, heaviest chunk paired with lightest), or "
+                                      "contiguous (2r, 2r+1: one span per rank; DeepSeek-V4 attention only)")
     zero_bucket_mb: float = f(32.0, "ZeRO-1 gradient reduce-scatter bucket size in MiB")
     placement: PlacementConfig = f(PlacementConfig(), "[parallel.placement]")
     timeout_s: float = f(600.0, "collective timeout in seconds")

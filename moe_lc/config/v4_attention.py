@@ -30,6 +30,7 @@ from moe_lc.config.fields import f, positive
 
 V4LayerType = Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 V4_LAYER_TYPES: tuple[str, ...] = get_args(V4LayerType)
+V4CoreKind = Literal["tiled", "reference"]  # a Literal: config/rules.py checks the value
 COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
@@ -59,8 +60,15 @@ class V4AttentionConfig:
                                       "0: the indexer does not train)")
     attn_sink: bool = f(True, "a learned sink logit per head in every softmax (false: an ablation)")
     eps: float = f(1e-6, "RMSNorm epsilon of q, the KV entry and the compressors")
+    core: V4CoreKind = f("tiled", "'tiled': the core in query tiles saving O(S H) (moe_lc/ops/v4_sparse_core.py; "
+                                  "Triton on CUDA) and the indexer's top-k over entry tiles, no (B, S, n) tensor; "
+                                  "'reference': the torch reference (moe_lc/model/v4_core.py), (B, S, n) masks and "
+                                  "the full scores")
     layer_types: list[V4LayerType] = f([], "attention type per layer; empty = 2 window-only layers, then CSA / "
                                            "HCA alternating")
+    mtp_layer_type: V4LayerType = f("sliding_attention", "attention type of the MTP modules' blocks (model.mtp.depth; "
+                                                         "DeepSeek's config: compress_ratios[n_layers], 0 = window "
+                                                         "only in V4-Flash's)")
 
     def compress_rate(self, layer_type: str) -> int:
         """Tokens per compressed entry of a layer type (0: window only)."""
@@ -99,6 +107,9 @@ class V4AttentionConfig:
         bad = [t for t in self.layer_types if t not in V4_LAYER_TYPES]
         if bad:
             e.append(f"{p}.layer_types has {bad}: each must be one of {', '.join(map(repr, V4_LAYER_TYPES))}")
+        if self.mtp_layer_type not in V4_LAYER_TYPES:
+            e.append(f"{p}.mtp_layer_type={self.mtp_layer_type!r} must be one of "
+                     f"{', '.join(map(repr, V4_LAYER_TYPES))}")
         if self.layer_types and len(self.layer_types) != n_layers:
             e.append(f"{p}.layer_types has {len(self.layer_types)} entries: must be model.n_layers={n_layers} "
                      "(or empty for the default pattern)")

@@ -141,6 +141,8 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
     mtp_layers = len({k.split(".")[2] for k in weights.keys()
                       if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")
                       and int(k.split(".")[2]) >= n_layers})
+    mtp_layers += len({k.split(".")[1] for k in weights.keys()  # DeepSeek-V4's "mtp.<d>.*" (convert/hf_v4.py)
+                       if k.startswith("mtp.") and k.endswith(".e_proj.weight")})
     cfg, family = from_hf_config(hf, mtp_layers)
     if "lm_head.weight" not in weights and not cfg.tie_embeddings and family != "deepseek_v4":  # V4's: head.weight
         raise ConvertError(f"{hf_dir}: lm_head.weight is missing and tie_word_embeddings is not set")
@@ -157,7 +159,6 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
     used = {p.theirs for p in table} | set(mtp_copies(cfg))
     if cfg.tie_embeddings:  # a tied checkpoint that also saved the head: transformers ignores it, as we do
         used.add("lm_head.weight")
-    used |= set(v4_mtp_keys(family, weights))  # left out on purpose, and said so (from_hf)
     left = [k for k in weights.keys() if k not in used and not k.endswith("_scale_inv")
             and not k.endswith("rotary_emb.inv_freq")]
     if left:
@@ -166,11 +167,6 @@ def _check_weights(hf_dir: Path, hf: dict, weights: HFWeights):
     for p in table:
         by_name[p.ours].append(p)
     return cfg, family, weights, dict(by_name)
-
-
-def v4_mtp_keys(family: str, weights) -> list[str]:
-    """A DeepSeek-V4 checkpoint's MTP layer ("mtp.*"), which the conversion leaves out (convert/hf_v4.py)."""
-    return [k for k in weights.keys() if k.startswith("mtp.")] if family == "deepseek_v4" else []
 
 
 def checked_tokenizer(hf_dir: Path) -> dict[str, Path]:
@@ -265,9 +261,6 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, tra
         tok_files = checked_tokenizer(hf_dir)
         cfg, family, weights, by_name = plan(hf_dir, hf)
         log(f"from-hf: {family} from {hf_dir}")
-        if skipped := v4_mtp_keys(family, weights):
-            log(f"from-hf: left out the checkpoint's MTP layer ({len(skipped)} mtp.* tensors): our MTP modules do not "
-                "run with mHC or V4 attention yet")
         try:
             state = _model_state(cfg, weights, by_name, box_bytes, log)
             tokenizer = "byte"

@@ -13,8 +13,14 @@ transformers loads). Shapes: o_a_proj is (G R, H d / G), ours wo_a (G, R, H d / 
 kv | gate projections are the rows of our wkv_gate; experts one tensor each (w1 gate, w3 up, w2 down).
 No row is permuted: V4's RoPE and ours both rotate adjacent pairs of the last rope dims.
 
-The MTP layer. DeepSeek's checkpoints hold one ("mtp.0.*"); transformers does not build it, and our MTP modules
-do not run with mHC or V4 attention yet, so from-hf leaves its tensors out and says so.
+The MTP layer. DeepSeek's checkpoints hold one ("mtp.0.*", num_nextn_predict_layers = 1), named as the modules of
+DeepSeek's own inference code (inference/model.py of the deepseek-ai/DeepSeek-V4-Flash release: `Transformer.mtp`, a
+list of `MTPBlock`, each a `Block` plus e_proj, h_proj, enorm, hnorm, norm and hc_head_fn / base / scale; the
+embedding and head are the model's, so it has no copies of them). transformers does not build it (its
+DeepseekV4PreTrainedModel ignores "mtp.*" on load), so the table keeps those names in both forms: from-hf reads them
+into our `mtp.<d>` (model/mtp.py StreamMTPModule), to-hf writes them back and transformers skips them. The MTP
+block's attention type (DeepSeek's compress_ratios[n_layers]) has no field in transformers' config: to-hf refuses
+any but sliding_attention, V4-Flash's and from-hf's (model.v4_attention.mtp_layer_type).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from moe_lc.config.model_sections import MHCConfig
 from moe_lc.config.v4_attention import V4AttentionConfig
 from moe_lc.convert.hf_fields import ConvertError, refuse
 from moe_lc.convert.hf_names import Piece, stacked_rows
+from moe_lc.model.mtp import block_config
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 _TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
@@ -51,7 +58,9 @@ def v4_family(cfg: ModelConfig) -> str:
                       "shared experts other than one ungated of moe.ffn_dim"),
                      (m.swiglu_limit <= 0, "model.moe.swiglu_limit = 0 (V4 always clamps)"),
                      (not cfg.v4_attention.attn_sink, "model.v4_attention.attn_sink = false"),
-                     (cfg.tie_embeddings, "model.tie_embeddings")):
+                     (cfg.tie_embeddings, "model.tie_embeddings"),
+                     (cfg.mtp.depth and cfg.v4_attention.mtp_layer_type != "sliding_attention",
+                      f"model.v4_attention.mtp_layer_type={cfg.v4_attention.mtp_layer_type!r} (no config field)")):
         if bad:
             raise ConvertError(f"to-hf: {why} has no deepseek_v4 form in transformers")
     return "deepseek_v4"
@@ -144,7 +153,7 @@ def to_hf_v4(cfg: ModelConfig, hf: dict) -> dict:
             "n_shared_experts": m.n_shared_experts, "num_experts_per_tok": m.topk, "scoring_func": m.score_func,
             "norm_topk_prob": True, "routed_scaling_factor": m.routed_scaling_factor, "swiglu_limit": m.swiglu_limit,
             "hc_mult": cfg.mhc.hc_mult, "hc_sinkhorn_iters": cfg.mhc.sinkhorn_iters, "hc_eps": cfg.mhc.eps,
-            "num_nextn_predict_layers": 0, "attention_bias": False, "mlp_bias": False}
+            "num_nextn_predict_layers": cfg.mtp.depth, "attention_bias": False, "mlp_bias": False}
 
 
 # ------------------------------------------------------------------------------------------- the weight table
@@ -212,6 +221,26 @@ def _ffn(cfg: ModelConfig, ours: str, theirs: str, layer_id: int) -> list[Piece]
         Piece(f"{ours}.shared.w2.weight", (0, 0), f"{shared}.w2.weight", (D, F))]
 
 
+def _block(cfg: ModelConfig, ours: str, theirs: str, layer_id: int) -> list[Piece]:
+    """Block `layer_id`: its norms, mHC maps, attention and MoE."""
+    D, n = cfg.dim, cfg.mhc.hc_mult
+    out = [Piece(f"{ours}.attn_norm.weight", (0,), f"{theirs}.attn_norm.weight", (D,)),
+           Piece(f"{ours}.ffn_norm.weight", (0,), f"{theirs}.ffn_norm.weight", (D,))]
+    out += _hyper(f"{ours}.attn_res", f"{theirs}.hc_attn_", n, D, n * (n + 2), 3)
+    out += _hyper(f"{ours}.ffn_res", f"{theirs}.hc_ffn_", n, D, n * (n + 2), 3)
+    out += v4_attention_pieces(cfg, f"{ours}.attn", f"{theirs}.attn", layer_id=layer_id)
+    return out + _ffn(cfg, f"{ours}.ffn", f"{theirs}.ffn", layer_id)
+
+
+def _mtp(cfg: ModelConfig, d: int) -> list[Piece]:
+    """MTP depth d (layer id n_layers + d) under DeepSeek's names "mtp.<d>.*" (module docstring)."""
+    D, n, ours, theirs = cfg.dim, cfg.mhc.hc_mult, f"mtp.{d}", f"mtp.{d}"
+    out = [Piece(f"{ours}.{name}.weight", (0,), f"{theirs}.{name}.weight", (D,)) for name in ("enorm", "hnorm", "norm")]
+    out += [Piece(f"{ours}.{name}.weight", (0, 0), f"{theirs}.{name}.weight", (D, D)) for name in ("e_proj", "h_proj")]
+    out += _hyper(f"{ours}.stream_head", f"{theirs}.hc_head_", n, D, n, 1)
+    return out + _block(block_config(cfg), f"{ours}.block", theirs, cfg.n_layers + d)
+
+
 def v4_pieces(cfg: ModelConfig) -> list[Piece]:
     """Every piece of a deepseek_v4 model (hf_names.pieces), in the form save_pretrained writes."""
     D, V, n = cfg.dim, cfg.vocab_size, cfg.mhc.hc_mult
@@ -219,11 +248,7 @@ def v4_pieces(cfg: ModelConfig) -> list[Piece]:
            Piece("norm.weight", (0,), "model.norm.weight", (D,)), Piece("head.weight", (0, 0), "head.weight", (V, D))]
     out += _hyper("stream_head", "model.hc_head.hc_", n, D, n, 1)
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        out += [Piece(f"{ours}.attn_norm.weight", (0,), f"{theirs}.attn_norm.weight", (D,)),
-                Piece(f"{ours}.ffn_norm.weight", (0,), f"{theirs}.ffn_norm.weight", (D,))]
-        out += _hyper(f"{ours}.attn_res", f"{theirs}.hc_attn_", n, D, n * (n + 2), 3)
-        out += _hyper(f"{ours}.ffn_res", f"{theirs}.hc_ffn_", n, D, n * (n + 2), 3)
-        out += v4_attention_pieces(cfg, f"{ours}.attn", f"{theirs}.attn", layer_id=i)
-        out += _ffn(cfg, f"{ours}.ffn", f"{theirs}.ffn", i)
+        out += _block(cfg, f"layers.{i}", f"model.layers.{i}", i)
+    for d in range(cfg.mtp.depth):
+        out += _mtp(cfg, d)
     return out

@@ -144,7 +144,7 @@ def _write_weights(writer: ShardWriter, path: Path, cfg: Config, family: str, dt
             _refuse_trained_bias(path, group, shapes, dtypes, family)
         for key in dict.fromkeys(p.theirs for n in present for p in by_ours[n]):
             writer.add(key, _hf_tensor(by_key[key], ours, rope_dim))
-        if group.startswith("mtp."):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
+        if group.startswith("mtp.") and family != "deepseek_v4":  # V3's MTP layers copy the embedding and head
             layer = f"model.layers.{cfg.model.n_layers + int(group.split('.')[1])}"
             head = "embed.weight" if cfg.model.tie_embeddings else "head.weight"
             shared = _read_group(path, list(dict.fromkeys(["embed.weight", head])), shapes, dtypes)

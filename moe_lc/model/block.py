@@ -25,7 +25,10 @@ class Block(nn.Module):
     SwiGLU or MoE (its router the layer's kind: hash_router.router_for). How each sublayer reads the stream
     and writes back to it is the residual stream's (`attn_res`, `ffn_res`: residual_stream.py).
     Seam `replay` runs the whole block, or each of its phases; `hold` marks its phases as the chain that
-    reads its parameters (moe_lc/model/seams.py); `forward` leaves holding to its caller (an MTP module)."""
+    reads its parameters (moe_lc/model/seams.py); `forward` leaves holding to its caller (an MTP module).
+    `replay_each_phase` (a layer-plan decision): whether `phases` replays each phase apart (each keeps its own
+    inputs: what DualPipe's F&B needs, which interleaves two micro-batches' phases) or the whole block as one
+    phase (it keeps only the block's input, as Megatron-LM's full recomputation does)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -37,6 +40,7 @@ class Block(nn.Module):
         stream = residual_stream(cfg)
         self.attn_res, self.ffn_res = stream.sublayer(cfg), stream.sublayer(cfg)
         self.replay = run_now
+        self.replay_each_phase = True
         self.hold = hold_now
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -48,13 +52,18 @@ class Block(nn.Module):
                tokens=None) -> list:
         """The block as a chain of phases, each taking and returning a tuple of tensors:
         [attention, ffn] for a dense block, [attention, dispatch, experts, combine] for an MoE block.
-        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B); under full
-        recomputation (the `replay` seam) each phase keeps only its inputs. `stats`: the step's
-        `ForwardStats`, where an MoE block books its routing and records its aux loss. `docs`: the
-        micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays inside each, else None.
-        `tokens`: the micro-batch's token ids (B, S), which a hash-routed MoE layer reads, or None."""
-        return self.hold([named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__)
-                          for fn in self._phases(cos, sin, stats, docs, tokens)], (self,))
+        A pipeline interleaves two micro-batches at these boundaries (DualPipe's F&B). Under full recomputation
+        (the `replay` seam) each phase keeps only its inputs, or, without `replay_each_phase`, the chain is one
+        phase, the whole block replayed from its input alone (the rows its all-to-alls moved are moved again in
+        the replay). `stats`: the step's `ForwardStats`, where an MoE block books its routing and records its
+        aux loss. `docs`: the micro-batch's packed documents (moe_lc/ops/documents.py) when attention stays
+        inside each, else None. `tokens`: the micro-batch's token ids (B, S), which a hash-routed MoE layer
+        reads, or None."""
+        phases = self._phases(cos, sin, stats, docs, tokens)
+        if not self.replay_each_phase:  # made once: the replay reruns them with this forward's state
+            return self.hold([named(lambda h: (self.replay(lambda x: run_phases(phases, x), h),), "block")], (self,))
+        return self.hold([named(lambda *state, fn=fn: self.replay(fn, *state), fn.__name__) for fn in phases],
+                         (self,))
 
     def _phases(self, cos: torch.Tensor, sin: torch.Tensor, stats: ForwardStats | None = None, docs=None,
                 tokens=None) -> list:

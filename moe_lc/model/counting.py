@@ -5,6 +5,8 @@ Tests check these against a model built on the meta device, so they cannot drift
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moe_lc.config import ModelConfig
 from moe_lc.config.attention_kinds import attention_kind, load
 
@@ -114,14 +116,21 @@ def shared_expert_params(cfg: ModelConfig) -> int:
 
 
 def mtp_module_params(cfg: ModelConfig) -> int:
-    """One MTP module: two input norms, the 2D -> D projection, one block (MoE when the model has
-    experts), and its output norm; the embedding and output head are shared with the main model."""
+    """One MTP module (model/mtp.py): two input norms, the input projection (V3's 2D -> D eh_proj, or with mHC
+    e_proj and h_proj, the same 2 D^2), one block (MoE when the model has experts; a per-layer attention kind counts
+    block id n_layers, V4's of type v4_attention.mtp_layer_type), its output norm and, with mHC, the block's two
+    sublayer maps and its own HyperHead; the embedding and output head are shared with the main model."""
+    from moe_lc.model.mtp import block_config  # (model/mtp.py imports the model's modules)
+
     D = cfg.dim
     if cfg.moe.n_routed_experts and cfg.moe.n_dense_layers < cfg.n_layers:
         ffn = 3 * D * cfg.moe.ffn_dim * cfg.moe.n_routed_experts + shared_expert_params(cfg) + cfg.moe.n_routed_experts * D
     else:
         ffn = 3 * D * cfg.ffn_dim
-    return 2 * D + 2 * D * D + attention_params(cfg) + 2 * D + ffn + D
+    per_layer = attention_kind(cfg).per_layer
+    attn = attention_params(block_config(cfg, depth=1), cfg.n_layers) if per_layer else attention_params(cfg)
+    one_layer = replace(cfg, n_layers=1)  # residual_stream_params: two sublayers' maps and a head's
+    return 2 * D + 2 * D * D + attn + 2 * D + ffn + D + sum(residual_stream_params(one_layer))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -28,7 +28,8 @@ def block_floor(m: ModelConfig, layer_id: int, c: int, policy: str, fp8_linear: 
     fp8_linear: Linear inputs may be kept in FP8 (FP8 GEMMs, caching or dispatch); fp8_cache: its items."""
     D = m.dim
     if policy == "full":
-        return 2 * c * D  # each of its two phases keeps its input, the residual stream
+        return c * D  # one checkpoint around the block keeps its input, the residual stream (DualPipe's per-phase
+        # replay keeps more: a floor counts the least)
     lin = 1 if fp8_linear else c
     act = 1 if "swiglu" in fp8_cache else c
     out = 1 if "attn_out" in fp8_cache else c

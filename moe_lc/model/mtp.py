@@ -10,9 +10,26 @@ and predicts t_(i+d+1):
 The embedding and output head are the main model's (shared); the objective adds
 mtp_loss_weight / D * sum_d loss_d. Targets are built from the full sequence before any context-
 parallel sharding (`mtp_targets`), so zig-zag shards never need their neighbours' tokens.
+
+With mHC (model.residual = "mhc", DeepSeek-V4) a module works on the widened stream (B, S, N, D), as DeepSeek's
+own V4 inference code does (`MTPBlock` in inference/model.py of the deepseek-ai/DeepSeek-V4-Flash release):
+
+    h^(d) = Block_d( e_proj(enorm(Emb(t_(i+d)))) broadcast over the N copies + h_proj(hnorm(h^(d-1))) )   (B, S, N, D)
+    loss_d = CE( Head(norm_d(HyperHead_d(h^(d)))), t_(i+d+1) )
+
+h^(0) is the main model's stream before its HyperHead (not the collapsed hidden state); hnorm and h_proj act on
+each copy; e_proj, h_proj (D, D) are the two halves of V3's eh_proj (checkpoint names mtp.0.e_proj / h_proj);
+each depth has its own HyperHead (hc_head_fn / base / scale) and output norm, the embedding and head are the main
+model's. The block is a whole V4 block (mHC around attention and MoE), layer id n_layers + d - 1, so its MoE is
+learned-routed (DeepSeek hash-routes ids below n_hash_layers only; ModelConfig.is_hash_layer) and its attention
+type is [model.v4_attention] mtp_layer_type (DeepSeek's config lists it as compress_ratios[n_layers], 0 = window
+only in V4-Flash's; transformers drops that entry). DeepSeek ships one depth; for d > 1 the source is silent and
+the next depth reads this depth's stream h^(d) before its HyperHead (the same rule as depth 1).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,6 +38,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.block import Block
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.residual_stream import residual_stream
 from moe_lc.ops.linear import Linear
 
 
@@ -43,29 +61,74 @@ def mtp_targets(tokens: torch.Tensor, loss_mask: torch.Tensor | None, depth: int
     return {"inputs": inputs, "labels": labels, "mask": mask}
 
 
+def block_config(cfg: ModelConfig, depth: int | None = None) -> ModelConfig:
+    """The [model] section the MTP blocks are built from: [model.v4_attention] layer_types lists the blocks' type
+    (mtp_layer_type) after the n_layers main ones, for `depth` blocks (default model.mtp.depth), so block
+    n_layers + d finds its type as the main blocks find theirs (only V4 attention reads that section)."""
+    a = cfg.v4_attention
+    types = a.layer_types_for(cfg.n_layers) + [a.mtp_layer_type] * (cfg.mtp.depth if depth is None else depth)
+    return replace(cfg, v4_attention=replace(a, layer_types=types))
+
+
 class MTPModule(nn.Module):
-    """One prediction depth: h (B, S, D), next-token embeddings (B, S, D) -> h' (B, S, D)."""
+    """One prediction depth (DeepSeek-V3): h (B, S, D), next-token embeddings (B, S, D) -> h' (B, S, D)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim)
-        self.block = Block(cfg, layer_id)
+        self.block = Block(block_config(cfg), layer_id)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, h_BSD, emb_BSD, cos, sin, stats: ForwardStats | None = None, docs=None):
         x = self.eh_proj(torch.cat([self.hnorm(h_BSD), self.enorm(emb_BSD)], dim=-1))
         return self.block(x, cos, sin, stats, docs)
 
+    def read_out(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """What the shared output head reads: norm_d(h) (B, S, D)."""
+        return self.norm(h_BSD)
 
-def mtp_loss(modules: nn.ModuleList, embed, head, loss_fn, h_BSD, targets: dict, cos, sin,
+
+class StreamMTPModule(nn.Module):
+    """One prediction depth on mHC's stream (DeepSeek-V4, module docstring): h (B, S, N, D), next-token embeddings
+    (B, S, D) -> h' (B, S, N, D). e_proj, h_proj: (D, D); stream_head: this depth's HyperHead."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.e_proj = Linear(cfg.dim, cfg.dim)
+        self.h_proj = Linear(cfg.dim, cfg.dim)
+        self.block = Block(block_config(cfg), layer_id)
+        self.stream_head = residual_stream(cfg).head(cfg)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h_BSND, emb_BSD, cos, sin, stats: ForwardStats | None = None, docs=None):
+        x = self.e_proj(self.enorm(emb_BSD)).unsqueeze(2) + self.h_proj(self.hnorm(h_BSND))
+        return self.block(x, cos, sin, stats, docs)
+
+    def read_out(self, h_BSND: torch.Tensor) -> torch.Tensor:
+        """What the shared output head reads: norm_d(HyperHead_d(h)) (B, S, D)."""
+        return self.norm(self.stream_head(h_BSND))
+
+
+MTP_MODULES = {"plain": MTPModule, "mhc": StreamMTPModule}  # by model.residual
+
+
+def mtp_module(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """Prediction depth layer_id - n_layers + 1 for the recipe's residual stream."""
+    return MTP_MODULES[cfg.residual](cfg, layer_id)
+
+
+def mtp_loss(modules: nn.ModuleList, embed, head, loss_fn, h, targets: dict, cos, sin,
              stats: ForwardStats | None = None, docs=None) -> list[torch.Tensor]:
     """Summed CE of each depth (a list of D fp32 scalars); `embed`/`head`/`loss_fn` are the main
-    model's shared modules; `stats`, `docs` as `Transformer.forward`'s."""
+    model's shared modules; h: the main model's last stream (B, S, D), or (B, S, N, D) with mHC, before
+    any read-out; `stats`, `docs` as `Transformer.forward`'s."""
     losses = []
     for d, module in enumerate(modules):
-        h_BSD = module(h_BSD, embed(targets["inputs"][:, d]), cos, sin, stats, docs)
-        logits = head(module.norm(h_BSD))
+        h = module(h, embed(targets["inputs"][:, d]), cos, sin, stats, docs)
+        logits = head(module.read_out(h))
         losses.append(loss_fn(logits, targets["labels"][:, d], targets["mask"][:, d]))
     return losses

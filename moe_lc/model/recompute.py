@@ -7,8 +7,10 @@ rules; this file holds the pieces, and the model never imports it):
                either: an RMSNorm keeps its compute-dtype input (not its fp32 intermediates), a SwiGLU
                its gate|up (not silu(gate)) and the router its compute-dtype input (not the fp32 copy its
                gate reads), their elementwise math replayed in backward (bit-identical)
-    full       each block keeps only its input; its forward is replayed in backward (a pipeline that
-               runs blocks phase by phase keeps each phase's inputs instead)
+    full       each block keeps only its input (mHC's widened stream, (B, S, N, D)); its whole forward,
+               all-to-alls included, is replayed in backward, as Megatron-LM's full recomputation does
+               (DualPipe(V), which interleaves two micro-batches' block phases, keeps each phase's inputs
+               instead: the layer plan's `replay_each_phase`)
     selective  only cheap, memory-heavy pieces are replayed (`[recompute] selective`):
                  norm       RMSNorm's fp32 intermediates: every policy keeps only a norm's
                             compute-dtype input and replay its fp32 math in backward (a fused norm kernel

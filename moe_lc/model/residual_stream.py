@@ -86,6 +86,7 @@ class HyperConnection(nn.Module):
 
     carried = 2  # post (B, S, N), comb (B, S, N, N)
     init_ones = ("scale",)  # (init.py) fn ~ Normal(0, init_std), bias 0, scale 1: transformers' _init_weights
+    no_weight_decay = ("scale",)  # a gain (parallelize.no_weight_decay_names), its bias too by name
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -126,7 +127,7 @@ class HyperHead(nn.Module):
         super().__init__()
         n = cfg.mhc.hc_mult
         self.eps, self.norm_eps = cfg.mhc.eps, cfg.norm_eps
-        self.init_ones = ("scale",)
+        self.init_ones = self.no_weight_decay = ("scale",)
         self.fn = _projection(n, n * cfg.dim)
         self.bias = nn.Parameter(torch.zeros(n))
         self.scale = nn.Parameter(torch.ones(1))

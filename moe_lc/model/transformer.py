@@ -18,7 +18,7 @@ from moe_lc.model.block import Block, named, run_phases
 from moe_lc.model.forward_stats import ForwardStats
 from moe_lc.model.init import cast_params_, init_weights
 from moe_lc.model.moe import MoE
-from moe_lc.model.mtp import MTPModule, mtp_loss
+from moe_lc.model.mtp import mtp_loss, mtp_module
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.residual_stream import residual_stream
 from moe_lc.model.rope import RotaryEmbedding
@@ -124,7 +124,7 @@ class Transformer(nn.Module):
             self.register_state_dict_post_hook(_drop_tied_head)
             self.register_load_state_dict_post_hook(_tied_head_not_missing)
         self.loss_fn = CrossEntropySum()
-        self.mtp = nn.ModuleList([MTPModule(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
+        self.mtp = nn.ModuleList([mtp_module(cfg, cfg.n_layers + d) for d in range(cfg.mtp.depth)]) if cfg.mtp.depth else None
         self.mtp_loss_weight = cfg.mtp.loss_weight
         self.mtp_embed = None  # seam: the Borrowed embedding MTP uses on a stage without one (moe_lc/model/seams.py)
         positions = attention_kind(cfg).positions  # a kind with its own tables (V4) is handed positions instead
@@ -173,9 +173,9 @@ class Transformer(nn.Module):
         return chain
 
     def _output(self, h, labels, loss_mask, mtp, cos, sin, stats, docs, sources):
-        if self.stream_head is not None:
-            h = self.stream_head(h)
-        logits = self.head(self.norm(h))
+        # the MTP modules read the stream h itself (mHC's N copies, as DeepSeek-V4's MTP block does), not its read-out
+        x = self.stream_head(h) if self.stream_head is not None else h
+        logits = self.head(self.norm(x))
         if labels is None:
             return logits
         token_loss = self.loss_fn.token_losses(logits, labels)

@@ -14,6 +14,9 @@ m tokens per entry, n = S // m entries (a trailing partial window makes none), c
 
 Entry w holds tokens up to (w + 1) m - 1, so a query at position t may read it only when
 w < (t + 1) // m (`visible_entries`, transformers' `causal_threshold`): nothing from the future.
+Packed documents and context parallelism (`pooled`, moe_lc/model/v4_layout.py): the same pooling over windows
+given by their last row in extended rows (each document on its own grid, window w-1's Ca only inside the document),
+roped at each entry's own position.
 The gate's softmax runs in fp32 (transformers' `dtype=torch.float32`), the weights cast back to kv's dtype.
 """
 
@@ -74,6 +77,33 @@ class Compressor(nn.Module):
         cos, sin = rope(torch.arange(n, device=x_BSD.device) * m)
         entries = self.kv_norm(pooled).view(B, n, 1, self.entry_dim)
         return self.run_region(apply_tail_rope, entries, cos, sin).view(B, n, self.entry_dim)
+
+    def pooled(self, x_BSD: torch.Tensor, rope, grid) -> torch.Tensor:
+        """x (B, S_ext, D) extended rows, grid: moe_lc/model/v4_layout.py's EntryGrid -> the entries this rank
+        pools (B, n_own, d) (padding slots hold finite values no query reads)."""
+        B, m, d = x_BSD.shape[0], self.rate, self.entry_dim
+        n_own = grid.last.shape[1]
+        if n_own == 0:
+            return x_BSD.new_zeros(B, 0, d)
+        rows = self.wkv_gate(x_BSD)  # (B, S_ext, 2 c d)
+        C = rows.shape[-1]
+
+        def window(last):  # (B, n_own) last rows -> (B, n_own, m, C): that window's rows, biased gate
+            idx = (last[..., None] - (m - 1) + torch.arange(m, device=last.device)).clamp_min(0)
+            kv, gate = rows.gather(1, idx.view(B, -1, 1).expand(-1, -1, C)).view(B, n_own, m, C).chunk(2, dim=-1)
+            return kv, gate + self.position_bias
+
+        kv, gate = window(grid.last)
+        if self.overlap:  # window w-1's Ca slots, then window w's Cb (w = 0: no earlier window, weight 0)
+            kv_p, gate_p = window(grid.last - m)
+            gate_p = gate_p.masked_fill(~grid.has_prev[..., None, None], float("-inf"))
+            kv = torch.cat([kv_p[..., :d], kv[..., d:]], dim=2)
+            gate = torch.cat([gate_p[..., :d], gate[..., d:]], dim=2)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        pooled = (kv * weights).sum(dim=2)
+        cos, sin = rope(grid.pos)
+        entries = self.kv_norm(pooled).view(B, n_own, 1, d)
+        return self.run_region(apply_tail_rope, entries, cos, sin).view(B, n_own, d)
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, entry_dim={self.entry_dim}, overlap={self.overlap}"

@@ -14,8 +14,9 @@ its fp32 probabilities S H (2W + n + 1), fp32 copies of the window's queries and
 windows, the keys twice: once per einsum), the window mask, and with entries the fp32 queries, entries
 and the readable mask. The rest of the module keeps what its Linears and norms keep (x once for wa, the
 compressor and the indexer's weights_proj; wq_b's, wo_a's (a group-major copy) and wo's inputs; the norms'
-fp32 inputs). A fused core would keep q, kv, its output and an fp32 LSE per head instead
-(`fused_core_saved_bytes`); the indexer keeps nothing (it runs without autograd). The "v4" attention kind's
+fp32 inputs). The tiled core (model.v4_attention.core = "tiled", the default) keeps q, kv, its output, an fp32 LSE
+per head, the entries and which of them each query reads (`tiled_core_saved_bytes`); the indexer keeps its picks
+(shared with the core) and, training, its loss's (B, S, k) log-softmax. The "v4" attention kind's
 counts per block (`v4_params`, ...) read these with the block's layer type.
 """
 
@@ -88,11 +89,23 @@ def reference_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type:
     return total / S
 
 
-def fused_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type: str, c: int) -> float:
-    """Bytes per token a fused core would keep: q (H d), the token's kv (d), its output (H d) in the compute
-    dtype (c bytes) and an fp32 LSE per head; a layer with entries also their share, d / m per token."""
+def tiled_core_saved_bytes(cfg: V4AttentionConfig, n_heads: int, layer_type: str, seq_len: int, c: int,
+                           segments: bool = False) -> float:
+    """Bytes per token, one batch row, the tiled core keeps for backward (model.v4_attention.core = "tiled":
+    moe_lc/ops/v4_sparse_core.py `saved_bytes`, less the sinks, a parameter): q and its output (H d each) and the
+    token's kv (d) in the compute dtype (c bytes), an fp32 lse per head, the entries' share (n d c / S), and which
+    entries a query reads: CSA's picks (8 min(k, n) bytes, int64; the indexer loss keeps the same tensor), HCA's
+    visible count (8; with segments a [first, stop) range, 16); segments (packed documents, context parallelism): an
+    int64 document id per row (8)."""
+    H, d, S = n_heads, cfg.head_dim, seq_len
     m = cfg.compress_rate(layer_type)
-    return c * (2 * n_heads * cfg.head_dim + cfg.head_dim + (cfg.head_dim / m if m else 0)) + 4 * n_heads
+    n = S // m if m else 0
+    total = c * (2 * H * d + d) + 4 * H + (8 if segments else 0)
+    if layer_type == "compressed_sparse_attention":
+        total += c * n * d / S + 8 * min(cfg.index_topk, n)
+    elif m:
+        total += c * n * d / S + (16 if segments else 8)
+    return total
 
 
 # ------------------------------------------------------------------- the "v4" kind's counts (attention_kinds.py)
@@ -122,9 +135,16 @@ def v4_core_flops(m, seq_len: int, layer_id: int) -> float:
 
 def v4_saved_bytes(m, c: int, cp: int, layer_id: int) -> float:
     """Bytes per token block `layer_id`'s module surely keeps besides what memory_floor.block_floor counts for
-    every kind (wa's input, and n_heads * head_dim: here the core's output, wo_a's input): what a fused core keeps
-    beyond its output (`fused_core_saved_bytes`), the query latent (wq_b's input, Cq) and wo's input (G R), in the
-    compute dtype (c bytes). A lower bound: the torch reference core keeps far more (`reference_core_saved_bytes`)."""
+    every kind (wa's input, and n_heads * head_dim: here the core's output, wo_a's input): what the tiled core keeps
+    beyond its output (`tiled_core_saved_bytes` without segments, at a length whose entries a CSA query's top-k
+    fills: S >= index_topk m; HCA's visible counts left out, one row of them may serve the whole batch), the query
+    latent (wq_b's input, Cq) and wo's input (G R), in the compute dtype (c bytes). A lower bound: the torch
+    reference core keeps far more (`reference_core_saved_bytes`)."""
     a = m.v4_attention
-    core = fused_core_saved_bytes(a, m.n_heads, _layer_type(m, layer_id), c) - c * m.n_heads * a.head_dim
+    layer_type = _layer_type(m, layer_id)
+    rate = a.compress_rate(layer_type)
+    full = (a.index_topk + 1) * rate if layer_type == "compressed_sparse_attention" else max(rate, 1)
+    core = tiled_core_saved_bytes(a, m.n_heads, layer_type, full, c) - c * m.n_heads * a.head_dim
+    if layer_type == "heavily_compressed_attention":
+        core -= 8
     return core + c * (a.q_lora_rank + a.o_groups * a.o_lora_rank)

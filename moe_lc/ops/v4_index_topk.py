@@ -63,8 +63,12 @@ def tiled_index_topk(q_I: Tensor, w: Tensor, keys: Tensor, scale: float, visible
     query_tile = query_tile or max(1, TILE_ELEMS // max(1, B * G * entry_tile))
     first, stop = (visible[..., 0], visible[..., 1]) if visible.dim() == 3 else (torch.zeros_like(visible), visible)
     q_tiles = _tiles(S, query_tile)
-    bounds = torch.stack([torch.stack([first[:, lo:hi].amin(), stop[:, lo:hi].amax()]) for lo, hi in q_tiles])
-    for (lo, hi), (e_lo, e_hi) in zip(q_tiles, bounds.tolist()):  # one host sync: the entries each tile may see
+    if q_I.is_meta:  # a dry run (tools/planner): shapes only, every tile planned over all n entries
+        bounds = [(0, n)] * len(q_tiles)
+    else:  # one host sync: the entries each tile may see
+        bounds = torch.stack([torch.stack([first[:, lo:hi].amin(), stop[:, lo:hi].amax()]) for lo, hi in q_tiles])
+        bounds = bounds.tolist()
+    for (lo, hi), (e_lo, e_hi) in zip(q_tiles, bounds):
         best = None
         for e0 in range(max(0, e_lo), min(n, e_hi), entry_tile):
             e1 = min(e0 + entry_tile, n, e_hi)

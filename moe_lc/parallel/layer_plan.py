@@ -12,7 +12,8 @@ exception, said where it is: `LayerPlan.wrap`, which wraps the decision so far, 
     expert parallelism: local experts, the     GroupedLinear.n_experts,          parallel/ep/dispatch.py
       all-to-all token dispatcher              MoE.dispatcher
     context parallelism: the attention core    .core (zig-zag ring attention;    parallel/cp/ring.py, the
-                                                 MLA's latent ring)                attention kind's ring
+                                                 MLA's latent ring), .context      attention kind's ring
+                                                 (V4's rows and entries)           (parallel/cp/v4_context.py)
     GEMM backend (FP8 or compute dtype)        Linear.gemms                      `_gemms` (kernels: ops/fp8_linear.py)
     recomputation and FP8 activation caching   .replay, .activation, .logits,    `_seams` (pieces: model/recompute.py,
                                                .attend, .out_proj                  model/fp8_cache.py)
@@ -70,7 +71,7 @@ DECIDED = frozenset({"tp", "n_heads", "n_kv_heads", "gather", "embed", "loss_fn"
                      "gemms", "replay", "activation", "logits", "attend", "out_proj", "keep_input", "wgrad_store",
                      "aux_loss_scale", "select", "fp8_tokens", "sum_squares", "token_shards", "sparse_core",
                      "keep_latents", "count_loads", "mtp_embed", "run_region", "logit_guard",
-                     "o_groups", "head_sum", "token_shard"})
+                     "o_groups", "head_sum", "token_shard", "context", "replay_each_phase"})
 
 
 @dataclass
@@ -142,19 +143,23 @@ class LayerPlanOptions:
 
     expert_dispatch: str = "flat"  # parallel.expert_dispatch: the token dispatcher under expert parallelism
     mla_ring: str = "latent"  # parallel.mla_ring: what MLA's ring moves under cp ("expanded": a kind's expanded_ring)
+    cp_layout: str = "zigzag"  # parallel.cp_layout: how the micro-batch is placed on the cp ranks (a `context` seam)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # GEMMs, FP8 caching, FP8 dispatch
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # the policy and its selective items
     aux_loss_scale: float = 1.0  # each micro-batch's share of the step's loss, 1 / (micro-batches * dp)
     compiled: bool = False  # train.compile: the regions run through torch.compile (not on the meta device)
     qk_guard: float = 0.0  # tau of QK-clip's forward guard around every attention core (parallel/qk_guard.py), 0 = none
+    phase_overlap: bool = False  # the pipeline interleaves two micro-batches' block phases (DualPipe(V)'s F&B)
 
     @classmethod
     def from_config(cls, cfg, dp: int = 1) -> LayerPlanOptions:
         """The options of recipe `cfg` (moe_lc.config.Config) on `dp` data-parallel ranks."""
         t = cfg.train
         return cls(expert_dispatch=cfg.parallel.expert_dispatch, mla_ring=cfg.parallel.mla_ring,
+                   cp_layout=cfg.parallel.cp_layout,
                    precision=cfg.precision, recompute=cfg.recompute, aux_loss_scale=1.0 / (t.microbatches(dp) * dp),
-                   compiled=t.compile, qk_guard=t.qk_clip if t.qk_clip_guard else 0.0)
+                   compiled=t.compile, qk_guard=t.qk_clip if t.qk_clip_guard else 0.0,
+                   phase_overlap=cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("dualpipe", "dualpipev"))
 
 
 def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, options: LayerPlanOptions | None = None,
@@ -177,7 +182,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, optio
     if getattr(model, "mtp", None) is not None and model.embed is not None:  # the embedding TP decided, if it did
         plan.set(model, mtp_embed=Borrowed(plan.get(model, "embed", model.embed)))
     _expert_plan(model, dims, placements, plan, o, route)
-    _context_plan(model, dims, plan, o.mla_ring)
+    _context_plan(model, dims, plan, o.mla_ring, o.cp_layout)
     items = set(o.recompute.selective) if o.recompute.policy == "selective" else set()
     for module in model.modules():  # what only some attention kinds decide (DSA's sparse core, loss share, replays)
         kind = module_kinds().get(type(module))
@@ -190,7 +195,7 @@ def resolve_layer_plan(model: nn.Module, dims: ParallelDims | None = None, optio
     cache, gemms = set(o.precision.fp8_cache), _gemms(model, o.precision, device)
     for linear, g in gemms.items():
         plan.set(linear, gemms=g)
-    _seams(model, plan, o.recompute, cache, cp, o.mla_ring)
+    _seams(model, plan, o.recompute, cache, cp, o.mla_ring, o.phase_overlap)
     if "linear" in cache:
         _keep_inputs(model, plan, gemms, o.recompute, cache)
     if pipelined:
@@ -238,10 +243,17 @@ def _expert_plan(model: nn.Module, dims: ParallelDims | None, placements: Placem
         balance_plan(model, dims, plan)
 
 
-def _context_plan(model: nn.Module, dims: ParallelDims | None, plan: LayerPlan, mla_ring: str) -> None:
+def _context_plan(model: nn.Module, dims: ParallelDims | None, plan: LayerPlan, mla_ring: str,
+                  cp_layout: str = "zigzag") -> None:
     """Under cp > 1 each attention module's ring core: its kind's ring for `mla_ring`, with an all-to-all inside
-    under hybrid cp (parallel.cp_a2a > 1; a kind's latent ring keeps its own core)."""
+    under hybrid cp (parallel.cp_a2a > 1; a kind's latent ring keeps its own core); a kind's `context` seam (V4's
+    exchanges, built as (cp group, cp_layout))."""
     cp = dims.cp if dims is not None else 1
+    if cp > 1:
+        for module in model.modules():
+            kind = module_kinds().get(type(module))
+            if kind is not None and kind.seams(cp, mla_ring).context is not None:
+                plan.set(module, context=load(kind.seams(cp, mla_ring).context)(dims["cp"], cp_layout))
     rings = {module_type: kind.seams(cp, mla_ring).core for module_type, kind in module_kinds().items()}
     if cp > 1 and dims.cp_a2a > 1:  # hybrid cp: an all-to-all inside the ring (a kind's latent ring: its own core)
         from moe_lc.parallel.cp.ulysses import hybrid_context_parallel_plan
@@ -282,20 +294,23 @@ def _gemms(model: nn.Module, precision: PrecisionConfig, device) -> dict[nn.Modu
 
 
 def _seams(model: nn.Module, plan: LayerPlan, recompute: RecomputeConfig, cache: set[str], cp: int,
-           mla_ring: str) -> None:
+           mla_ring: str, phase_overlap: bool = False) -> None:
     """Recomputation (policy, selective items) and FP8 activation caching (`cache` items) at the model's
     seams (moe_lc/model/seams.py). A SwiGLU's output is kept by neither when "swiglu" is cached in FP8
     (that copy replaces the selective replay's compute-dtype one). An attention module takes its kind's
     `attend` seam for this cp degree and ring (MLA's latent ring under context parallelism,
     parallel/cp/latent_ring.py: moe_lc/config/attention_kinds.py), its replaying one under the kind's
-    selective item ("mla_up", which keeps the latents and does not replay the core)."""
+    selective item ("mla_up", which keeps the latents and does not replay the core). Under "full" a block is
+    replayed whole from its input (Megatron-LM's full recomputation), but where the pipeline interleaves its
+    phases with another micro-batch's (`phase_overlap`), which needs each phase replayed apart."""
     policy, items = recompute.policy, set(recompute.selective) if recompute.policy == "selective" else set()
     assert policy in POLICIES and items <= set(SELECTIVE_ITEMS), "checked by the recipe's rules"
     kinds = module_kinds()
     for module in model.modules():
         kind = kinds.get(type(module))
         if isinstance(module, Block):
-            plan.set(module, replay=checkpointed if policy == "full" else run_now)
+            plan.set(module, replay=checkpointed if policy == "full" else run_now,
+                     replay_each_phase=policy != "full" or phase_overlap)
         elif isinstance(module, RMSNorm):  # keeps its compute-dtype input only, under every policy
             plan.set(module, replay=checkpointed)
         elif isinstance(module, Router):  # a block's replay runs its router again: the first run books

@@ -171,7 +171,8 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
     attention stays inside with document_mask (over the full sequence: the ring plans from it), or None.
     cp_layout "balanced" (with document_mask): this micro-batch's chunks are placed on cp ranks by
     `Documents.balanced_chunks`, recorded in "docs" for the ring. parallel.cp_a2a > 1: the hybrid
-    placement (`moe_lc.parallel.cp.ulysses.hybrid_chunk_ids`).
+    placement (`moe_lc.parallel.cp.ulysses.hybrid_chunk_ids`). cp_layout "contiguous": chunks (2r, 2r+1), rank r's
+    one span of S / cp rows.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
@@ -185,6 +186,10 @@ def prepare_batch(tokens: torch.Tensor, loss_mask: torch.Tensor | None, dims: Pa
         if cp_layout == "balanced" and document_mask:
             docs.chunks = docs.balanced_chunks(dims.cp)
             mine = docs.chunks[group.rank]
+        elif cp_layout == "contiguous":  # one span per rank (the kinds that build it: DeepSeek-V4's attention)
+            from moe_lc.parallel.cp.ring import chunk_ids
+
+            mine = chunk_ids(group.rank, dims.cp, "contiguous")
         elif dims.cp_a2a > 1:  # hybrid cp: the chunks whose all-to-all gives the ring its zig-zag (ulysses.py)
             from moe_lc.parallel.cp.ulysses import hybrid_chunk_ids
 
@@ -247,12 +252,14 @@ def zero_param_groups(result: Parallelized, dims: ParallelDims, lr_scale=None):
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:
-    """Norm weights, biases and embedding tables are not decayed."""
+    """Norm weights, biases and embedding tables are not decayed, nor what a module lists in its `no_weight_decay`
+    (mHC's gain `scale`: a gain, like a norm's weight)."""
     names = set()
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(module, RMSNorm) or p_name == "bias" or "embed" in mod_name.rsplit(".", 1)[-1]:
+            if (isinstance(module, RMSNorm) or p_name == "bias" or "embed" in mod_name.rsplit(".", 1)[-1]
+                    or p_name in getattr(module, "no_weight_decay", ())):
                 names.add(full)
     return names
 

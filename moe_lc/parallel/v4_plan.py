@@ -25,6 +25,9 @@ Legend: B batch, S sequence, s = S / tp its shard, D model dim, H query heads, d
     their GEMMs on every tp rank: the obvious next step where those GEMMs show in a profile.
     each layout            the indexer loss's share of the step (`aux_loss_scale`); its metric is DSA's
                            (`dsa_step_metrics`: dsa/indexer_kl).
+    context parallel       not here: the kind's `context` seam (moe_lc/parallel/cp/v4_context.py, planned by
+                           layer_plan.py's `_context_plan`) moves the rows before each span and gathers the entries;
+                           every parameter above keeps its group ("dp_cp_tp" sums the cp ranks' gradients too).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ steady state: Megatron-Core's --overlap-moe-expert-parallel-comm) or "eager" (th
 aten op a kernel of its own, and the host's dispatch as a floor). On the `cpu` cluster each Work's FLOPs over one
 measured rate per kind, plus the host's cost per aten op (work.py `flop_seconds`); on a GPU cluster the same with
 `predict(..., formulas=True)`, at the cluster's peak x the kind's efficiency, for a layout the model code cannot
-trace yet (DeepSeek-V4 under cp: tools/planner/v4_context.py). The rank whose stages cost most
-sets every chunk's cost (the simulator takes one cost per action kind).
+trace at its size (DeepSeek-V4 at 1M with the reference core: tools/planner/v4_context.py). The rank whose stages
+cost most sets every chunk's cost (the simulator takes one cost per action kind).
 
 Communication: the planner's bytes per group and op (tools/plan.py: what this rank sends per step),
 each over its link: a group whose ranks share this rank's node (mesh rank order, `gpus_per_node`)
@@ -122,7 +122,8 @@ def stage_cost(cfg: Config, stage: tuple, cluster: Cluster, eff: dict[str, float
     """(Seconds, {kind: F + B seconds}) of one micro-batch through `stage` (layers, first, last): its traced kernels
     at their shapes' rates on a GPU cluster (tools/step_time/compute.py), or the Work at one measured rate per
     kind plus the host's op costs on the `cpu` cluster. `formulas`: the Work at the cluster's rate per kind on a GPU
-    cluster too, for a layout the model code cannot trace yet (DeepSeek-V4 under cp: tools/planner/v4_context.py)."""
+    cluster too, for a layout the model code cannot trace at its size (DeepSeek-V4 at 1M with the reference core:
+    tools/planner/v4_context.py)."""
     if cluster.name in ACHIEVED_RATES or formulas:
         sec = _with_ops(flop_seconds(cfg, stage_work(cfg, *stage), cluster, eff), cfg, stage, cluster)
         return sec, {"compute": sec.F + sec.B}

@@ -21,8 +21,8 @@ are here, DSA's in parallel/dsa_plan.py, DeepSeek-V4's in parallel/v4_plan.py.
     HashRouter     replicated too; its token ids cut to this rank's sequence shard (`token_shard`), as SP
                    cuts the hidden states (contiguous chunks in tp rank order)
     RoutedExperts  not tensor-parallel (expert parallelism folds over dp x cp x tp)
-    MTPModule      input projection eh_proj replicated on the shard ("dp_cp_tp"); its norms and block
-                   are visited as modules of their own
+    MTPModule      input projection eh_proj (V4's StreamMTPModule: e_proj, h_proj) replicated on the shard
+                   ("dp_cp_tp"); its norms, block and HyperHead are visited as modules of their own
     embedding      vocab-parallel rows; head column-parallel over the vocabulary with a vocab-parallel
                    cross-entropy (a tied head reads the embedding's rows: the same shards)
 """
@@ -37,7 +37,7 @@ from moe_lc.config.attention_kinds import attention_kind, load, module_kinds
 from moe_lc.model.ffn import SwiGLU
 from moe_lc.model.hash_router import HashRouter
 from moe_lc.model.moe import MoE, RoutedExperts, Router
-from moe_lc.model.mtp import MTPModule
+from moe_lc.model.mtp import MTPModule, StreamMTPModule
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.qk_norm import WideRMSNorm
 from moe_lc.model.residual_stream import HyperConnection, HyperHead
@@ -148,9 +148,11 @@ def _hash_router(router: HashRouter, tp: _TP) -> list:
     return _replicated(router, tp)
 
 
-def _mtp_projection(module: MTPModule, tp: _TP) -> list:
-    tp.placements.set_group([module.eh_proj.weight], "dp_cp_tp")
-    return [module.eh_proj.weight]
+def _mtp_projection(module: MTPModule | StreamMTPModule, tp: _TP) -> list:
+    names = ("e_proj", "h_proj") if isinstance(module, StreamMTPModule) else ("eh_proj",)
+    weights = [getattr(module, name).weight for name in names]
+    tp.placements.set_group(weights, "dp_cp_tp")
+    return weights
 
 
 def gqa_kv_groups(cfg, dims: ParallelDims) -> None:
@@ -161,7 +163,8 @@ def gqa_kv_groups(cfg, dims: ParallelDims) -> None:
 
 TP_PLAN = {SwiGLU: _swiglu, RMSNorm: _replicated, Router: _replicated, HashRouter: _hash_router,
            HyperConnection: _replicated, HyperHead: _replicated,
-           RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection, MoE: _moe}
+           RoutedExperts: lambda module, tp: list(module.parameters()), MTPModule: _mtp_projection,
+           StreamMTPModule: _mtp_projection, MoE: _moe}
 
 
 def tensor_parallel_plan(model: nn.Module, dims: ParallelDims, placements: Placements, plan) -> None:
