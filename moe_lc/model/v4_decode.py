@@ -43,9 +43,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from moe_lc.model.v4_attention import unweighted_rms_norm
-from moe_lc.model.v4_compressor import gated_pool
+from moe_lc.model.v4_compressor import gated_pool, visible_entries
 from moe_lc.model.v4_rope import apply_tail_rope
-from moe_lc.ops.dsa_select import indexer_scores
 
 
 @dataclass
@@ -151,18 +150,14 @@ def readable_entries(attn, cache: V4LayerCache, x_BcD, c_q, positions):
     HCA every complete one (B, N, d); CSA the indexer's top-k gathered per query (B, c, k, d), -1 slots unseen."""
     if cache.compressor is None:
         return None, None
-    B, c = x_BcD.shape[:2]
+    B = x_BcD.shape[0]
     made = cache.compressor.made()
     if attn.indexer is None:
-        ready = torch.div(positions + 1, attn.compressor.rate, rounding_mode="floor")
+        ready = visible_entries(positions, attn.compressor.rate)  # (c,)
         seen = torch.arange(made.shape[1], device=made.device) < ready[:, None]
         return made, seen.expand(B, -1, -1)
-    ix = attn.indexer
-    q = ix.wq_b(c_q).view(B, c, ix.n_heads, ix.head_dim)
-    q = ix.run_region(apply_tail_rope, q, *attn.rope(positions))
-    w = ix.weights_proj(x_BcD).float() * ix.n_heads ** -0.5
-    keys = cache.index_keys.made()
-    scores = indexer_scores(q, w, keys, ix.scale).masked_fill(~ix.seen(positions, keys.shape[1], B), float("-inf"))
+    ix, keys = attn.indexer, cache.index_keys.made()
+    scores = ix.scores_over(keys, x_BcD, c_q, positions, attn.rope, ix.seen(positions, keys.shape[1], B))
     picked = ix.pick(scores, positions)  # (B, c, k'), -1: an empty slot
     rows = torch.arange(B, device=made.device)[:, None, None]
     return made[rows, picked.clamp(min=0)], picked >= 0
