@@ -87,66 +87,71 @@ class _Gather:
         return torch.index_select(self.kv, 0, flat, out=keys).view(*ids.shape, -1), flat, pad
 
 
+def _query_chunks(q: Tensor, kv: Tensor, w_uk: Tensor, scale: float, work: _Work):
+    """Per batch row b and CHUNK of its queries from c0 (n of them): (b, c0, n, the absorbed queries (n, H, Dk) in
+    a reused buffer, the row's key gatherer): the loop the forward and `latent_probs` share."""
+    B, Q, H, _ = q.shape
+    for b in range(B):
+        gather = _Gather(kv[b].float().contiguous(), work)
+        for c0 in range(0, Q, CHUNK):
+            n = min(CHUNK, Q - c0)
+            yield b, c0, n, _absorbed(q[b, c0:c0 + n], w_uk, scale, work("qa", n, H, kv.shape[-1])), gather
+
+
+def _tile_scores(qa: Tensor, gather: _Gather, ids: Tensor, work: _Work) -> tuple[Tensor, Tensor, Tensor | None]:
+    """qa (r, H, Dk), ids (r, m) -> (scores (r, H, m) in a reused buffer, -inf at padding; keys (r, m, Dk); pad)."""
+    keys, _, pad = gather(ids)
+    s = torch.bmm(qa, keys.transpose(1, 2), out=work("s", qa.shape[0], qa.shape[1], ids.shape[-1]))
+    if pad is not None:
+        s.masked_fill_(pad[:, None, :], float("-inf"))
+    return s, keys, pad
+
+
 def latent_forward(q: Tensor, kv: Tensor, idx: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
                    probs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """sparse_attention.latent_forward: q (B, Q, H, Dn + Dr), kv (B, T, Dk), idx (B, Q, m) -> out (B, Q, H, Dv)
     fp32, lse (B, H, Q) fp32. probs (B, Q, m) fp32 or None: filled with `latent_probs` under this lse (the final
     one when kv is the only block), from the same tiles."""
     B, Q, H, _ = q.shape
-    Dk, C, m = kv.shape[-1], w_uk.shape[-1], idx.shape[-1]
+    C, m = w_uk.shape[-1], idx.shape[-1]
     w_uk, w_uv = w_uk.float(), w_uv.float()
     out = torch.empty(B, Q, H, w_uv.shape[1])
     lse = torch.empty(B, H, Q)
     rows, work = _rows(m), _Work()
-    for b in range(B):
-        gather = _Gather(kv[b].float().contiguous(), work)
-        for c0 in range(0, Q, CHUNK):
-            n = min(CHUNK, Q - c0)
-            qa = _absorbed(q[b, c0:c0 + n], w_uk, scale, work("qa", n, H, Dk))
-            o_lat, lse_c = work("o_lat", n, H, C), work("lse", n, H)
-            for t0 in range(0, n, rows):
-                t1 = min(t0 + rows, n)
-                keys, _, pad = gather(idx[b, c0 + t0:c0 + t1])
-                s = torch.bmm(qa[t0:t1], keys.transpose(1, 2), out=work("s", t1 - t0, H, m))
-                if pad is not None:
-                    s.masked_fill_(pad[:, None, :], float("-inf"))
-                mx = s.amax(-1, keepdim=True)
-                if pad is not None:
-                    mx.nan_to_num_(neginf=0.0)  # a row with no key: p 0, lse -inf
-                e = _exp_(s.sub_(mx), out=s)
-                total = e.sum(-1)
-                inv = total.clamp_min(_TINY).reciprocal_()[..., None]  # (rows, H, 1)
-                torch.bmm(e, keys[..., :C], out=o_lat[t0:t1])
-                o_lat[t0:t1].mul_(inv)
-                if probs is not None:
-                    torch.bmm(inv.transpose(1, 2), e, out=probs[b, c0 + t0:c0 + t1, None])
-                torch.add(mx[..., 0], total.log(), out=lse_c[t0:t1])
-            out[b, c0:c0 + n] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-            lse[b, :, c0:c0 + n] = lse_c.T
+    for b, c0, n, qa, gather in _query_chunks(q, kv, w_uk, scale, work):
+        o_lat, lse_c = work("o_lat", n, H, C), work("lse", n, H)
+        for t0 in range(0, n, rows):
+            t1 = min(t0 + rows, n)
+            s, keys, pad = _tile_scores(qa[t0:t1], gather, idx[b, c0 + t0:c0 + t1], work)
+            mx = s.amax(-1, keepdim=True)
+            if pad is not None:
+                mx.nan_to_num_(neginf=0.0)  # a row with no key: p 0, lse -inf
+            e = _exp_(s.sub_(mx), out=s)
+            total = e.sum(-1)
+            inv = total.clamp_min(_TINY).reciprocal_()[..., None]  # (rows, H, 1)
+            torch.bmm(e, keys[..., :C], out=o_lat[t0:t1])
+            o_lat[t0:t1].mul_(inv)
+            if probs is not None:
+                torch.bmm(inv.transpose(1, 2), e, out=probs[b, c0 + t0:c0 + t1, None])
+            torch.add(mx[..., 0], total.log(), out=lse_c[t0:t1])
+        out[b, c0:c0 + n] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        lse[b, :, c0:c0 + n] = lse_c.T
     return out, lse
 
 
 def latent_probs(q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, w_uk: Tensor, scale: float) -> Tensor:
     """sparse_attention.latent_probs: (B, Q, m) fp32, each slot's probability under the final lse (B, H, Q)
     summed over the heads, 0 at padding."""
-    B, Q, H, _ = q.shape
-    Dk, m = kv.shape[-1], idx.shape[-1]
-    w_uk = w_uk.float()
+    B, Q, _, _ = q.shape
+    m = idx.shape[-1]
     out = torch.empty(B, Q, m)
     rows, work = _rows(m), _Work()
-    for b in range(B):
-        gather = _Gather(kv[b].float().contiguous(), work)
-        for c0 in range(0, Q, CHUNK):
-            n = min(CHUNK, Q - c0)
-            qa = _absorbed(q[b, c0:c0 + n], w_uk, scale, work("qa", n, H, Dk))
-            lse_c = lse[b, :, c0:c0 + n].T.nan_to_num(neginf=0.0)[..., None]
-            for t0 in range(0, n, rows):
-                t1 = min(t0 + rows, n)
-                keys, _, pad = gather(idx[b, c0 + t0:c0 + t1])
-                s = torch.bmm(qa[t0:t1], keys.transpose(1, 2), out=work("s", t1 - t0, H, m))
-                if pad is not None:
-                    s.masked_fill_(pad[:, None, :], float("-inf"))
-                torch.sum(_exp_(s.sub_(lse_c[t0:t1]), out=s), 1, out=out[b, c0 + t0:c0 + t1])
+    for b, c0, n, qa, gather in _query_chunks(q, kv, w_uk.float(), scale, work):
+        lse_c = lse[b, :, c0:c0 + n].T.nan_to_num(neginf=0.0)[..., None]
+        for t0 in range(0, n, rows):
+            t1 = min(t0 + rows, n)
+            s, _, _ = _tile_scores(qa[t0:t1], gather, idx[b, c0 + t0:c0 + t1], work)
+            torch.sum(_exp_(s.sub_(lse_c[t0:t1]), out=s), 1, out=out[b, c0 + t0:c0 + t1])
     return out
 
 
