@@ -282,6 +282,15 @@ def _both_forms(form, dtype=torch.float32, device="cpu", window=40):
     return results
 
 
+def assert_forms_agree(kernel_result, torch_result, tol: float = 1e-5) -> None:
+    """(out, lse, grads) of the Triton form against the torch form's, each within `tol` (fp32)."""
+    (out, lse, grads), (r_out, r_lse, r_grads) = kernel_result, torch_result
+    torch.testing.assert_close(out, r_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, r_lse, rtol=tol, atol=tol)
+    for g, r in zip(grads, r_grads):
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter checks run where there is no GPU")
 @pytest.mark.parametrize("form", ["window", "csa", "hca"])
 def test_triton_form_equals_torch_form_small(form):
@@ -295,11 +304,7 @@ def test_triton_form_equals_torch_form_small(form):
     for fn in (kernel.sparse_sink_attention, sparse_sink_attention):
         out, lse = fn(q, kv, W, SCALE, sk, entries, picked, visible)
         results.append((out, lse, torch.autograd.grad(out, leaves, dout)))
-    (out, lse, grads), (r_out, r_lse, r_grads) = results
-    torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
-    for g, r in zip(grads, r_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert_forms_agree(*results)
 
 
 @pytest.mark.slow
@@ -308,11 +313,7 @@ def test_triton_form_equals_torch_form_small(form):
 def test_triton_form_equals_torch_form_interpreted(form):
     """Past one block in every dimension (about 30 s each, interpreted)."""
     pytest.importorskip("triton")
-    (out, lse, grads), (r_out, r_lse, r_grads) = _both_forms(form)
-    torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
-    for g, r in zip(grads, r_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert_forms_agree(*_both_forms(form))
 
 
 @pytest.mark.gpu
@@ -347,8 +348,4 @@ def test_triton_form_packed_documents(form):
     for fn in (kernel.sparse_sink_attention, sparse_sink_attention):
         out, lse = fn(q, kv, W, SCALE, sk, entries, picked, visible, segments=segments)
         results.append((out, lse, torch.autograd.grad(out, leaves, dout)))
-    (out, lse, grads), (r_out, r_lse, r_grads) = results
-    torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
-    for g, r in zip(grads, r_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert_forms_agree(*results)
